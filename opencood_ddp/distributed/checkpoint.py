@@ -1,0 +1,186 @@
+"""Checkpoints: OpenCOOD-compatible weights plus a training-state sidecar, written atomically by rank 0.
+
+- `net_epoch{N}.pth`: a bare state_dict of the unwrapped model (no `module.` prefix), loadable by upstream.
+- `net_epoch_bestval_at{N}.pth`: the weights with the lowest all-reduced validation loss (one file).
+- `training_state_epoch{N}.pt`: optimizer, lr scheduler, AMP scaler, epoch, global step, RNG states and the
+  BatchPlan. Its name does not match upstream's `*epoch*.pth` glob, so upstream tools ignore it.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from opencood_ddp.errors import CheckpointError
+
+WEIGHTS_RE = re.compile(r"^net_epoch(\d+)\.pth$")
+BESTVAL_RE = re.compile(r"^net_epoch_bestval_at(\d+)\.pth$")
+STATE_RE = re.compile(r"^training_state_epoch(\d+)\.pt$")
+STATE_FORMAT = 1
+
+
+def weights_name(epoch: int) -> str:
+    return f"net_epoch{epoch}.pth"
+
+
+def bestval_name(epoch: int) -> str:
+    return f"net_epoch_bestval_at{epoch}.pth"
+
+
+def state_name(epoch: int) -> str:
+    return f"training_state_epoch{epoch}.pt"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """model_without_ddp: the module whose state_dict has no `module.` prefix."""
+    while isinstance(model, (DistributedDataParallel, DataParallel)):
+        model = model.module
+    return model
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, fsync, then rename over `path`.
+
+    A crash at any point leaves either the old file or the new one, never a truncated one.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; checkpoints are shared like any file
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(obj, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def load_file(path: Path) -> Any:
+    """torch.load on CPU, turning a missing or truncated file into one CheckpointError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist; check --model_dir / --epoch")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line}); "
+                              f"delete it and resume from an earlier epoch") from None
+
+
+def strip_module_prefix(state_dict: Mapping[str, Any]) -> dict:
+    """Accept weights saved from a DDP/DataParallel wrapper as well as bare ones."""
+    if state_dict and all(key.startswith("module.") for key in state_dict):
+        return {key[len("module."):]: value for key, value in state_dict.items()}
+    return dict(state_dict)
+
+
+def _shape(value: Any) -> Optional[tuple]:
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def describe_mismatch(model_state: Mapping[str, Any], loaded: Mapping[str, Any], limit: int = 5) -> str:
+    """Human-readable difference between two state dicts; empty when they match in keys and shapes."""
+    missing = [k for k in model_state if k not in loaded]
+    unexpected = [k for k in loaded if k not in model_state]
+    mismatched = [f"{k}: checkpoint {list(_shape(loaded[k]) or ())} vs model {list(_shape(model_state[k]) or ())}"
+                  for k in model_state if k in loaded and _shape(loaded[k]) != _shape(model_state[k])]
+    parts = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+        if items:
+            shown = ", ".join(items[:limit]) + (f", ... (+{len(items) - limit})" if len(items) > limit else "")
+            parts.append(f"{len(items)} {label} ({shown})")
+    return "; ".join(parts)
+
+
+def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: bool = True) -> None:
+    """Load a state dict (file or mapping) into the unwrapped model, prefix-agnostic and strict by default."""
+    label = str(source) if isinstance(source, (str, Path)) else "the given state dict"
+    state = load_file(Path(source)) if isinstance(source, (str, Path)) else source
+    if not isinstance(state, Mapping):
+        raise CheckpointError(f"checkpoint {label} holds a {type(state).__name__}, not a state_dict; "
+                              f"pass a net_epoch<N>.pth file")
+    state = strip_module_prefix(state)
+    target = unwrap(model)
+    report = describe_mismatch(target.state_dict(), state)
+    if report and strict:
+        raise CheckpointError(f"checkpoint {label} does not match the model: {report}; "
+                              f"check that model.core_method and model.args match the run that saved it")
+    target.load_state_dict(state, strict=strict)
+
+
+def epochs_on_disk(run_dir: Path, pattern: re.Pattern = WEIGHTS_RE) -> list[int]:
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    return sorted(int(m.group(1)) for m in (pattern.match(p.name) for p in run_dir.iterdir()) if m)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_epoch(run_dir: Path, epoch: int, model: nn.Module, training_state: Optional[dict],
+               keep_states: int = 2) -> Path:
+    """Write net_epoch{epoch}.pth and its sidecar; keeps the newest `keep_states` sidecars. Rank 0 only.
+
+    The sidecar is written first: a weights file on disk always has its training state next to it.
+    """
+    run_dir = Path(run_dir)
+    if training_state is not None:
+        atomic_save(dict(training_state, format=STATE_FORMAT, epoch=epoch), run_dir / state_name(epoch))
+    weights = run_dir / weights_name(epoch)
+    atomic_save(unwrap(model).state_dict(), weights)
+    for old in epochs_on_disk(run_dir, STATE_RE)[:-keep_states]:
+        (run_dir / state_name(old)).unlink(missing_ok=True)
+    return weights
+
+
+def save_bestval(run_dir: Path, epoch: int, model: nn.Module) -> Path:
+    """Replace the single net_epoch_bestval_at{N}.pth with this epoch's weights. Rank 0 only."""
+    run_dir = Path(run_dir)
+    path = run_dir / bestval_name(epoch)
+    atomic_save(unwrap(model).state_dict(), path)
+    for old in epochs_on_disk(run_dir, BESTVAL_RE):
+        if old != epoch:
+            (run_dir / bestval_name(old)).unlink(missing_ok=True)
+    return path
+
+
+def load_training_state(run_dir: Path, epoch: int) -> Optional[dict]:
+    """The sidecar of `epoch`, or None when the run came from upstream (weights only)."""
+    path = Path(run_dir) / state_name(epoch)
+    if not path.exists():
+        return None
+    state = load_file(path)
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise CheckpointError(f"training state {path} has an unknown format; delete it to resume from the "
+                              f"weights alone")
+    return state

@@ -1,0 +1,177 @@
+"""Who am I in the job: detection of the launcher from an environ mapping, and process-group set-up.
+
+`detect_dist_env` is a pure function of (environ, --local_rank argument, CUDA availability) so that every
+launcher can be tested from a table of environments. `init_distributed_mode` is the only place that touches
+torch.distributed's initialisation, and `distributed_session` pairs it with the teardown.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from opencood_ddp.errors import ConfigError
+
+LAUNCHERS = ("torchrun", "launch", "slurm", "single")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The distributed state of this process, as one immutable value.
+
+    rank: global rank in [0, world_size). local_rank: rank within this node (selects the GPU).
+    launcher: one of LAUNCHERS. master_addr/master_port: rendezvous for SLURM (torchrun uses env://).
+    """
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str = "gloo"
+    launcher: str = "single"
+    device: str = "cpu"
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when a process group is (to be) initialised: any launcher but a plain `python` run."""
+        return self.launcher != "single"
+
+    def describe(self) -> str:
+        return (f"world_size={self.world_size} rank={self.rank} local_rank={self.local_rank} "
+                f"backend={self.backend} launcher={self.launcher} device={self.device}")
+
+
+def _int(environ: Mapping[str, str], key: str) -> int:
+    value = environ[key]
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"environment variable {key}={value!r} is not an integer; "
+                          f"fix the launcher command or unset it") from None
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed host list, e.g. 'gpu[01-03,07],cpu5' -> gpu01 gpu02 gpu03 gpu07 cpu5.
+
+    Written here instead of calling `scontrol show hostnames` so that detection needs no SLURM binary.
+    """
+    hosts: list[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist):
+        prefix, ranges = match.group(1), match.group(2)
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not hi:
+                hosts.append(prefix + lo)
+                continue
+            width = len(lo)  # keep zero padding: node[01-03] -> node01
+            hosts.extend(f"{prefix}{n:0{width}d}" for n in range(int(lo), int(hi) + 1))
+    return hosts
+
+
+def _slurm_master_port(environ: Mapping[str, str]) -> int:
+    """A port every task of one job agrees on without talking: derived from the job id."""
+    if "MASTER_PORT" in environ:
+        return _int(environ, "MASTER_PORT")
+    job_id = environ.get("SLURM_JOB_ID", "0")
+    digits = re.sub(r"\D", "", job_id) or "0"
+    return 20000 + int(digits[-4:]) % 10000
+
+
+def _slurm_env(environ: Mapping[str, str]) -> dict:
+    # SLURM_STEP_NUM_TASKS is the size of this srun step; SLURM_NTASKS that of the allocation.
+    world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    master_addr = environ.get("MASTER_ADDR")
+    if not master_addr:
+        nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST") or ""
+        hosts = expand_slurm_nodelist(nodelist)
+        if not hosts:
+            raise ConfigError("SLURM launch without MASTER_ADDR and without SLURM_NODELIST; "
+                              "export MASTER_ADDR=<first node> before srun")
+        master_addr = hosts[0]
+    return dict(rank=_int(environ, "SLURM_PROCID"), world_size=_int(environ, world_key),
+                local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
+                launcher="slurm", master_addr=master_addr, master_port=_slurm_master_port(environ))
+
+
+def _torchrun_env(environ: Mapping[str, str], local_rank_arg: Optional[int]) -> dict:
+    # torchrun exports LOCAL_RANK; the legacy torch.distributed.launch passes --local_rank instead.
+    if "LOCAL_RANK" in environ:
+        local_rank = _int(environ, "LOCAL_RANK")
+    elif local_rank_arg is not None:
+        local_rank = local_rank_arg
+    else:
+        local_rank = 0
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "launch"
+    return dict(rank=_int(environ, "RANK"), world_size=_int(environ, "WORLD_SIZE"),
+                local_rank=local_rank, launcher=launcher)
+
+
+def detect_dist_env(environ: Mapping[str, str], local_rank_arg: Optional[int] = None,
+                    cuda_available: Optional[bool] = None, backend: Optional[str] = None) -> DistEnv:
+    """Detect rank, local rank and world size: torchrun/launch, then SLURM, else a single process."""
+    if cuda_available is None:
+        cuda_available = torch.cuda.is_available()
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        fields = _torchrun_env(environ, local_rank_arg)
+    elif "SLURM_PROCID" in environ and ("SLURM_NTASKS" in environ or "SLURM_STEP_NUM_TASKS" in environ):
+        fields = _slurm_env(environ)
+    else:
+        fields = dict(rank=0, world_size=1, local_rank=0, launcher="single")
+    if not 0 <= fields["rank"] < fields["world_size"]:
+        raise ConfigError(f"rank {fields['rank']} is outside world size {fields['world_size']}; "
+                          f"check the launcher's RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS)")
+    chosen_backend = backend or ("nccl" if cuda_available else "gloo")
+    device = f"cuda:{fields['local_rank']}" if cuda_available else "cpu"
+    return DistEnv(backend=chosen_backend, device=device, **fields)
+
+
+def init_distributed_mode(env: DistEnv, timeout_minutes: float = 30.0) -> None:
+    """Initialise the process group for `env` (nothing for a single process) and pin the CUDA device."""
+    if env.device.startswith("cuda"):
+        torch.cuda.set_device(env.local_rank)
+    if not env.distributed or dist.is_initialized():
+        return
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if env.launcher == "slurm":
+        init_method = f"tcp://{env.master_addr}:{env.master_port}"
+    else:
+        init_method = "env://"
+    kwargs = {}
+    if env.device.startswith("cuda"):
+        # Binds NCCL to this rank's GPU eagerly, so a wrong local_rank fails here and not in a collective.
+        kwargs["device_id"] = torch.device(env.device)
+    dist.init_process_group(backend=env.backend, init_method=init_method, rank=env.rank,
+                            world_size=env.world_size, timeout=timeout, **kwargs)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_session(env: DistEnv, timeout_minutes: float = 30.0) -> Iterator[DistEnv]:
+    """Process group alive for the body, destroyed at exit whatever happens."""
+    init_distributed_mode(env, timeout_minutes)
+    try:
+        yield env
+    finally:
+        teardown()
+
+
+def detect_from_process(local_rank_arg: Optional[int] = None, backend: Optional[str] = None) -> DistEnv:
+    return detect_dist_env(os.environ, local_rank_arg, backend=backend)

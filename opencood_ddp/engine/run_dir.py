@@ -1,0 +1,67 @@
+"""The run folder: chosen and created by rank 0, broadcast to all ranks.
+
+Upstream semantics: `--model_dir DIR` naming an existing run (it holds config.yaml) resumes it; otherwise
+a new run goes to DIR (created) or to <log_root>/<name>_<timestamp>. A non-empty folder that is not a run
+is refused, so that no file of someone else's is overwritten.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from opencood_ddp.errors import ConfigError
+
+CONFIG_NAME = "config.yaml"
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    path: Path
+    resume: bool
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / CONFIG_NAME
+
+
+def _existing_model_dir(path: Path) -> RunFolder:
+    if not path.is_dir():
+        raise ConfigError(f"--model_dir {path} is a file, not a folder; pass a run folder or a new path")
+    if (path / CONFIG_NAME).is_file():
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"run folder {path} is not writable; fix its permissions to resume it")
+        return RunFolder(path, resume=True)
+    if any(path.iterdir()):
+        raise ConfigError(f"--model_dir {path} is not a run (no {CONFIG_NAME}) and is not empty; pass a run folder "
+                          f"to resume, or a new or empty folder for a new run")
+    return RunFolder(path, resume=False)
+
+
+def resolve_run_folder(model_dir: Optional[str], name: str, log_root: str,
+                       now: Optional[time.struct_time] = None) -> RunFolder:
+    """Decide where the run lives, without creating anything (a run that fails validation leaves no folder)."""
+    if model_dir:
+        path = Path(model_dir)
+        return _existing_model_dir(path) if path.exists() else RunFolder(path, resume=False)
+    stamp = time.strftime("%Y_%m_%d_%H_%M_%S", now or time.localtime())
+    base = Path(log_root) / f"{name}_{stamp}"
+    path, suffix = base, 1
+    while path.exists():  # two runs started in the same second
+        path, suffix = Path(f"{base}_{suffix}"), suffix + 1
+    return RunFolder(path, resume=False)
+
+
+def create_run_folder(folder: RunFolder) -> RunFolder:
+    """mkdir the folder (rank 0); an unwritable place is one ConfigError naming it."""
+    try:
+        folder.path.mkdir(parents=True, exist_ok=True)
+        probe = folder.path / ".write_probe"
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"cannot create or write the run folder {folder.path} ({exc.strerror}); choose another "
+                          f"--model_dir or --log_root") from None
+    return folder

@@ -1,0 +1,155 @@
+"""The training recipe behind tools/train_ddp.py, top to bottom.
+
+detect launcher -> process group -> hypes (rank 0, broadcast) -> batch plan -> task -> run folder and
+config.yaml (rank 0) -> trainer (SyncBN, DDP, optimizer) -> resume -> fit.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import comm
+from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, BatchPlan, make_batch_plan
+from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
+from opencood_ddp.engine.logging import attach_log_file, get_logger, setup_logging, summary_writer
+from opencood_ddp.engine.run_dir import CONFIG_NAME, RunFolder, create_run_folder, resolve_run_folder
+from opencood_ddp.engine.task import Task, TaskBuilder
+from opencood_ddp.engine.trainer import Trainer, TrainSettings
+from opencood_ddp.errors import ConfigError, OpencoodDdpError
+
+# Keys this script adds to config.yaml; they describe the run, not the baseline.
+RUN_KEYS = ("batch_plan",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Train an OpenCOOD-schema model on 1..N processes (DDP).")
+    parser.add_argument("--hypes_yaml", help="hypes YAML of a new run (ignored when --model_dir is a run)")
+    parser.add_argument("--model_dir", help="existing run folder to resume, or a new folder for this run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
+                        help="override a hypes value (YAML-typed); repeatable")
+    parser.add_argument("--per_gpu_batch", type=int, help="cap the per-process batch; the rest becomes "
+                                                          "gradient accumulation")
+    parser.add_argument("--batch_semantics", choices=SEMANTICS, default="global",
+                        help="global: batch_size is the effective batch (default); per_gpu: upstream behaviour")
+    parser.add_argument("--scale_lr", choices=LR_SCALINGS, default="none", help="lr scaling with per_gpu semantics")
+    parser.add_argument("--half", action="store_true", help="mixed precision (fp16 + GradScaler on CUDA, bf16 on CPU)")
+    parser.add_argument("--seed", type=int, help="default: train_params.seed of the hypes, else 0")
+    parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers per process")
+    parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
+    parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
+    parser.add_argument("--no_sync_bn", action="store_true", help="keep per-rank BatchNorm statistics")
+    parser.add_argument("--log_root", default="logs", help="parent of new run folders without --model_dir")
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                        help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ hypes + plan
+def load_run_hypes(args: argparse.Namespace) -> tuple[dict, str]:
+    """The hypes of this run: config.yaml of an existing run (upstream semantics), else --hypes_yaml."""
+    if args.model_dir and (Path(args.model_dir) / CONFIG_NAME).is_file():
+        source = str(Path(args.model_dir) / CONFIG_NAME)
+    elif args.hypes_yaml:
+        source = args.hypes_yaml
+    else:
+        raise ConfigError("pass --hypes_yaml for a new run, or --model_dir of an existing run (with config.yaml)")
+    hypes = hypes_lib.apply_overrides(hypes_lib.load_hypes(source), args.overrides)
+    for key in RUN_KEYS:
+        hypes.pop(key, None)
+    hypes = hypes_lib.run_yaml_parser(hypes, source)
+    hypes_lib.validate(hypes, hypes_lib.ENGINE_KEYS, source, hypes_lib.ENGINE_OPTIONAL_KEYS)
+    seed = args.seed if args.seed is not None else hypes["train_params"].get("seed", 0)
+    hypes["train_params"]["seed"] = seed
+    return hypes, source
+
+
+def plan_batches(hypes: dict, args: argparse.Namespace, world_size: int) -> BatchPlan:
+    return make_batch_plan(hypes["train_params"]["batch_size"], world_size, float(hypes["optimizer"]["lr"]),
+                           per_gpu_batch=args.per_gpu_batch, semantics=args.batch_semantics,
+                           lr_scaling=args.scale_lr)
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank: identical model initialisation (DDP would broadcast rank 0's anyway)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ------------------------------------------------------------------------------------------------ run folder
+def open_run_folder(args: argparse.Namespace, hypes: dict, plan: BatchPlan) -> RunFolder:
+    """Rank 0 decides, creates and writes config.yaml; every rank gets the same folder (or the same error)."""
+
+    def make() -> RunFolder:
+        folder = create_run_folder(resolve_run_folder(args.model_dir, hypes["name"], args.log_root))
+        hypes_lib.save_hypes(dict(hypes, batch_plan=plan.as_dict()), folder.config_path)
+        return folder
+
+    return comm.on_main_then_broadcast(make)
+
+
+def describe_start(env: DistEnv, plan: BatchPlan, task: Task, folder: RunFolder, sync_bn: Optional[str]) -> str:
+    sizes = f"train {len(task.train_set)} samples, validate {len(task.val_set) if task.val_set is not None else 0}"
+    return "\n".join([
+        f"launcher {env.launcher}: world size {env.world_size}, backend {env.backend}, device {env.device}",
+        plan.describe(),
+        f"datasets: {sizes}",
+        f"sync batch norm: {sync_bn or 'off'}",
+        f"run folder: {folder.path}{' (resuming)' if folder.resume else ''}",
+    ])
+
+
+# ------------------------------------------------------------------------------------------------ main
+def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder) -> Path:
+    log = get_logger()
+    hypes, source = comm.on_main_then_broadcast(lambda: load_run_hypes(args))
+    plan = plan_batches(hypes, args, env.world_size)
+    seed_everything(hypes["train_params"]["seed"])
+    task = build_task(hypes, for_training=True)
+    folder = open_run_folder(args, hypes, plan)
+    attach_log_file(folder.path, env.rank)
+    log.info(f"hypes: {source}")
+    settings = TrainSettings.from_hypes(hypes, hypes["train_params"]["seed"], args.num_workers, args.half,
+                                        sync_bn=not args.no_sync_bn)
+    writer = summary_writer(folder.path, env.is_main)
+    try:
+        trainer = Trainer(task, plan, env, settings, hypes, folder.path, writer)
+        log.info(describe_start(env, plan, task, folder, trainer.sync_bn_kind))
+        done = ckpt.epochs_on_disk(folder.path)
+        if folder.resume and done:
+            trainer.restore(done[-1])
+            log.info(f"resumed after epoch {done[-1]} (global step {trainer.progress.global_step})")
+        trainer.fit()
+    finally:
+        writer.close()
+    return folder.path
+
+
+def main(argv: Optional[Sequence[str]], build_task: TaskBuilder) -> int:
+    args = build_parser().parse_args(argv)
+    env: Optional[DistEnv] = None
+    try:
+        env = detect_from_process(args.local_rank, args.dist_backend)
+        setup_logging(env.rank)
+        with distributed_session(env, args.dist_timeout):
+            train(args, env, build_task)
+    except OpencoodDdpError as exc:
+        report_error(exc, env)
+        return exc.exit_code
+    return 0
+
+
+def report_error(exc: OpencoodDdpError, env: Optional[DistEnv]) -> None:
+    """One line on rank 0's stderr; other ranks stay silent (they raised the same error or follow rank 0)."""
+    rank = env.rank if env is not None else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
+    if rank == 0:
+        print(f"error: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,227 @@
+"""OpenCOOD-schema hypes YAML: load, override (--set a.b=c), run its yaml_parser, validate, save.
+
+The loader reads floats written as `1e-3` (PyYAML's YAML 1.1 resolver would leave them strings), as upstream's
+loader does. Validation reports every missing or ill-typed key of a run in one line naming the file.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import re
+import tempfile
+from numbers import Real
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import yaml
+
+from opencood_ddp.errors import ConfigError
+
+_FLOAT_RE = re.compile(r"""^(?:
+     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X)
+
+
+class HypesLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+    """SafeLoader that also resolves 1e-3 style floats."""
+
+
+HypesLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+
+
+def parse_yaml_text(text: str, source: str) -> Any:
+    try:
+        return yaml.load(text, Loader=HypesLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{source}: malformed YAML{where} ({problem}); fix the file") from None
+
+
+def load_hypes(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hypes file {path} does not exist; pass --hypes_yaml with an existing file "
+                          f"(e.g. hypes_yaml/toy/...)")
+    hypes = parse_yaml_text(path.read_text(), str(path))
+    if not isinstance(hypes, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys (name, train_params, ...), "
+                          f"got {type(hypes).__name__}")
+    return hypes
+
+
+def _split_override(text: str) -> tuple[list[str], Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r} is not of the form key.sub=value")
+    return key.strip().split("."), parse_yaml_text(value, f"--set {text!r}")
+
+
+def _child(node: Any, part: str, path: str, create: bool) -> Any:
+    if isinstance(node, dict):
+        if part not in node:
+            if not create:
+                raise ConfigError(f"--set {path}: key {part!r} does not exist; check the spelling")
+            node[part] = {}
+        return node[part]
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node[int(part)]
+    raise ConfigError(f"--set {path}: cannot descend into {part!r} (parent is a {type(node).__name__})")
+
+
+def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
+    """Return a copy of hypes with each `a.b.c=value` applied (value parsed as YAML: 2 -> int, [1,2] -> list).
+
+    Intermediate mappings are created when missing; list elements are addressed by index (a.0.b=...).
+    """
+    hypes = copy.deepcopy(hypes)
+    for text in overrides:
+        parts, value = _split_override(text)
+        node = hypes
+        for part in parts[:-1]:
+            node = _child(node, part, text, create=True)
+        last = parts[-1]
+        if isinstance(node, list) and last.isdigit() and int(last) < len(node):
+            node[int(last)] = value
+        elif isinstance(node, dict):
+            node[last] = value
+        else:
+            raise ConfigError(f"--set {text}: cannot set {last!r} inside a {type(node).__name__}")
+    return hypes
+
+
+def get_key(hypes: Mapping, dotted: str, default: Any = None) -> Any:
+    node: Any = hypes
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+# ---------------------------------------------------------------------------------------------- yaml_parser
+def load_point_pillar_params(hypes: dict) -> dict:
+    """Upstream's load_point_pillar_params: BEV grid size for the scatter, voxel and grid sizes for anchors."""
+    lidar_range = hypes["preprocess"]["cav_lidar_range"]
+    voxel_size = hypes["preprocess"]["args"]["voxel_size"]
+    grid = [int(round((lidar_range[i + 3] - lidar_range[i]) / voxel_size[i])) for i in range(3)]
+    hypes["model"]["args"]["point_pillar_scatter"]["grid_size"] = grid
+    anchor_args = hypes["postprocess"]["anchor_args"]
+    anchor_args["vw"], anchor_args["vh"], anchor_args["vd"] = voxel_size
+    for name, axis in (("W", 0), ("H", 1), ("D", 2)):
+        anchor_args[name] = int(math.ceil((lidar_range[axis + 3] - lidar_range[axis]) / voxel_size[axis]))
+    return hypes
+
+
+YAML_PARSERS: dict[str, Callable[[dict], dict]] = {"load_point_pillar_params": load_point_pillar_params}
+
+
+def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
+    name = hypes.get("yaml_parser")
+    if name is None:
+        return hypes
+    if name not in YAML_PARSERS:
+        raise ConfigError(f"{source}: yaml_parser {name!r} is not supported; use one of {sorted(YAML_PARSERS)}")
+    try:
+        return YAML_PARSERS[name](hypes)
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise ConfigError(f"{source}: yaml_parser {name} needs preprocess.cav_lidar_range, "
+                          f"preprocess.args.voxel_size, model.args.point_pillar_scatter and "
+                          f"postprocess.anchor_args ({type(exc).__name__}: {exc}); fix the hypes") from None
+
+
+# ---------------------------------------------------------------------------------------------- validation
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "int": (_is_int, "an integer"),
+    "positive_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "number": (_is_number, "a number"),
+    "str": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "dict": (lambda v: isinstance(v, dict), "a mapping"),
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+_MISSING = object()
+
+# Keys the training engine itself reads; tasks add their own.
+ENGINE_KEYS: Sequence[tuple[str, str]] = (
+    ("name", "str"),
+    ("train_params.batch_size", "positive_int"),
+    ("train_params.epoches", "positive_int"),
+    ("optimizer.core_method", "str"),
+    ("optimizer.lr", "number"),
+)
+ENGINE_OPTIONAL_KEYS: Sequence[tuple[str, str]] = (
+    ("train_params.eval_freq", "positive_int"),
+    ("train_params.save_freq", "positive_int"),
+    ("train_params.find_unused_parameters", "bool"),
+    ("train_params.seed", "int"),
+    ("optimizer.args", "dict"),
+    ("lr_scheduler.core_method", "str"),
+)
+
+
+def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
+             optional: Iterable[tuple[str, str]] = ()) -> None:
+    """Raise one ConfigError listing every missing required key and every ill-typed key."""
+    problems = []
+    for key, kind in required:
+        check, wanted = KIND_CHECKS[kind]
+        value = get_key(hypes, key, _MISSING)
+        if value is _MISSING:
+            problems.append(f"missing key {key} ({wanted})")
+        elif not check(value):
+            problems.append(f"key {key} must be {wanted}, got {value!r}")
+    for key, kind in optional:
+        check, wanted = KIND_CHECKS[kind]
+        value = get_key(hypes, key, _MISSING)
+        if value is not _MISSING and not check(value):
+            problems.append(f"key {key} must be {wanted}, got {value!r}")
+    if problems:
+        raise ConfigError(f"{source}: " + "; ".join(problems) + "; fix the hypes or pass --set key=value")
+
+
+
+def save_hypes(hypes: Mapping, path: str | os.PathLike) -> None:
+    """Write the resolved hypes as plain YAML (atomically: a half-written config.yaml breaks resume)."""
+    path = Path(path)
+    text = yaml.safe_dump(_plain(hypes), sort_keys=False, default_flow_style=None)
+    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~current_umask())
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _plain(value: Any) -> Any:
+    """numpy scalars/arrays and tuples to YAML-safe Python types."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value

@@ -1,0 +1,33 @@
+"""Task builders: hypes -> Task (datasets, model, step). The engine receives one through `build_task`.
+
+`task:` at the top of the hypes picks the builder: a built-in name, or `package.module:function` for a
+task defined elsewhere (an installed upstream opencood, say). Absent, it is the OpenCOOD perception task.
+"""
+from __future__ import annotations
+
+import importlib
+
+from opencood_ddp.engine.task import Task
+from opencood_ddp.errors import ConfigError
+
+BUILTIN_TASKS = {
+    "opencood": "opencood_ddp.tasks.opencood:build_task",
+    "synthetic": "opencood_ddp.tasks.synthetic:build_task",
+}
+
+
+def build_task(hypes: dict, for_training: bool) -> Task:
+    name = hypes.get("task", "opencood")
+    target = BUILTIN_TASKS.get(name, name)
+    module_name, _, function_name = target.partition(":")
+    if not function_name:
+        raise ConfigError(f"task {name!r} is neither built in ({sorted(BUILTIN_TASKS)}) nor of the form "
+                          f"package.module:function; fix the `task` key of the hypes")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise
+        raise ConfigError(f"task {name!r}: module {module_name} is not available; "
+                          f"install it or fix the `task` key of the hypes") from None
+    return getattr(module, function_name)(hypes, for_training)

@@ -1,0 +1,33 @@
+"""opencood_ddp: OpenCOOD-compatible cooperative perception with correct multi-GPU training.
+
+torch is deliberately not resolved here with a loose range: the Makefile installs torch==2.13.0
+first (CPU build here, a CUDA build on GPU machines), and every requirement below is satisfied
+without pulling another torch.
+"""
+from setuptools import find_packages, setup
+
+CORE = [
+    "numpy>=1.24",
+    "pyyaml>=6",
+    "scipy>=1.10",
+    "shapely>=2.0",
+    "tqdm>=4.60",
+    "tensorboardX>=2.6",
+    "matplotlib>=3.7",
+]
+
+setup(
+    name="opencood_ddp",
+    version="0.1.0",
+    description="OpenCOOD-style cooperative 3D detection whose DDP runs reproduce the single-GPU baseline",
+    packages=find_packages(include=["opencood_ddp", "opencood_ddp.*"]),
+    python_requires=">=3.9",
+    install_requires=CORE + ["torch>=2.0"],
+    extras_require={
+        # CPU stack: spconv's CPU wheel (its point-to-voxel generator is what the data pipeline uses).
+        "cpu": ["spconv==2.3.8", "open3d-cpu==0.20.0"],
+        # CUDA 12.0 stack: install a CUDA build of torch first, then `pip install -e .[cuda]`.
+        "cuda": ["spconv-cu120==2.3.8", "open3d==0.18.0"],
+        "test": ["pytest>=7"],
+    },
+)
