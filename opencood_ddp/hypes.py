@@ -30,7 +30,12 @@ class HypesLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """SafeLoader that also resolves 1e-3 style floats."""
 
 
-HypesLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+class HypesDumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings HypesLoader would read as floats ('1e3'), so config.yaml round-trips."""
+
+
+for _cls in (HypesLoader, HypesDumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
 
 
 def parse_yaml_text(text: str, source: str) -> Any:
@@ -198,7 +203,7 @@ def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
 def save_hypes(hypes: Mapping, path: str | os.PathLike) -> None:
     """Write the resolved hypes as plain YAML (atomically: a half-written config.yaml breaks resume)."""
     path = Path(path)
-    text = yaml.safe_dump(_plain(hypes), sort_keys=False, default_flow_style=None)
+    text = yaml.dump(_plain(hypes), Dumper=HypesDumper, sort_keys=False, default_flow_style=None)
     fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~current_umask())

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import tempfile
@@ -78,7 +79,7 @@ def load_file(path: Path) -> Any:
         raise CheckpointError(f"checkpoint {path} does not exist; check --model_dir / --epoch")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line}); "
                               f"delete it and resume from an earlier epoch") from None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import re
 from dataclasses import dataclass
@@ -158,8 +159,14 @@ def init_distributed_mode(env: DistEnv, timeout_minutes: float = 30.0) -> None:
                             world_size=env.world_size, timeout=timeout, **kwargs)
 
 
-def teardown() -> None:
+def teardown(synchronize: bool = True) -> None:
+    """Destroy the process group. On a normal exit all ranks meet first, and unreachable DDP wrappers are
+    collected before the group goes: a gloo group still referenced by a DDP reducer at interpreter shutdown
+    aborts the process ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -169,8 +176,10 @@ def distributed_session(env: DistEnv, timeout_minutes: float = 30.0) -> Iterator
     init_distributed_mode(env, timeout_minutes)
     try:
         yield env
-    finally:
-        teardown()
+    except BaseException:
+        teardown(synchronize=False)  # a peer may be gone: a barrier here could wait for the full timeout
+        raise
+    teardown()
 
 
 def detect_from_process(local_rank_arg: Optional[int] = None, backend: Optional[str] = None) -> DistEnv:
