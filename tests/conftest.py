@@ -1,0 +1,29 @@
+"""Session-wide fixtures: expensive runs are made once and shared by the tests that read them."""
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, explain, train
+
+SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
+
+
+@pytest.fixture(scope="session")
+def synthetic_runs(tmp_path_factory):
+    """synthetic_runs(world, *flags) -> run folder of tools/train_ddp.py on the synthetic BN task.
+
+    world 0 is a plain `python` run (no launcher); other values use torchrun. Each distinct call trains once.
+    """
+    cache: dict = {}
+    root = tmp_path_factory.mktemp("synthetic_runs")
+
+    def get(world: int, *flags: str) -> Path:
+        key = (world, flags)
+        if key not in cache:
+            run_dir = root / f"run{len(cache)}_w{world}"
+            result = train(world, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, "--num_workers", "0", *flags)
+            assert result.returncode == 0, explain(result)
+            cache[key] = run_dir
+        return cache[key]
+
+    return get

@@ -1,0 +1,50 @@
+"""torchrun worker: every helper of opencood_ddp.distributed.comm on a real gloo group.
+
+Rank 0 writes what each collective returned on every rank, for the test to check.
+"""
+import argparse
+import json
+
+from opencood_ddp.distributed import comm
+from opencood_ddp.distributed.env import detect_from_process, distributed_session
+from opencood_ddp.errors import ConfigError
+
+
+def fail_on_rank0():
+    raise ConfigError("rank 0 could not create the run folder")
+
+
+def observations(rank: int, world: int) -> dict:
+    seen = {"world_size": comm.get_world_size(), "rank": comm.get_rank(), "is_main": comm.is_main_process()}
+    seen["sum"] = comm.all_reduce_sum([rank + 0.5, 1.0]).tolist()
+    seen["all_agree_true"] = comm.all_agree(True)
+    seen["all_agree_one_false"] = comm.all_agree(rank != world - 1)
+    seen["any_rank_one_true"] = comm.any_rank(rank == world - 1)
+    seen["any_rank_none"] = comm.any_rank(False)
+    seen["broadcast"] = comm.broadcast_object({"from": rank, "payload": [1, 2, 3]})
+    seen["on_main"] = comm.on_main_then_broadcast(lambda: f"made by rank {comm.get_rank()}")
+    try:
+        comm.on_main_then_broadcast(fail_on_rank0)
+        seen["on_main_error"] = None
+    except ConfigError as exc:
+        seen["on_main_error"] = str(exc)
+    comm.barrier()
+    return seen
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    env = detect_from_process()
+    with distributed_session(env):
+        gathered = comm.gather_objects(observations(env.rank, env.world_size))
+        if env.is_main:
+            with open(args.out, "w") as handle:
+                json.dump(gathered, handle)
+        elif gathered is not None:
+            raise SystemExit("gather_objects returned a list on a rank other than the destination")
+
+
+if __name__ == "__main__":
+    main()

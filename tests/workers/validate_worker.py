@@ -1,0 +1,44 @@
+"""torchrun worker: the engine's all-reduced validation of one fixed checkpoint at any world size.
+
+Usage: torchrun --nproc_per_node=W validate_worker.py --hypes H --weights net_epochN.pth --out result.json
+"""
+import argparse
+import json
+
+from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed.batch_plan import make_batch_plan
+from opencood_ddp.distributed.env import detect_from_process, distributed_session
+from opencood_ddp.engine.logging import NullWriter, setup_logging
+from opencood_ddp.engine.trainer import Trainer, TrainSettings
+from opencood_ddp.tasks import build_task
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hypes", required=True)
+    parser.add_argument("--weights", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch_size", type=int, default=6)
+    args = parser.parse_args()
+    env = detect_from_process()
+    setup_logging(env.rank)
+    with distributed_session(env):
+        validate(args, env)  # in a function: the DDP-wrapped trainer is freed before the group is destroyed
+
+
+def validate(args, env):
+    hypes = hypes_lib.load_hypes(args.hypes)
+    task = build_task(hypes, for_training=True)
+    ckpt.load_weights(task.model, args.weights)
+    plan = make_batch_plan(args.batch_size, env.world_size, 0.0)
+    settings = TrainSettings(epochs=1, seed=0)
+    trainer = Trainer(task, plan, env, settings, hypes, run_dir=".", writer=NullWriter())
+    result = trainer.validate()
+    if env.is_main:
+        with open(args.out, "w") as handle:
+            json.dump({"world_size": env.world_size, "per_rank": plan.per_rank, **result}, handle)
+
+
+if __name__ == "__main__":
+    main()
