@@ -1,0 +1,306 @@
+"""OPV2V split scanner and frame reader with upstream OpenCOOD's ordering and selection rules.
+
+On disk a split is ``<split>/<scenario>/<cav_id>/<timestamp>.yaml`` (+ ``.pcd``, camera images). The rules
+below are upstream's (``BaseDataset.__init__`` / ``retrieve_base_data`` and the fusion datasets):
+
+- Scenarios are the sub-directories of the split, sorted as strings; plain files are ignored.
+- In a scenario, CAV folders are the sub-directories sorted as strings (so ``data_protocol.yaml`` is not a
+  CAV); negative ids (V2XSet road-side units) go to the end; the first remaining folder is the ego; at
+  most ``max_cav`` folders are kept (upstream drops the rest, RSUs first since they sit at the end).
+- A CAV's timestamps are its ``*.yaml`` names without the suffix, sorted, skipping names containing
+  ``additional``. The dataset length is the ego's timestamp count summed over scenarios; sample ``i`` is
+  the ego's timestamp at that position, and every kept CAV is read at the same timestamp.
+- Communication range: a non-ego CAV whose lidar position is more than ``comm_range`` (70 m) from the
+  ego's in x-y is dropped from the frame (kept at exactly 70 m).
+
+Departures from upstream, both for robustness and identical on well-formed OPV2V/V2XSet data:
+- upstream moves only the *first* sorted folder to the end when its id is negative; here every
+  negative id moves (keeping their sorted order), so two RSUs can never make one of them the ego;
+- a CAV lacking one of the ego's timestamps is reported at scan time (upstream fails mid-epoch).
+
+YAML is parsed once per CAV and frame with libyaml's C loader when present, plus upstream's extra
+float rule (``1e-3`` is a float, not a string) and a safe constructor for ``!!python/tuple``.
+The point clouds themselves are read elsewhere (``opencood_ddp.data.pcd``).
+"""
+from __future__ import annotations
+
+import bisect
+import operator
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import numpy as np
+import yaml
+
+from opencood_ddp.data.geometry import xy_distance
+from opencood_ddp.errors import ConfigError, DataError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+DEFAULT_MAX_CAV = 7
+COMM_RANGE = 70.0  # metres, upstream's COM_RANGE
+
+# ------------------------------------------------------------------------------------------- YAML
+
+_SafeBase = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml is ~10x faster on OPV2V's big files
+
+# YAML 1.1 (PyYAML's default) reads "1e-3" or "2E5" (an exponent with no dot) as strings; upstream's
+# load_yaml adds a resolver that makes them floats. This pattern accepts the same scalars as that one.
+_FLOAT_PATTERN = re.compile(
+    r"""^(?:
+        [-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?     # 1.5  1.  1.5e3  1.5e-3
+      | [-+]?[0-9][0-9_]*[eE][-+]?[0-9]+                   # 1e-3  2E5 (no dot)
+      | \.[0-9_]+(?:[eE][-+][0-9]+)?                       # .5  .5e-3
+      | [-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*        # sexagesimal 1:30.5
+      | [-+]?\.(?:inf|Inf|INF)
+      | \.(?:nan|NaN|NAN)
+    )$""",
+    re.X,
+)
+
+
+class Opv2vYamlLoader(_SafeBase):  # type: ignore[misc, valid-type]
+    """Safe YAML loader parsing OPV2V frame files to the same values as upstream's ``load_yaml``.
+
+    Upstream uses PyYAML's unsafe pure-Python ``Loader``; this one is safe and C-accelerated, adds the
+    same float resolver and builds ``!!python/tuple`` as a tuple. Other ``!!python/...`` tags are refused.
+    """
+
+
+def _construct_tuple(loader: yaml.BaseLoader, node: yaml.SequenceNode) -> tuple:
+    return tuple(loader.construct_sequence(node, deep=True))
+
+
+# Registered on the subclass only: add_implicit_resolver copies the table, so yaml's loaders are untouched.
+Opv2vYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_PATTERN, list("-+0123456789."))
+Opv2vYamlLoader.add_constructor("tag:yaml.org,2002:python/tuple", _construct_tuple)
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One-line description of a YAML error (PyYAML's own text spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or type(exc).__name__
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return " ".join(f"{problem}{where}".split())
+
+
+def load_opv2v_yaml(path: PathLike) -> Dict[str, Any]:
+    """Parse one OPV2V frame yaml into a dict; DataError (one line, naming the file) when it cannot."""
+    try:
+        with open(path, "rb") as stream:
+            params = yaml.load(stream, Loader=Opv2vYamlLoader)
+    except FileNotFoundError:
+        raise DataError(f"{path}: frame yaml not found (moved or deleted after scanning); restore it "
+                        f"or rebuild the dataset index") from None
+    except yaml.constructor.ConstructorError as exc:
+        # Upstream's unsafe loader would build arbitrary Python objects here; we refuse them.
+        raise DataError(f"{path}: unsupported YAML tag ({_yaml_problem(exc)}); only plain YAML and "
+                        f"!!python/tuple are read: re-export the file without Python object tags") from None
+    except yaml.YAMLError as exc:
+        raise DataError(f"{path}: malformed YAML ({_yaml_problem(exc)}); re-download or repair the "
+                        f"file") from None
+    if not isinstance(params, dict):
+        raise DataError(f"{path}: expected a mapping of frame fields, got {type(params).__name__}; "
+                        f"re-download or repair the file")
+    return params
+
+
+def lidar_pose_of(params: Dict[str, Any], path: PathLike) -> np.ndarray:
+    """The frame's ``lidar_pose`` as float64 (6,); DataError naming ``path`` when absent or malformed."""
+    if "lidar_pose" not in params:
+        raise DataError(f"{path}: no 'lidar_pose' [x, y, z, roll, yaw, pitch]; this is not an OPV2V frame "
+                        f"yaml: re-export it or remove the timestamp")
+    try:
+        pose = np.asarray(params["lidar_pose"], dtype=np.float64)
+    except (TypeError, ValueError):
+        pose = np.empty(0)
+    if pose.shape != (6,):
+        raise DataError(f"{path}: 'lidar_pose' must be 6 numbers [x, y, z, roll, yaw, pitch], got "
+                        f"{params['lidar_pose']!r}; re-export the frame yaml")
+    return pose
+
+
+# ---------------------------------------------------------------------------------------- index
+
+
+@dataclass(frozen=True)
+class CavRecord:
+    """One CAV folder of a scenario: its id (folder name), path and sorted timestamps."""
+
+    cav_id: str
+    folder: Path
+    timestamps: Tuple[str, ...]
+
+    def yaml_path(self, timestamp: str) -> Path:
+        return self.folder / f"{timestamp}.yaml"
+
+    def pcd_path(self, timestamp: str) -> Path:
+        return self.folder / f"{timestamp}.pcd"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A scenario folder with its kept CAVs in upstream order; ``cavs[0]`` is the ego."""
+
+    name: str
+    folder: Path
+    cavs: Tuple[CavRecord, ...]
+
+    @property
+    def ego(self) -> CavRecord:
+        return self.cavs[0]
+
+    @property
+    def timestamps(self) -> Tuple[str, ...]:
+        """The ego's timestamps: one sample each."""
+        return self.ego.timestamps
+
+    @property
+    def cav_ids(self) -> Tuple[str, ...]:
+        return tuple(cav.cav_id for cav in self.cavs)
+
+
+@dataclass(frozen=True)
+class Opv2vIndex:
+    """Every scenario of a split; sample ``i`` is found by ``locate(i)``. Picklable, cheap to copy."""
+
+    root: Path
+    scenarios: Tuple[Scenario, ...]
+    max_cav: int = DEFAULT_MAX_CAV
+    comm_range: float = COMM_RANGE
+    # Exclusive end of each scenario's sample range, e.g. (5, 5, 12) for 5, 0 and 7 ego timestamps.
+    ends: Tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        running, ends = 0, []
+        for scenario in self.scenarios:
+            running += len(scenario.timestamps)
+            ends.append(running)
+        object.__setattr__(self, "ends", tuple(ends))
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def locate(self, i: int) -> Tuple[Scenario, str]:
+        """Sample index -> (scenario, ego timestamp). IndexError outside ``[0, len)``."""
+        i = operator.index(i)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for {len(self)} samples in {self.root}")
+        k = bisect.bisect_right(self.ends, i)  # first scenario whose end exceeds i (skips empty ones)
+        start = self.ends[k - 1] if k else 0
+        scenario = self.scenarios[k]
+        return scenario, scenario.timestamps[i - start]
+
+
+def _subdirectories(folder: Path) -> List[str]:
+    """Names of the sub-directories of ``folder`` (symlinks followed), sorted as strings."""
+    with os.scandir(folder) as entries:
+        return sorted(entry.name for entry in entries if entry.is_dir())
+
+
+def _is_negative_id(name: str) -> bool:
+    try:
+        return int(name) < 0
+    except ValueError:
+        return False  # a non-numeric folder name is not a road-side unit
+
+
+def order_cav_ids(names: List[str], max_cav: int) -> List[str]:
+    """Upstream CAV order: string sort, negative ids (RSUs) last, at most ``max_cav`` kept."""
+    ordered = sorted(names)
+    ordered = [n for n in ordered if not _is_negative_id(n)] + [n for n in ordered if _is_negative_id(n)]
+    return ordered[:max_cav]
+
+
+def _timestamps(cav_folder: Path) -> Tuple[str, ...]:
+    """Sorted yaml stems of a CAV folder, skipping files whose name contains 'additional'."""
+    with os.scandir(cav_folder) as entries:
+        names = [e.name for e in entries if e.name.endswith(".yaml") and "additional" not in e.name]
+    return tuple(name[: -len(".yaml")] for name in sorted(names))
+
+
+def _check_timestamps(ego: CavRecord, cav: CavRecord) -> None:
+    """Every kept CAV is read at each ego timestamp, so a gap would fail mid-epoch: report it now."""
+    missing = sorted(set(ego.timestamps).difference(cav.timestamps))
+    if missing:
+        raise DataError(
+            f"{cav.yaml_path(missing[0])}: CAV {cav.cav_id} lacks timestamp {missing[0]} of its ego "
+            f"{ego.cav_id} ({len(missing)} missing); restore the files or remove the folder {cav.folder}"
+        )
+
+
+def _scan_scenario(folder: Path, max_cav: int) -> Scenario:
+    cav_ids = order_cav_ids(_subdirectories(folder), max_cav)
+    if not cav_ids:
+        raise DataError(f"{folder}: scenario has no CAV folder (<cav_id>/<timestamp>.yaml); restore its "
+                        f"CAV folders or remove the scenario")
+    cavs = tuple(CavRecord(cid, folder / cid, _timestamps(folder / cid)) for cid in cav_ids)
+    for cav in cavs[1:]:
+        _check_timestamps(cavs[0], cav)
+    return Scenario(folder.name, folder, cavs)
+
+
+def scan_split(root_dir: PathLike, max_cav: int = DEFAULT_MAX_CAV, comm_range: float = COMM_RANGE) -> Opv2vIndex:
+    """Index an OPV2V split folder (file names only: no yaml is parsed). See the module docstring."""
+    if max_cav < 1:
+        raise ConfigError(f"train_params.max_cav must be >= 1, got {max_cav}; fix the hypes YAML")
+    root = Path(root_dir)
+    if not root.is_dir():
+        raise DataError(f"{root}: OPV2V split folder not found; set root_dir / validate_dir in the hypes "
+                        f"YAML to an existing split (e.g. .../opv2v/train)")
+    scenario_names = _subdirectories(root)
+    if not scenario_names:
+        raise DataError(f"{root}: no scenario folder in this split (empty split); point root_dir / "
+                        f"validate_dir at a folder holding <scenario>/<cav_id>/<timestamp>.yaml")
+    index = Opv2vIndex(root, tuple(_scan_scenario(root / n, max_cav) for n in scenario_names),
+                       max_cav, float(comm_range))
+    if len(index) == 0:
+        raise DataError(f"{root}: no timestamp yaml in any ego CAV folder (empty split); check that the "
+                        f"split was fully extracted")
+    return index
+
+
+# ---------------------------------------------------------------------------------------- frames
+
+
+@dataclass(frozen=True)
+class CavFrame:
+    """One CAV at one timestamp: its yaml (parsed once), lidar pose, point-cloud path and ego flag."""
+
+    cav_id: str
+    params: Dict[str, Any]
+    lidar_pose: np.ndarray  # float64 (6,), [x, y, z, roll, yaw, pitch], CARLA world, degrees
+    pcd_path: Path
+    yaml_path: Path
+    ego: bool
+    distance_to_ego: float  # x-y distance between this lidar and the ego's, metres
+
+
+def _read_cav(cav: CavRecord, timestamp: str, ego: bool, ego_pose: Optional[np.ndarray]) -> CavFrame:
+    path = cav.yaml_path(timestamp)
+    params = load_opv2v_yaml(path)
+    pose = lidar_pose_of(params, path)
+    distance = 0.0 if ego_pose is None else xy_distance(pose, ego_pose)
+    return CavFrame(cav.cav_id, params, pose, cav.pcd_path(timestamp), path, ego, distance)
+
+
+def read_frame(index: Opv2vIndex, i: int, *, apply_comm_range: bool = True) -> "OrderedDict[str, CavFrame]":
+    """Sample ``i`` -> ordered ``{cav_id: CavFrame}``, ego first, each CAV's yaml parsed exactly once.
+
+    With ``apply_comm_range`` (upstream's early, intermediate and late-test datasets), CAVs farther than
+    ``index.comm_range`` from the ego in x-y are left out; upstream's late-fusion *training* picks among
+    all CAVs, which ``apply_comm_range=False`` gives.
+    """
+    scenario, timestamp = index.locate(i)
+    ego = _read_cav(scenario.ego, timestamp, True, None)
+    frame: "OrderedDict[str, CavFrame]" = OrderedDict([(ego.cav_id, ego)])
+    for cav in scenario.cavs[1:]:
+        cav_frame = _read_cav(cav, timestamp, False, ego.lidar_pose)
+        if apply_comm_range and cav_frame.distance_to_ego > index.comm_range:
+            continue
+        frame[cav.cav_id] = cav_frame
+    return frame
