@@ -1,0 +1,689 @@
+"""Read and write .pcd point clouds the way OPV2V stores them, without open3d on the hot path.
+
+OPV2V frames are .pcd files written by open3d (``write_point_cloud`` with ``colors = [i, i, i]``): fields
+``x y z rgb``, the LiDAR intensity stored in the red byte of a packed ``rgb`` value. ``read_pcd`` returns an
+(N, 4) float32 array ``x, y, z, intensity`` that is bit-for-bit what open3d's reader gives
+(``np.asarray(pcd.points)`` and ``np.asarray(pcd.colors)[:, 0]``, both cast to float32):
+
+- x, y, z: open3d parses ascii numbers with ``strtod`` (to double) and binary numbers at their stored width; we do the
+  same and cast the double to float32 once.
+- intensity: a field named ``intensity`` wins when present; otherwise the red channel of ``rgb`` (or ``rgba``):
+  open3d takes the 4 stored bytes of the field (little-endian B, G, R, A), so red = ``(bits >> 16) & 0xFF`` whatever
+  the TYPE (``F``: the bits of the float32, ascii parsed with ``strtof``; ``U``/``I``: the integer's bits), and
+  colour = red / 255.0 in double. A field of another size gives colour 0, as in open3d. No intensity and no rgb: 0.
+- Non-finite points are kept: open3d's ``read_point_cloud`` defaults to ``remove_nan_points=False`` and
+  ``remove_infinite_points=False`` (checked against open3d 0.20), so N is always the header's POINTS.
+
+We are stricter than open3d where it would silently return garbage: a short or long ascii body, a truncated
+binary body, an unknown header line or a malformed number raise ``DataError`` naming the file, what is wrong and the
+fix, where open3d logs a warning and returns an empty or zero-filled cloud.
+
+``write_pcd`` writes what OPV2V's dumper wrote (open3d of that era): the same 11 header lines, ``TYPE F F F F``
+with the colour packed as the bits of a float32, ascii numbers printed ``%.10g``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from fractions import Fraction
+from typing import Union
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from opencood_ddp.errors import DataError
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+__all__ = ["PcdField", "PcdHeader", "read_pcd", "read_pcd_header", "write_pcd"]
+
+# A PCD header is a dozen short lines; anything longer without a DATA line is not a PCD file.
+_MAX_HEADER_BYTES = 1 << 16
+_HEADER_KEYS = frozenset(
+    ("VERSION", "FIELDS", "COLUMNS", "SIZE", "TYPE", "COUNT", "WIDTH", "HEIGHT", "VIEWPOINT", "POINTS", "DATA")
+)
+_DATA_TYPES = ("ascii", "binary", "binary_compressed")
+_NUMPY_KINDS = {"F": "f", "I": "i", "U": "u"}
+_VALID_SIZES = {"F": (4, 8), "I": (1, 2, 4, 8), "U": (1, 2, 4, 8)}
+
+# open3d turns the red byte into a double r / 255.0; the table holds that double cast to float32.
+_RED_TO_INTENSITY = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
+
+# ---------------------------------------------------------------------------------------------------------------
+# Header
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PcdField:
+    """One FIELDS entry: name, byte size of one value, type letter (F, I, U), values per point, byte offset."""
+
+    name: str
+    size: int
+    type: str
+    count: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PcdHeader:
+    """The parsed header; ``data_offset`` is where the point data starts in the file."""
+
+    fields: tuple[PcdField, ...]
+    width: int
+    height: int
+    points: int
+    data: str
+    data_offset: int
+
+    @property
+    def point_size(self) -> int:
+        """Bytes per point in binary data."""
+        return sum(field.size * field.count for field in self.fields)
+
+    @property
+    def values_per_point(self) -> int:
+        """Numbers per row in ascii data."""
+        return sum(field.count for field in self.fields)
+
+    def field(self, name: str) -> PcdField | None:
+        """The first field called ``name``, or None."""
+        return next((field for field in self.fields if field.name == name), None)
+
+    def column(self, name: str) -> int:
+        """Index of the first value of field ``name`` within an ascii row."""
+        index = 0
+        for field in self.fields:
+            if field.name == name:
+                return index
+            index += field.count
+        raise KeyError(name)
+
+
+def _garbled(path: PathLike, detail: str) -> DataError:
+    return DataError(f"{path}: garbled PCD header ({detail}); re-export the file with open3d or PCL")
+
+
+def _split_header_lines(raw: bytes, path: PathLike) -> tuple[dict[str, list[str]], int]:
+    """Header entries by key (the last one wins) and the offset of the first data byte."""
+    entries: dict[str, list[str]] = {}
+    pos = 0
+    line_number = 0
+    while pos < len(raw) and pos <= _MAX_HEADER_BYTES:
+        newline = raw.find(b"\n", pos)
+        end = len(raw) if newline < 0 else newline
+        line, pos = raw[pos:end], end + 1
+        line_number += 1
+        try:
+            words = line.decode("ascii").split()
+        except UnicodeDecodeError:
+            raise _garbled(path, f"line {line_number} is not ASCII text") from None
+        if not words or words[0].startswith("#"):
+            continue
+        key = words[0]
+        if key not in _HEADER_KEYS:
+            raise _garbled(path, f"line {line_number} starts with unknown keyword {key[:20]!r}")
+        entries[key] = words[1:]
+        if key == "DATA":
+            return entries, min(pos, len(raw))
+    raise _garbled(path, "no DATA line")
+
+
+def _int_entry(entries: dict[str, list[str]], key: str, path: PathLike) -> int | None:
+    values = entries.get(key)
+    if values is None:
+        return None
+    if len(values) != 1 or not values[0].isdigit():
+        raise _garbled(path, f"{key} must be one non-negative integer, got {' '.join(values)!r}")
+    return int(values[0])
+
+
+def _per_field(entries: dict[str, list[str]], key: str, default: str, n_fields: int, path: PathLike) -> list[str]:
+    values = entries.get(key, [default] * n_fields)
+    if len(values) != n_fields:
+        raise _garbled(path, f"{key} has {len(values)} entries for {n_fields} FIELDS")
+    return values
+
+
+def _parse_fields(entries: dict[str, list[str]], path: PathLike) -> tuple[PcdField, ...]:
+    names = entries.get("FIELDS", entries.get("COLUMNS"))
+    if not names:
+        raise _garbled(path, "no FIELDS line")
+    sizes = _per_field(entries, "SIZE", "4", len(names), path)
+    types = _per_field(entries, "TYPE", "F", len(names), path)
+    counts = _per_field(entries, "COUNT", "1", len(names), path)
+    fields = []
+    offset = 0
+    for name, size_text, type_letter, count_text in zip(names, sizes, types, counts):
+        if not (size_text.isdigit() and count_text.isdigit()):
+            raise _garbled(path, f"SIZE {size_text!r} / COUNT {count_text!r} of field {name!r} are not integers")
+        size, count = int(size_text), int(count_text)
+        if type_letter not in _VALID_SIZES or size not in _VALID_SIZES[type_letter] or count < 1:
+            raise DataError(
+                f"{path}: unsupported PCD field {name!r} (TYPE {type_letter}, SIZE {size}, COUNT {count}); "
+                "re-save it with TYPE F/I/U, SIZE 1/2/4/8 and COUNT >= 1"
+            )
+        fields.append(PcdField(name, size, type_letter, count, offset))
+        offset += size * count
+    return tuple(fields)
+
+
+def _point_count(entries: dict[str, list[str]], path: PathLike) -> tuple[int, int, int]:
+    """(width, height, points); POINTS and WIDTH x HEIGHT must agree when both are given."""
+    width = _int_entry(entries, "WIDTH", path)
+    height = _int_entry(entries, "HEIGHT", path)
+    points = _int_entry(entries, "POINTS", path)
+    if width is not None and height is None:
+        height = 1
+    if points is None:
+        if width is None:
+            raise _garbled(path, "neither POINTS nor WIDTH given")
+        points = width * height
+    if width is None:
+        width, height = points, 1
+    if width * height != points:
+        raise _garbled(path, f"POINTS {points} != WIDTH {width} x HEIGHT {height}")
+    return width, height, points
+
+
+def _parse_header(raw: bytes, path: PathLike) -> PcdHeader:
+    if not raw:
+        raise DataError(f"{path}: file is empty; re-export or re-download this frame")
+    entries, data_offset = _split_header_lines(raw, path)
+    fields = _parse_fields(entries, path)
+    width, height, points = _point_count(entries, path)
+    data = entries["DATA"][0] if entries["DATA"] else ""
+    if data not in _DATA_TYPES:
+        raise DataError(f"{path}: unsupported PCD DATA type {data[:30]!r}; re-save it as ascii, binary or "
+                        "binary_compressed")
+    names = {field.name for field in fields}
+    missing = [axis for axis in ("x", "y", "z") if axis not in names]
+    if missing:
+        raise DataError(f"{path}: PCD has no {'/'.join(missing)} field (FIELDS {' '.join(f.name for f in fields)}); "
+                        "a point cloud needs x, y and z: re-export it with coordinates")
+    return PcdHeader(fields, width, height, points, data, data_offset)
+
+
+def _read_bytes(path: PathLike) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except FileNotFoundError:
+        raise DataError(f"{path}: point cloud file not found; check the dataset root and split folder") from None
+    except OSError as error:
+        raise DataError(f"{path}: cannot read point cloud ({error.strerror}); check the path and its permissions") \
+            from None
+
+
+def read_pcd_header(path: PathLike) -> PcdHeader:
+    """Parse the header of ``path`` (reads the whole file; headers are not indexed separately)."""
+    return _parse_header(_read_bytes(path), path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Binary data
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _structured_dtype(header: PcdHeader) -> np.dtype:
+    """One record per point; field i is named f{i} because PCD allows repeated names (PCL's '_' padding)."""
+    formats = []
+    for field in header.fields:
+        base = np.dtype(f"<{_NUMPY_KINDS[field.type]}{field.size}")
+        formats.append(base if field.count == 1 else (base, (field.count,)))
+    return np.dtype({
+        "names": [f"f{i}" for i in range(len(header.fields))],
+        "formats": formats,
+        "offsets": [field.offset for field in header.fields],
+        "itemsize": header.point_size,
+    })
+
+
+def _as_double_then_float32(values: np.ndarray) -> np.ndarray:
+    """open3d widens every value to double before we narrow to float32; wide integers must take the same route."""
+    if values.dtype.kind in "iu" and values.dtype.itemsize >= 4:
+        return values.astype(np.float64)
+    return values
+
+
+def _binary_records(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
+    needed = header.points * header.point_size
+    available = len(raw) - header.data_offset
+    if available < needed:
+        raise DataError(
+            f"{path}: truncated binary data ({available} bytes after the header, {needed} needed for "
+            f"{header.points} points of {header.point_size} bytes); re-download or re-export the file"
+        )
+    # Bytes past the last point are ignored, as open3d does.
+    return np.frombuffer(raw, dtype=_structured_dtype(header), count=header.points, offset=header.data_offset)
+
+
+def _record_column(records: np.ndarray, header: PcdHeader, name: str) -> np.ndarray:
+    """First value of field ``name`` for every point (open3d reads element 0 of a COUNT > 1 field)."""
+    field = header.field(name)
+    assert field is not None
+    values = records[f"f{header.fields.index(field)}"]
+    return values if field.count == 1 else values[:, 0]
+
+
+def _binary_red(raw: bytes, header: PcdHeader, field: PcdField) -> np.ndarray:
+    """The red byte of a packed colour: byte 2 of the field's little-endian B, G, R, A bytes."""
+    if field.size != 4:
+        return np.zeros(header.points, dtype=np.uint8)
+    table = np.frombuffer(raw, dtype=np.uint8, count=header.points * header.point_size, offset=header.data_offset)
+    return table.reshape(header.points, header.point_size)[:, field.offset + 2]
+
+
+def _xyz_float_block(raw: bytes, header: PcdHeader) -> np.ndarray | None:
+    """The usual layout (x, y, z adjacent float32s, 4-byte aligned records) as one (N, 3) view: one copy, not three."""
+    x = header.field("x")
+    fields = [x, header.field("y"), header.field("z")]
+    if x is None or header.point_size % 4 or x.offset % 4:
+        return None
+    expected = [(x.offset + 4 * i, "F", 4, 1) for i in range(3)]
+    if [(f.offset, f.type, f.size, f.count) for f in fields if f is not None] != expected:
+        return None
+    table = np.frombuffer(raw, dtype="<f4", count=header.points * header.point_size // 4, offset=header.data_offset)
+    start = x.offset // 4
+    return table.reshape(header.points, header.point_size // 4)[:, start:start + 3]
+
+
+def _read_binary(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
+    records = _binary_records(raw, header, path)
+    out = np.empty((header.points, 4), dtype=np.float32)
+    block = _xyz_float_block(raw, header)
+    if block is not None:
+        out[:, :3] = block
+    else:
+        for axis, name in enumerate(("x", "y", "z")):
+            out[:, axis] = _as_double_then_float32(_record_column(records, header, name))
+    colour = _colour_field(header)
+    if header.field("intensity") is not None:
+        out[:, 3] = _as_double_then_float32(_record_column(records, header, "intensity"))
+    elif colour is not None:
+        out[:, 3] = _RED_TO_INTENSITY[_binary_red(raw, header, colour)]
+    else:
+        out[:, 3] = 0.0
+    return out
+
+
+def _colour_field(header: PcdHeader) -> PcdField | None:
+    """open3d's colour field: the first of the fields named rgb or rgba, in file order."""
+    return next((field for field in header.fields if field.name in ("rgb", "rgba")), None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# ASCII data: a vectorised decimal parser
+# ---------------------------------------------------------------------------------------------------------------
+#
+# np.fromstring / np.loadtxt / float() all take longer than open3d itself on a 100k-point cloud, so the body is
+# parsed in bulk with numpy: every token is right-aligned in a 16-byte window, the digits are combined eight at a
+# time inside uint64 words (SWAR), and the value is the mantissa integer M times 10**E. When M < 2**53 and
+# |E| <= 22 both factors are exact doubles, so one multiply or divide is correctly rounded: exactly strtod's answer
+# (Clinger's fast path). Tokens outside that path (nan, inf, more than 16 characters, huge exponents) go through
+# Python's float(), which is also correctly rounded.
+
+_WINDOW = 16
+_CHUNK = 1 << 16  # tokens per vectorised pass: keeps the temporaries cache-sized
+_TWO_POW_53 = 1 << 53
+_POW10 = np.array([10.0**k for k in range(23)])  # 10**0 .. 10**22, all exact doubles
+_POW10_INT = np.array([10**k for k in range(_WINDOW + 1)], dtype=np.uint64)
+_ALL_SPACES = np.uint64(0x2020202020202020)
+# _TOP_BYTES[k] keeps the last k bytes of a little-endian word: the end of a right-aligned token.
+_TOP_BYTES = np.array([((1 << 64) - 1) ^ ((1 << (8 * (8 - k))) - 1) for k in range(9)], dtype=np.uint64)
+_SUM_BYTES = np.uint64(0x0101010101010101)
+
+
+@dataclasses.dataclass
+class _Tokens:
+    """Every whitespace-separated token of an ascii body, with its decimal decomposition where one exists."""
+
+    padded: np.ndarray  # the body as uint8 with 16 spaces before and at least one after
+    starts: np.ndarray  # token start offsets in ``padded``
+    ends: np.ndarray  # token end offsets (exclusive)
+    mantissa: np.ndarray  # uint64 digits of the token without the dot, valid where ``simple``
+    exponent: np.ndarray  # int64 power of ten, valid where ``simple``
+    negative: np.ndarray  # bool
+    simple: np.ndarray  # bool: [+-]digits[.digits][(e|E)[+-]digits] within 16 characters
+
+    def text(self, index: int) -> bytes:
+        return self.padded[self.starts[index]:self.ends[index]].tobytes()
+
+
+def _byte_sum(mask: np.ndarray) -> np.ndarray:
+    """Per row of an (n, 16) bool matrix, the number of True (bytes summed inside two uint64 words)."""
+    words = mask.view(np.uint64)
+    return (((words[:, 0] + words[:, 1]) * _SUM_BYTES) >> np.uint64(56)).astype(np.int64)
+
+
+def _first_true(mask: np.ndarray) -> np.ndarray:
+    """Per row of an (n, 16) bool matrix, the column of the first True, or 16."""
+    words = mask.view(np.uint64)
+    lowest = words & (~words + np.uint64(1))
+    # (lowest bit - 1) has that bit's index set bits below it; a word with no True gives 64 // 8 = 8.
+    column = np.bitwise_count(lowest - np.uint64(1)).astype(np.int64) >> 3
+    return np.where(column[:, 0] < 8, column[:, 0], 8 + column[:, 1])
+
+
+def _swar_value(digit_words: np.ndarray) -> np.ndarray:
+    """Per row, the 16-digit decimal number held one digit (0..9) per byte, first byte most significant."""
+    v = digit_words
+    v = (v * np.uint64(10) + (v >> np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+    v = (v * np.uint64(100) + (v >> np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    v = (v * np.uint64(10000) + (v >> np.uint64(32))) & np.uint64(0x00000000FFFFFFFF)
+    return v[:, 0] * np.uint64(100_000_000) + v[:, 1]
+
+
+def _token_windows(padded: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """(n, 16) uint8: each token right-aligned, the bytes before it replaced by spaces."""
+    windows = sliding_window_view(padded, _WINDOW)[ends - _WINDOW]
+    words = windows.view(np.uint64)
+    keep = np.empty_like(words)
+    keep[:, 0] = _TOP_BYTES[np.clip(lengths - 8, 0, 8)]
+    keep[:, 1] = _TOP_BYTES[np.minimum(lengths, 8)]
+    words &= keep
+    words |= _ALL_SPACES & ~keep
+    return windows
+
+
+def _tokenize(body: bytes) -> _Tokens:
+    padded = np.empty(len(body) + _WINDOW + 1, dtype=np.uint8)
+    padded[:_WINDOW] = 32
+    padded[_WINDOW:-1] = np.frombuffer(body, dtype=np.uint8)
+    padded[-1] = 32
+    # Bytes <= 32 (space, tab, CR, LF) separate tokens; edges alternate start, end because both pads are spaces.
+    solid = padded > 32
+    edges = np.flatnonzero(solid[1:] != solid[:-1]) + 1
+    starts, ends = edges[0::2], edges[1::2]
+    lengths = ends - starts
+    parts = [_decompose(_token_windows(padded, ends[i:i + _CHUNK], np.minimum(lengths[i:i + _CHUNK], _WINDOW)),
+                        lengths[i:i + _CHUNK]) for i in range(0, len(ends), _CHUNK)]
+    if not parts:
+        empty = np.empty(0, dtype=np.int64)
+        return _Tokens(padded, starts, ends, empty.astype(np.uint64), empty, empty.astype(bool), empty.astype(bool))
+    mantissa, exponent, negative, simple = (np.concatenate(column) for column in zip(*parts))
+    return _Tokens(padded, starts, ends, mantissa, exponent, negative, simple)
+
+
+def _decompose(windows: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Mantissa, exponent, sign and validity of every right-aligned token."""
+    digit_value = windows - np.uint8(48)
+    is_digit = digit_value < 10
+    is_dot = windows == 46
+    is_exp = (windows | np.uint8(32)) == 101
+    is_minus = windows == 45
+    is_sign = is_minus | (windows == 43)
+    n_dot, n_exp, n_sign, n_digit = (_byte_sum(mask) for mask in (is_dot, is_exp, is_sign, is_digit))
+    dot_col, exp_col = _first_true(is_dot), _first_true(is_exp)
+    flat_sign = is_sign.reshape(-1)
+    rows = np.arange(len(windows), dtype=np.int64) * _WINDOW
+    first_col = _WINDOW - np.minimum(lengths, _WINDOW)
+    lead_sign = flat_sign[rows + first_col]
+    exp_sign = flat_sign[rows + np.minimum(exp_col + 1, _WINDOW - 1)] & (exp_col < _WINDOW - 1)
+    exp_digits = np.where(exp_col < _WINDOW, _WINDOW - 1 - exp_col - exp_sign, 0)
+    simple = (
+        (lengths <= _WINDOW)
+        # Any other character (letters, commas, a second kind of junk) leaves the classes short of the length.
+        & (n_digit + n_dot + n_exp + n_sign == lengths)
+        & (n_dot <= 1) & (n_exp <= 1)
+        & (n_sign == lead_sign.astype(np.int64) + exp_sign)
+        & ((n_dot == 0) | (dot_col < exp_col))  # a dot comes before the exponent
+        & (n_digit - exp_digits >= 1)
+        & ((exp_col == _WINDOW) | ((exp_digits >= 1) & (exp_digits <= 3)))
+    )
+    # All digits as one 16-digit number, column j weighing 10**(15 - j). The exponent digits are its last
+    # (16 - exp_col) columns; the part after the dot its last (16 - dot_col) columns of the rest. Dropping the dot
+    # multiplies that part by ten: M = V + 9 R, and the token is M * 10**(min(dot_col, exp_col) - 16 +- power).
+    digit_value &= np.negative(is_digit.view(np.uint8))
+    everything = _swar_value(digit_value.view(np.uint64))
+    power = everything % _POW10_INT[_WINDOW - exp_col]
+    whole = everything - power
+    after_dot = whole % _POW10_INT[_WINDOW - dot_col]
+    mantissa = whole + np.uint64(9) * after_dot
+    power = power.astype(np.int64)
+    exp_negative = exp_sign & is_minus.reshape(-1)[rows + np.minimum(exp_col + 1, _WINDOW - 1)]
+    exponent = np.minimum(dot_col, exp_col) - _WINDOW + np.where(exp_negative, -power, power)
+    negative = is_minus.reshape(-1)[rows + first_col]
+    return mantissa, exponent, negative, simple
+
+
+def _fast_doubles(tokens: _Tokens, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Correctly rounded doubles for tokens ``index`` and a mask of those the fast path could not do."""
+    mantissa = tokens.mantissa[index]
+    exponent = tokens.exponent[index]
+    exact = tokens.simple[index] & (mantissa < np.uint64(_TWO_POW_53)) & (np.abs(exponent) <= 22)
+    scale = _POW10[np.minimum(np.abs(exponent), 22)]
+    m = mantissa.astype(np.float64)
+    values = np.where(exponent >= 0, m * scale, m / scale)
+    values = np.where(tokens.negative[index], -values, values)
+    return values, ~exact
+
+
+def _python_double(tokens: _Tokens, index: int, path: PathLike, values_per_row: int) -> float:
+    text = tokens.text(index)
+    try:
+        if b"_" in text:  # Python accepts 1_000, strtod does not
+            raise ValueError(text)
+        return float(text)
+    except ValueError:
+        raise DataError(
+            f"{path}: ascii data row {index // values_per_row + 1} has a value that is not a number "
+            f"({text[:30]!r}); fix or re-export the file"
+        ) from None
+
+
+def _ascii_doubles(tokens: _Tokens, index: np.ndarray, path: PathLike, values_per_row: int) -> np.ndarray:
+    """strtod of the tokens ``index``."""
+    values, slow = _fast_doubles(tokens, index)
+    for position in np.flatnonzero(slow):
+        values[position] = _python_double(tokens, int(index[position]), path, values_per_row)
+    return values
+
+
+def _nearest_float32(text: bytes) -> np.float32:
+    """strtof: the float32 nearest to the exact decimal, ties to even."""
+    exact = Fraction(text.decode("ascii"))
+    guess = np.float32(float(exact))
+    if not np.isfinite(guess):
+        return guess
+    neighbour = np.nextafter(guess, np.float32(np.inf) if Fraction(float(guess)) < exact else np.float32(-np.inf))
+    gap_guess = abs(exact - Fraction(float(guess)))
+    gap_neighbour = abs(exact - Fraction(float(neighbour)))
+    if gap_neighbour < gap_guess or (gap_neighbour == gap_guess and int(neighbour.view(np.uint32)) % 2 == 0):
+        return neighbour
+    return guess
+
+
+def _ascii_float32_bits(tokens: _Tokens, index: np.ndarray, path: PathLike, values_per_row: int) -> np.ndarray:
+    """uint32 bits of strtof for tokens ``index`` (open3d's reading of an ascii TYPE F colour)."""
+    mantissa = tokens.mantissa[index].astype(np.float64)
+    exponent = tokens.exponent[index]
+    usable = tokens.simple[index] & (np.abs(exponent) <= 300)
+    # Packed colours are denormal floats (1e-38 and below): 10**E is not exact there, so the double is only within
+    # a few ulps; it rounds to the right float32 unless it lies that close to a float32 midpoint, checked below.
+    approx = mantissa * np.power(10.0, np.clip(exponent, -300, 300).astype(np.float64))
+    approx = np.where(tokens.negative[index], -approx, approx)
+    with np.errstate(over="ignore"):
+        single = approx.astype(np.float32)
+    toward = np.where(approx > single.astype(np.float64), np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
+    midpoint = (single.astype(np.float64) + np.nextafter(single, toward).astype(np.float64)) / 2.0
+    near_tie = np.abs(approx - midpoint) <= 8 * np.spacing(np.abs(approx))
+    doubtful = ~usable | near_tie | ~np.isfinite(single)
+    for position in np.flatnonzero(doubtful):
+        token = int(index[position])
+        try:
+            single[position] = _nearest_float32(tokens.text(token))
+        except (ValueError, ZeroDivisionError):
+            # nan, inf and friends: Python's float() spells them as strtof does.
+            single[position] = np.float32(_python_double(tokens, token, path, values_per_row))
+    return single.view(np.uint32)
+
+
+def _ascii_integer_bits(tokens: _Tokens, index: np.ndarray, path: PathLike, values_per_row: int) -> np.ndarray:
+    """Low 32 bits of strtol/strtoul for tokens ``index`` (an ascii TYPE U or I colour)."""
+    values = _ascii_doubles(tokens, index, path, values_per_row)
+    finite = np.where(np.isfinite(values), values, 0.0)
+    return (np.trunc(finite).astype(np.int64) & 0xFFFFFFFF).astype(np.uint32)
+
+
+def _row_count_error(tokens: _Tokens, header: PcdHeader, path: PathLike) -> DataError:
+    """Explain why the ascii body is not POINTS rows of the header's values."""
+    per_row = header.values_per_point
+    rows = tokens.padded[_WINDOW:-1].tobytes().splitlines()
+    counts = [len(row.split()) for row in rows if row.strip()]
+    for number, count in enumerate(counts, start=1):
+        if count != per_row:
+            return DataError(
+                f"{path}: ascii data row {number} has {count} values, the header's FIELDS/COUNT need {per_row}; "
+                "fix the row or re-export the file"
+            )
+    return DataError(
+        f"{path}: ascii data has {len(counts)} rows but the header says POINTS {header.points}; "
+        "fix POINTS/WIDTH or re-export the file"
+    )
+
+
+def _rows_are_lines(tokens: _Tokens, header: PcdHeader) -> bool:
+    """True when every row of values sits on its own line (the total count alone cannot tell)."""
+    per_row = header.values_per_point
+    if header.points == 0:
+        return True
+    # Fast check: within a row the byte after a token is a space or tab, after the last one a newline (or CR).
+    # The last token of the file may be followed by anything (only whitespace is left).
+    after = tokens.padded[tokens.ends].reshape(header.points, per_row)
+    inner = after[:, :-1]
+    last = after[:-1, -1]
+    if ((inner == 32) | (inner == 9)).all() and ((last == 10) | (last == 13)).all():
+        return True
+    # Exact check: the line number of each token.
+    newlines = np.flatnonzero(tokens.padded == 10)
+    line = np.searchsorted(newlines, tokens.starts).reshape(header.points, per_row)
+    same_line = (line == line[:, :1]).all()
+    return bool(same_line and (np.diff(line[:, 0]) > 0).all())
+
+
+def _read_ascii(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
+    tokens = _tokenize(raw[header.data_offset:])
+    per_row = header.values_per_point
+    if len(tokens.starts) != header.points * per_row or not _rows_are_lines(tokens, header):
+        raise _row_count_error(tokens, header, path)
+    row_starts = np.arange(header.points, dtype=np.int64) * per_row
+    out = np.empty((header.points, 4), dtype=np.float32)
+    # One pass over the three coordinate columns: (N, 3) token indices, row-major.
+    xyz_index = (row_starts[:, None] + np.array([header.column(axis) for axis in "xyz"])).reshape(-1)
+    out[:, :3] = _ascii_doubles(tokens, xyz_index, path, per_row).reshape(header.points, 3)
+    colour = _colour_field(header)
+    if header.field("intensity") is not None:
+        out[:, 3] = _ascii_doubles(tokens, row_starts + header.column("intensity"), path, per_row)
+    elif colour is not None and colour.size == 4:
+        index = row_starts + header.column(colour.name)
+        decode = _ascii_float32_bits if colour.type == "F" else _ascii_integer_bits
+        bits = decode(tokens, index, path, per_row)
+        out[:, 3] = _RED_TO_INTENSITY[(bits >> np.uint32(16)) & np.uint32(0xFF)]
+    else:
+        out[:, 3] = 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# binary_compressed (LZF): delegated to open3d
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _read_compressed(header: PcdHeader, path: PathLike) -> np.ndarray:
+    try:
+        import open3d  # noqa: PLC0415 - optional, heavy, and only needed for this rare encoding
+    except ImportError:
+        raise DataError(f"{path}: DATA binary_compressed needs open3d to decode; pip install open3d or re-save "
+                        "the file as DATA binary") from None
+    cloud = open3d.io.read_point_cloud(os.fspath(path), format="pcd")
+    xyz = np.asarray(cloud.points)
+    if len(xyz) != header.points:
+        raise DataError(f"{path}: open3d decoded {len(xyz)} of the {header.points} compressed points (corrupt or "
+                        "truncated LZF data); re-download or re-export the file")
+    out = np.empty((header.points, 4), dtype=np.float32)
+    out[:, :3] = xyz
+    if header.field("intensity") is not None:
+        # The legacy reader drops unknown fields; the tensor reader keeps intensity.
+        tensor_cloud = open3d.t.io.read_point_cloud(os.fspath(path), format="pcd")
+        out[:, 3] = tensor_cloud.point["intensity"].numpy().reshape(header.points, -1)[:, 0]
+    elif cloud.has_colors():
+        out[:, 3] = np.asarray(cloud.colors)[:, 0]
+    else:
+        out[:, 3] = 0.0
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def read_pcd(path: PathLike) -> np.ndarray:
+    """Read a .pcd file as an (N, 4) float32 array of x, y, z, intensity (see the module docstring).
+
+    Supports DATA ascii and binary natively and binary_compressed through open3d. NaN and infinite points are
+    kept, as open3d's ``read_point_cloud`` keeps them by default. Raises ``DataError`` for a missing, empty,
+    garbled, truncated or inconsistent file, naming the file and the fix.
+    """
+    raw = _read_bytes(path)
+    header = _parse_header(raw, path)
+    # A double beyond float32's range becomes inf, as in open3d's points cast to float32: no warning for that.
+    with np.errstate(over="ignore"):
+        if header.data == "ascii":
+            return _read_ascii(raw, header, path)
+        if header.data == "binary":
+            return _read_binary(raw, header, path)
+        return _read_compressed(header, path)
+
+
+def _red_byte(intensity: np.ndarray) -> np.ndarray:
+    """open3d's colour to byte: round(clamp(c, 0, 1) * 255), halves away from zero, NaN to 0."""
+    scaled = np.clip(np.nan_to_num(intensity.astype(np.float64), nan=0.0), 0.0, 1.0) * 255.0
+    floor = np.floor(scaled)
+    # floor + (fraction >= 0.5) is exact, unlike floor(x + 0.5), which rounds 0.49999999999999994 up.
+    return (floor + (scaled - floor >= 0.5)).astype(np.uint32)
+
+
+def _header_text(points: int, data: str) -> bytes:
+    lines = (
+        "# .PCD v0.7 - Point Cloud Data file format",
+        "VERSION 0.7",
+        "FIELDS x y z rgb",
+        "SIZE 4 4 4 4",
+        "TYPE F F F F",
+        "COUNT 1 1 1 1",
+        f"WIDTH {points}",
+        "HEIGHT 1",
+        "VIEWPOINT 0 0 0 1 0 0 0",
+        f"POINTS {points}",
+        f"DATA {data}",
+    )
+    return ("\n".join(lines) + "\n").encode("ascii")
+
+
+def write_pcd(path: PathLike, points: np.ndarray, binary: bool = False) -> None:
+    """Write (N, 4) x, y, z, intensity (0..1) as OPV2V's dumper did: open3d with colours [i, i, i].
+
+    Coordinates are stored as float32 (printed ``%.10g`` in ascii, enough to read back the same float32); the
+    intensity becomes the byte round(i * 255) in r, g and b of a packed colour stored as the bits of a float32
+    (``TYPE F``), the way open3d wrote it then; open3d of any version reads it back as colours i' = byte / 255.
+    """
+    array = np.asarray(points)
+    if array.ndim != 2 or array.shape[1] != 4:
+        raise ValueError(f"write_pcd expects an (N, 4) array of x, y, z, intensity, got shape {array.shape}")
+    count = len(array)
+    red = _red_byte(array[:, 3])
+    record = np.empty(count, dtype=[("xyz", "<f4", (3,)), ("rgb", "<u4")])
+    record["xyz"] = array[:, :3]
+    record["rgb"] = red * np.uint32(0x010101)
+    with open(path, "wb") as handle:
+        handle.write(_header_text(count, "binary" if binary else "ascii"))
+        if binary:
+            handle.write(record.tobytes())
+            return
+        columns = np.empty((count, 4), dtype=np.float64)
+        columns[:, :3] = record["xyz"]
+        columns[:, 3] = record["rgb"].view(np.float32)
+        handle.write((("%.10g %.10g %.10g %.10g\n" * count) % tuple(columns.ravel().tolist())).encode("ascii"))

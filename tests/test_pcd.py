@@ -1,0 +1,339 @@
+"""read_pcd / write_pcd against open3d, on files open3d wrote, files we wrote and files written by hand."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opencood_ddp.data.pcd import read_pcd, read_pcd_header, write_pcd
+from opencood_ddp.errors import DataError
+
+open3d = pytest.importorskip("open3d")
+
+
+def _cloud(points: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    cloud = np.empty((points, 4), dtype=np.float32)
+    cloud[:, :3] = rng.uniform(-120.0, 120.0, (points, 3))
+    cloud[: points // 10, :3] *= 1e-6  # tiny coordinates print with an exponent
+    cloud[:, 3] = rng.random(points)
+    if points >= 5:
+        cloud[:5, 3] = [0.0, 1.0, 0.5 / 255, 127.5 / 255, 0.999]
+    return cloud
+
+
+def _open3d_write(path: Path, cloud: np.ndarray, ascii_data: bool, compressed: bool = False) -> None:
+    geometry = open3d.geometry.PointCloud()
+    geometry.points = open3d.utility.Vector3dVector(cloud[:, :3].astype(np.float64))
+    geometry.colors = open3d.utility.Vector3dVector(np.repeat(cloud[:, 3:4].astype(np.float64), 3, axis=1))
+    assert open3d.io.write_point_cloud(str(path), geometry, write_ascii=ascii_data, compressed=compressed)
+
+
+def _open3d_read(path: Path) -> np.ndarray:
+    """What read_pcd must reproduce bit for bit: open3d's points and red colour, cast to float32."""
+    geometry = open3d.io.read_point_cloud(str(path))
+    out = np.zeros((len(geometry.points), 4), dtype=np.float32)
+    with np.errstate(over="ignore"):
+        out[:, :3] = np.asarray(geometry.points)
+    if geometry.has_colors():
+        out[:, 3] = np.asarray(geometry.colors)[:, 0]
+    return out
+
+
+def _assert_same(ours: np.ndarray, reference: np.ndarray) -> None:
+    assert ours.dtype == np.float32 and ours.shape == reference.shape
+    # Bit for bit, NaN included.
+    assert np.array_equal(ours.view(np.uint32), reference.view(np.uint32))
+
+
+def _write_text(path: Path, header_lines: list[str], rows: list[str]) -> Path:
+    path.write_text("\n".join(header_lines + rows) + "\n")
+    return path
+
+
+def _header(fields: str, sizes: str, types: str, counts: str, points: int, data: str = "ascii") -> list[str]:
+    return ["VERSION 0.7", f"FIELDS {fields}", f"SIZE {sizes}", f"TYPE {types}", f"COUNT {counts}",
+            f"WIDTH {points}", "HEIGHT 1", "VIEWPOINT 0 0 0 1 0 0 0", f"POINTS {points}", f"DATA {data}"]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files open3d wrote
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ascii_data, compressed", [(True, False), (False, False), (False, True)],
+                         ids=["ascii", "binary", "binary_compressed"])
+def test_matches_open3d_on_open3d_files(tmp_path: Path, ascii_data: bool, compressed: bool) -> None:
+    cloud = _cloud(20_000)
+    cloud[7, 0] = np.nan  # open3d keeps non-finite points by default; so do we
+    cloud[8, 1] = np.inf
+    path = tmp_path / "cloud.pcd"
+    _open3d_write(path, cloud, ascii_data, compressed)
+    ours = read_pcd(path)
+    _assert_same(ours, _open3d_read(path))
+    assert np.isnan(ours[7, 0]) and np.isinf(ours[8, 1])
+    assert len(ours) == len(cloud)
+
+
+def test_open3d_file_without_colours_has_zero_intensity(tmp_path: Path) -> None:
+    geometry = open3d.geometry.PointCloud()
+    geometry.points = open3d.utility.Vector3dVector(_cloud(100)[:, :3].astype(np.float64))
+    path = tmp_path / "plain.pcd"
+    open3d.io.write_point_cloud(str(path), geometry, write_ascii=True)
+    ours = read_pcd(path)
+    _assert_same(ours, _open3d_read(path))
+    assert not ours[:, 3].any()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Files we wrote
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["ascii", "binary"])
+def test_writer_output_reads_the_same_in_open3d_and_round_trips(tmp_path: Path, binary: bool) -> None:
+    cloud = _cloud(20_000, seed=1)
+    path = tmp_path / "ours.pcd"
+    write_pcd(path, cloud, binary=binary)
+    ours = read_pcd(path)
+    _assert_same(ours, _open3d_read(path))
+    assert np.array_equal(ours[:, :3], cloud[:, :3])
+    # Intensity is stored as a byte: round half away from zero, like open3d.
+    expected_byte = np.floor(cloud[:, 3].astype(np.float64) * 255 + 0.5)
+    assert np.array_equal(ours[:, 3], (expected_byte / 255.0).astype(np.float32))
+    assert ours[:5, 3].tolist() == pytest.approx([0.0, 1.0, 1 / 255, 128 / 255, 255 / 255])
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["ascii", "binary"])
+def test_writer_header_is_open3d_layout(tmp_path: Path, binary: bool) -> None:
+    path = tmp_path / "ours.pcd"
+    write_pcd(path, _cloud(3), binary=binary)
+    head = path.read_bytes().split(b"\n")[:11]
+    assert head == [
+        b"# .PCD v0.7 - Point Cloud Data file format", b"VERSION 0.7", b"FIELDS x y z rgb", b"SIZE 4 4 4 4",
+        b"TYPE F F F F", b"COUNT 1 1 1 1", b"WIDTH 3", b"HEIGHT 1", b"VIEWPOINT 0 0 0 1 0 0 0", b"POINTS 3",
+        b"DATA binary" if binary else b"DATA ascii",
+    ]
+
+
+def test_binary_writer_packs_colour_like_open3d(tmp_path: Path) -> None:
+    cloud = _cloud(500, seed=2)
+    ours, theirs = tmp_path / "ours.pcd", tmp_path / "theirs.pcd"
+    write_pcd(ours, cloud, binary=True)
+    _open3d_write(theirs, cloud, ascii_data=False)
+    # Same data bytes; open3d 0.20 only labels the colour TYPE U instead of F.
+    assert ours.read_bytes().split(b"DATA binary\n", 1)[1] == theirs.read_bytes().split(b"DATA binary\n", 1)[1]
+
+
+def test_writer_clamps_and_zeroes_nan_intensity(tmp_path: Path) -> None:
+    cloud = np.zeros((4, 4), dtype=np.float32)
+    cloud[:, 3] = [-0.5, 1.5, np.nan, 0.25]
+    path = tmp_path / "clamp.pcd"
+    write_pcd(path, cloud)
+    assert read_pcd(path)[:, 3].tolist() == pytest.approx([0.0, 1.0, 0.0, 64 / 255])
+    _assert_same(read_pcd(path), _open3d_read(path))
+
+
+def test_writer_rejects_wrong_shape(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\(N, 4\)"):
+        write_pcd(tmp_path / "bad.pcd", np.zeros((5, 3), dtype=np.float32))
+
+
+def test_empty_cloud_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "empty.pcd"
+    write_pcd(path, np.zeros((0, 4), dtype=np.float32))
+    assert read_pcd(path).shape == (0, 4)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Hand-written files: intensity fields, other types, COUNT > 1, organised clouds, tricky numbers
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_ascii_intensity_field_wins_over_rgb(tmp_path: Path) -> None:
+    path = _write_text(tmp_path / "i.pcd", _header("x y z rgb intensity", "4 4 4 4 4", "F F F U F", "1 1 1 1 1", 2),
+                       ["1 2 3 16777215 0.25", "-4.5 5e-3 +6 0 0.75"])
+    assert read_pcd(path).tolist() == [[1, 2, 3, 0.25], [-4.5, np.float32(5e-3), 6, 0.75]]
+
+
+def test_binary_intensity_field_with_other_types_and_counts(tmp_path: Path) -> None:
+    # x as double, a COUNT 3 field between, intensity as uint8: every layout goes through the structured dtype.
+    header = _header("x y pad z intensity", "8 4 2 4 1", "F F I F U", "1 1 3 1 1", 2, "binary")
+    record = struct.Struct("<df3hfB")
+    rows = [record.pack(1.25, -2.5, 7, 8, 9, 3.5, 200), record.pack(-0.1, 0.2, 0, 0, 0, 1e30, 3)]
+    path = tmp_path / "typed.pcd"
+    path.write_bytes(("\n".join(header) + "\n").encode() + b"".join(rows))
+    ours = read_pcd(path)
+    assert ours.tolist() == [[1.25, -2.5, 3.5, 200.0], [np.float32(-0.1), np.float32(0.2), np.float32(1e30), 3.0]]
+    assert read_pcd_header(path).point_size == 8 + 4 + 6 + 4 + 1
+
+
+def test_binary_rgba_with_count_and_extra_fields(tmp_path: Path) -> None:
+    header = _header("x y z normal_x rgba", "4 4 4 4 4", "F F F F U", "1 1 1 2 1", 3, "binary")
+    rng = np.random.default_rng(3)
+    data = np.zeros(3, dtype=[("xyz", "<f4", (3,)), ("n", "<f4", (2,)), ("c", "<u4")])
+    data["xyz"] = rng.normal(size=(3, 3))
+    data["c"] = [0xFF102030, 0x00FFFFFF, 0x12345678]
+    path = tmp_path / "rgba.pcd"
+    path.write_bytes(("\n".join(header) + "\n").encode() + data.tobytes())
+    ours = read_pcd(path)  # open3d 0.20 itself crashes on COUNT > 1 in binary data, so no cross-check here
+    assert np.array_equal(ours[:, :3], data["xyz"])
+    assert np.array_equal(ours[:, 3], (np.array([0x10, 0xFF, 0x34]) / 255.0).astype(np.float32))
+
+
+def test_organised_cloud_uses_width_times_height(tmp_path: Path) -> None:
+    lines = _header("x y z", "4 4 4", "F F F", "1 1 1", 4)
+    lines = [line for line in lines if not line.startswith(("WIDTH", "HEIGHT", "POINTS"))]
+    path = _write_text(tmp_path / "org.pcd", ["WIDTH 2", "HEIGHT 2"] + lines, ["0 0 0", "1 1 1", "2 2 2", "3 3 3"])
+    assert read_pcd(path)[:, 0].tolist() == [0, 1, 2, 3]
+
+
+def test_ascii_numbers_are_parsed_like_strtod(tmp_path: Path) -> None:
+    tokens = ["0", "-0", "+1.5", ".5", "5.", "-.25", "1e3", "1E-3", "2.5e+2", "123456789012345", "0.1",
+              "9007199254740993", "1.00000000000000011102230246251565404236316680908203125", "1e-320", "1e39",
+              "nan", "-inf", "0.000001234567891", "-96.69447327", "3.4028235e38", "1.17549435e-38", "16777217"]
+    while len(tokens) % 3:
+        tokens.append("7")
+    rows = [" ".join(tokens[i:i + 3]) for i in range(0, len(tokens), 3)]
+    path = _write_text(tmp_path / "tricky.pcd", _header("x y z", "4 4 4", "F F F", "1 1 1", len(rows)), rows)
+    with np.errstate(over="ignore"):  # 1e39 is inf in float32, in open3d's cast as in ours
+        expected = np.array([float(token) for token in tokens]).astype(np.float32).reshape(-1, 3)
+    ours = read_pcd(path)
+    assert np.array_equal(ours[:, :3].view(np.uint32), expected.view(np.uint32))
+    _assert_same(ours, _open3d_read(path))
+
+
+def test_ascii_float_colour_decodes_like_open3d(tmp_path: Path) -> None:
+    # Every red byte, packed as the bits of a float (OPV2V) and printed in several precisions.
+    red = np.arange(256, dtype=np.uint32)
+    packed = ((red << 16) | (red[::-1] << 8) | 7).view(np.float32)
+    rows = [f"{i} 0 0 {value:.10g}" for i, value in enumerate(packed.astype(np.float64))]
+    rows += [f"{i} 1 0 {value:.9e}" for i, value in enumerate(packed.astype(np.float64))]
+    rows += ["0 2 0 1e-45", "0 3 0 0", "0 4 0 -0", "0 5 0 1.5", "0 6 0 -1e-39"]
+    path = _write_text(tmp_path / "f.pcd", _header("x y z rgb", "4 4 4 4", "F F F F", "1 1 1 1", len(rows)), rows)
+    ours = read_pcd(path)
+    _assert_same(ours, _open3d_read(path))
+    assert np.array_equal(ours[:256, 3], (red / 255.0).astype(np.float32))
+
+
+def test_ascii_integer_colour_decodes_like_open3d(tmp_path: Path) -> None:
+    rows = ["0 0 0 8421504", "1 0 0 16777215", "2 0 0 0", "3 0 0 4278190335", "4 0 0 -1"]
+    for kind in ("U", "I"):
+        path = _write_text(tmp_path / f"{kind}.pcd", _header("x y z rgb", "4 4 4 4", f"F F F {kind}", "1 1 1 1", 5),
+                           rows)
+        _assert_same(read_pcd(path), _open3d_read(path))
+
+
+def test_crlf_tabs_blank_lines_and_no_final_newline(tmp_path: Path) -> None:
+    text = "\r\n".join(_header("x y z", "4 4 4", "F F F", "1 1 1", 3)) + "\r\n1\t2 3\r\n\r\n4 5  6 \r\n7 8 9"
+    path = tmp_path / "crlf.pcd"
+    path.write_bytes(text.encode())
+    assert read_pcd(path)[:, :3].tolist() == [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad files: one DataError each, naming the file
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _expect_error(path: Path, *fragments: str) -> None:
+    with pytest.raises(DataError) as caught:
+        read_pcd(path)
+    message = str(caught.value)
+    assert str(path) in message and "\n" not in message
+    for fragment in fragments:
+        assert fragment in message
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    _expect_error(tmp_path / "nope.pcd", "not found")
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    _expect_error(tmp_path, "cannot read")
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "empty.pcd"
+    path.write_bytes(b"")
+    _expect_error(path, "empty")
+
+
+@pytest.mark.parametrize("content, fragment", [
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "not ASCII"),
+    (b"hello world\n", "unknown keyword"),
+    (b"VERSION 0.7\nFIELDS x y z\nPOINTS 1\n", "no DATA line"),
+    (b"VERSION 0.7\nFIELDS x y z\nSIZE 4 4\nPOINTS 1\nDATA ascii\n1 2 3\n", "SIZE has 2 entries"),
+    (b"FIELDS x y z\nPOINTS many\nDATA ascii\n", "POINTS must be"),
+    (b"FIELDS x y z\nWIDTH 3\nHEIGHT 1\nPOINTS 2\nDATA ascii\n", "POINTS 2 != WIDTH 3"),
+    (b"POINTS 1\nDATA ascii\n1 2 3\n", "no FIELDS"),
+], ids=["binary-junk", "unknown-keyword", "no-data", "size-count", "points-text", "points-width", "no-fields"])
+def test_garbled_header(tmp_path: Path, content: bytes, fragment: str) -> None:
+    path = tmp_path / "garbled.pcd"
+    path.write_bytes(content)
+    _expect_error(path, "garbled PCD header", fragment)
+
+
+def test_unsupported_data_type(tmp_path: Path) -> None:
+    path = _write_text(tmp_path / "d.pcd", _header("x y z", "4 4 4", "F F F", "1 1 1", 1, "binary_lz4"), [])
+    _expect_error(path, "unsupported PCD DATA type 'binary_lz4'")
+
+
+def test_unsupported_field_type(tmp_path: Path) -> None:
+    path = _write_text(tmp_path / "t.pcd", _header("x y z", "4 4 3", "F F F", "1 1 1", 1), ["1 2 3"])
+    _expect_error(path, "unsupported PCD field 'z'")
+
+
+def test_missing_xyz_fields(tmp_path: Path) -> None:
+    path = _write_text(tmp_path / "xy.pcd", _header("x y intensity", "4 4 4", "F F F", "1 1 1", 1), ["1 2 3"])
+    _expect_error(path, "no z field")
+
+
+def test_truncated_binary(tmp_path: Path) -> None:
+    path = tmp_path / "short.pcd"
+    write_pcd(path, _cloud(100), binary=True)
+    path.write_bytes(path.read_bytes()[:-10])
+    _expect_error(path, "truncated binary data", "1590 bytes after the header, 1600 needed")
+
+
+def test_truncated_compressed(tmp_path: Path) -> None:
+    path = tmp_path / "short_lzf.pcd"
+    _open3d_write(path, _cloud(1000), ascii_data=False, compressed=True)
+    path.write_bytes(path.read_bytes()[:-100])
+    _expect_error(path, "compressed")
+
+
+@pytest.mark.parametrize("rows, fragment", [
+    (["1 2 3", "4 5 6"], "has 2 rows but the header says POINTS 3"),
+    (["1 2 3", "4 5 6", "7 8 9", "10 11 12"], "has 4 rows but the header says POINTS 3"),
+    (["1 2 3", "4 5", "6 7 8 9"], "row 2 has 2 values"),
+    (["1 2 3 4", "5 6", "7 8 9"], "row 1 has 4 values"),
+], ids=["short", "long", "split-row", "shifted-row"])
+def test_ascii_row_count_mismatch(tmp_path: Path, rows: list[str], fragment: str) -> None:
+    path = _write_text(tmp_path / "rows.pcd", _header("x y z", "4 4 4", "F F F", "1 1 1", 3), rows)
+    _expect_error(path, fragment)
+
+
+@pytest.mark.parametrize("token", ["1.2.3", "abc", "1e", "--1", "1_000", "0x10", "1,5", "e5", "1-2"])
+def test_ascii_value_that_is_not_a_number(tmp_path: Path, token: str) -> None:
+    path = _write_text(tmp_path / "nan.pcd", _header("x y z", "4 4 4", "F F F", "1 1 1", 2), ["1 2 3", f"4 {token} 6"])
+    _expect_error(path, "row 2 has a value that is not a number")
+
+
+def test_ascii_float_colour_near_float32_midpoints(tmp_path: Path) -> None:
+    # Decimals at and next to the midpoint of two float32s: strtof must round them exactly, not via a double.
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 80
+    rows = []
+    for bits in (0x00808080, 0x007F7F7F, 0x00FFFFFF, 0x00010101):
+        low = Decimal(float(np.uint32(bits).view(np.float32)))
+        high = Decimal(float(np.uint32(bits + 1).view(np.float32)))
+        middle = (low + high) / 2
+        for value in (middle, middle + Decimal("1e-70"), middle - Decimal("1e-70")):
+            rows.append(f"0 0 0 {value}")
+    path = _write_text(tmp_path / "mid.pcd", _header("x y z rgb", "4 4 4 4", "F F F F", "1 1 1 1", len(rows)), rows)
+    _assert_same(read_pcd(path), _open3d_read(path))
