@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from launch import REPO, explain, train
+from opencood_ddp.distributed.checkpoint import relative_differences
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 PARITY_TOL = 1e-4
@@ -18,13 +19,8 @@ def load(run_dir, name="net_epoch2.pth"):
 
 def max_rel_diff(state, reference, buffers=True):
     """Largest per-tensor max|a-b| / max|b| over floating tensors (BN running stats included by default)."""
-    worst = 0.0
-    for key, ref in reference.items():
-        if not ref.is_floating_point() or (not buffers and "running_" in key):
-            continue
-        diff = (state[key].double() - ref.double()).abs().max() / (ref.double().abs().max() + 1e-12)
-        worst = max(worst, diff.item())
-    return worst
+    worst = relative_differences(state, reference)
+    return max(worst["parameters"][0], worst["buffers"][0] if buffers else 0.0)
 
 
 def epoch_losses(run_dir, epoch=2):

@@ -185,3 +185,21 @@ def load_training_state(run_dir: Path, epoch: int) -> Optional[dict]:
         raise CheckpointError(f"training state {path} has an unknown format; delete it to resume from the "
                               f"weights alone")
     return state
+
+
+def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any]) -> dict:
+    """How far two state dicts are apart, for parity checks between world sizes.
+
+    Per floating tensor: max|a - b| / max|b|. Returns {'parameters': (worst, key), 'buffers': (worst, key)},
+    BatchNorm running statistics counted as buffers, over the keys both hold.
+    """
+    worst: dict = {"parameters": (0.0, None), "buffers": (0.0, None)}
+    for key, ref in strip_module_prefix(reference).items():
+        other = strip_module_prefix(state).get(key)
+        if other is None or not ref.is_floating_point():
+            continue
+        kind = "buffers" if "running_" in key else "parameters"
+        diff = ((other.double() - ref.double()).abs().max() / (ref.double().abs().max() + 1e-12)).item()
+        if diff > worst[kind][0]:
+            worst[kind] = (diff, key)
+    return worst
