@@ -27,8 +27,9 @@ CASES = [
           master_addr=None, master_port=None)),
     ("torchrun-cpu", TORCHRUN, None, False,
      dict(rank=3, local_rank=1, world_size=4, launcher="torchrun", backend="gloo", device="cpu")),
-    ("torchrun-env-beats-arg", TORCHRUN, 0, True,
-     dict(rank=3, local_rank=1, world_size=4, launcher="torchrun", device="cuda:1")),
+    # torch.distributed.launch also runs on torchelastic: the --local_rank argument marks it, LOCAL_RANK still wins
+    ("env-local-rank-beats-arg", TORCHRUN, 0, True,
+     dict(rank=3, local_rank=1, world_size=4, launcher="launch", device="cuda:1")),
     ("launch-local-rank-arg", LAUNCH, 3, True,
      dict(rank=2, local_rank=3, world_size=4, launcher="launch", backend="nccl", device="cuda:3")),
     ("launch-no-arg", LAUNCH, None, False,

@@ -195,3 +195,19 @@ def test_model_dir_that_is_not_a_run_is_refused_and_untouched(tmp_path):
     lines = error_lines(result)
     assert result.returncode != 0 and len(lines) == 1 and "is not a run" in lines[0]
     assert listing(folder) == ["notes.txt"] and (folder / "notes.txt").read_text() == "keep me"
+
+
+def test_legacy_launch_with_local_rank_argument(tmp_path):
+    """python -m torch.distributed.launch passes --local-rank=N (no LOCAL_RANK use): trains like torchrun."""
+    import subprocess
+    import sys
+
+    from launch import clean_env
+
+    cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", str(REPO / "tools" / "train_ddp.py"),
+           "--hypes_yaml", str(SYNTHETIC), "--model_dir", str(tmp_path / "r"), "--num_workers", "0",
+           "--set", "train_params.epoches=1"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env())
+    assert result.returncode == 0, explain(result)
+    assert "launcher launch: world size 2" in result.stdout
+    assert (tmp_path / "r" / "net_epoch1.pth").is_file()

@@ -116,7 +116,9 @@ def _torchrun_env(environ: Mapping[str, str], local_rank_arg: Optional[int]) -> 
         local_rank = local_rank_arg
     else:
         local_rank = 0
-    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in environ else "launch"
+    # torch.distributed.launch runs on torchelastic too (TORCHELASTIC_RUN_ID is set); what tells it apart is the
+    # --local_rank argument it passes when not given --use-env.
+    launcher = "launch" if local_rank_arg is not None or "TORCHELASTIC_RUN_ID" not in environ else "torchrun"
     return dict(rank=_int(environ, "RANK"), world_size=_int(environ, "WORLD_SIZE"),
                 local_rank=local_rank, launcher=launcher)
 
