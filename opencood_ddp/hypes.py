@@ -9,13 +9,13 @@ import copy
 import math
 import os
 import re
-import tempfile
 from numbers import Real
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import yaml
 
+from opencood_ddp.atomic import atomic_write
 from opencood_ddp.errors import ConfigError
 
 _FLOAT_RE = re.compile(r"""^(?:
@@ -204,21 +204,7 @@ def save_hypes(hypes: Mapping, path: str | os.PathLike) -> None:
     """Write the resolved hypes as plain YAML (atomically: a half-written config.yaml breaks resume)."""
     path = Path(path)
     text = yaml.dump(_plain(hypes), Dumper=HypesDumper, sort_keys=False, default_flow_style=None)
-    fd, tmp = tempfile.mkstemp(prefix=".config.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    atomic_write(path, lambda handle: handle.write(text.encode()))
 
 
 def _plain(value: Any) -> Any:

@@ -11,7 +11,6 @@ import os
 import pickle
 import random
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from opencood_ddp.atomic import atomic_write
 from opencood_ddp.errors import CheckpointError
 
 WEIGHTS_RE = re.compile(r"^net_epoch(\d+)\.pth$")
@@ -52,24 +52,7 @@ def atomic_save(obj: Any, path: Path) -> None:
 
     A crash at any point leaves either the old file or the new one, never a truncated one.
     """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # mkstemp makes 0600; checkpoints are shared like any file
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(obj, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
 def load_file(path: Path) -> Any:
