@@ -211,3 +211,14 @@ def test_legacy_launch_with_local_rank_argument(tmp_path):
     assert result.returncode == 0, explain(result)
     assert "launcher launch: world size 2" in result.stdout
     assert (tmp_path / "r" / "net_epoch1.pth").is_file()
+
+
+def test_half_precision_trains_through_sync_bn(synthetic_runs):
+    """--half on CPU is bf16 autocast (fp16 + GradScaler on CUDA); with GlooSyncBatchNorm it still learns."""
+    run_dir = synthetic_runs(2, "--half")
+    state = torch.load(run_dir / "training_state_epoch2.pt", weights_only=False)
+    first, last = state["history"][0]["val"]["loss"], state["history"][1]["val"]["loss"]
+    assert last < first
+    baseline = epoch_losses(synthetic_runs(1))["val"]["loss"]
+    assert last == pytest.approx(baseline, rel=0.5)  # bf16 rounding, not a different model
+    assert state["scaler"] is None  # no GradScaler without CUDA
