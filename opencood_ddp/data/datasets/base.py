@@ -1,0 +1,279 @@
+"""What the three fusion datasets share: hypes keys, the split index, GT, labels, voxels and the seeded RNG.
+
+Upstream counterpart: ``opencood/data_utils/datasets/basedataset.py`` plus the parts of the post-processor the
+datasets call (``BasePostprocessor.generate_object_center``).
+
+Reproducibility. Sample ``i`` of epoch ``e`` is a pure function of ``(seed, e, i)``: every random decision
+(point shuffling, the late-fusion CAV choice, augmentation) draws from ``sample_rng(seed, e, i)`` in a fixed
+order. ``set_epoch(e)`` is called by the engine before each epoch; DataLoader workers are not persistent, so
+each epoch's workers start from a copy of the dataset that carries the new epoch. No global RNG, rank or
+worker id is read, so 1, 2 or N ranks with any number of workers load bit-identical samples.
+
+Ground truth (as upstream). Each CAV's ``vehicles`` (world frame) are projected into the target frame (the
+ego's, or the CAV's own in late fusion) and kept when all 8 corners lie inside the GT range: in training
+``postprocess.anchor_args.cav_lidar_range``; otherwise upstream's fixed ``GT_RANGE`` [-140, -40, -3, 140, 40,
+1] (our optional key ``postprocess.gt_range`` replaces it; absent, upstream's value). Boxes are
+``[x, y, z, h, w, l, yaw]`` for ``order: hwl``. Duplicates (an object seen by several CAVs) are dropped by
+object id, keeping the first CAV's box, in upstream's order ``[ids.index(x) for x in set(ids)]`` (for
+integer ids CPython's set order depends only on the values, so it is the same in every process; other ids
+are taken in sorted order, since string hashes are salted per process). The result is padded to
+``postprocess.max_num`` rows with a 0/1 mask, both float64 as upstream; more objects than ``max_num`` is a
+DataError (upstream fails with a shape error).
+
+Labels. The post-processor (anchors and targets) is passed in; ``None`` leaves ``anchor_box`` and
+``label_dict`` out of samples and batches. The interface called, exactly as upstream's VoxelPostprocessor:
+
+    class PostProcessor(Protocol):
+        def generate_anchor_box(self) -> np.ndarray:
+            '''(H, W, anchor_num, 7) anchors in the GT order; called once per dataset per process and cached.'''
+        def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray,
+                           mask: np.ndarray) -> dict:
+            '''gt_box_center (max_num, 7) float64 padded, anchors as above, mask (max_num,) float64 0/1.
+            Returns numpy arrays (upstream: pos_equal_one (H, W, A), neg_equal_one (H, W, A),
+            targets (H, W, 7A)).'''
+        def collate_batch(self, label_list: list) -> dict:
+            '''The per-sample label dicts -> one dict of tensors with a leading batch dimension.'''
+
+It must be picklable (datasets travel to DataLoader workers) and deterministic (no RNG).
+"""
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from opencood_ddp.data.augment import WorldAugmentor, WorldTransform, sample_rng, shuffle_points
+from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, mask_ego_points,
+                                        mask_points_by_range, project_world_objects)
+from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, scan_split
+from opencood_ddp.data.pcd import read_pcd
+from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
+from opencood_ddp.errors import ConfigError, DataError
+from opencood_ddp.hypes import get_key, validate
+
+# Upstream's evaluation range (opencood/data_utils/datasets/__init__.py).
+GT_RANGE: Tuple[float, ...] = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
+
+# Which hypes key holds each split's folder. Upstream has root_dir (train) and validate_dir and evaluates on
+# validate_dir; test_dir is our extension for a held-out split.
+SPLIT_KEYS: Dict[str, str] = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}
+
+COMMON_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("fusion.core_method", "str"),
+    ("preprocess.cav_lidar_range", "list"),
+    ("preprocess.args.voxel_size", "list"),
+    ("preprocess.args.max_points_per_voxel", "positive_int"),
+    ("preprocess.args.max_voxel_train", "positive_int"),
+    ("preprocess.args.max_voxel_test", "positive_int"),
+    ("postprocess.anchor_args.cav_lidar_range", "list"),
+    ("postprocess.order", "str"),
+    ("postprocess.max_num", "positive_int"),
+    # Upstream's BaseDataset always builds its DataAugmentor from this list, even where it never runs.
+    ("data_augment", "list"),
+)
+COMMON_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("train_params.max_cav", "positive_int"),
+    ("postprocess.gt_range", "list"),
+)
+
+
+class PostProcessor(Protocol):
+    """See the module docstring: the three calls the datasets make."""
+
+    def generate_anchor_box(self) -> np.ndarray: ...
+
+    def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> dict: ...
+
+    def collate_batch(self, label_list: List[dict]) -> dict: ...
+
+
+def hypes_source(hypes: Mapping) -> str:
+    """How error messages name the hypes (the run's name; the file is not known here)."""
+    return f"hypes {hypes.get('name', '')}".strip()
+
+
+def _range6(hypes: Mapping, key: str, source: str) -> Tuple[float, ...]:
+    value = get_key(hypes, key)
+    if (not isinstance(value, (list, tuple)) or len(value) != 6
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max], got {value!r}; "
+                          f"fix the hypes or pass --set key=value")
+    return tuple(float(v) for v in value)
+
+
+def upstream_unique_indices(ids: Sequence[Hashable]) -> List[int]:
+    """Index of the first occurrence of each distinct id, in upstream's order (see the module docstring)."""
+    distinct = set(ids)
+    if not all(isinstance(i, int) for i in distinct):
+        distinct = sorted(distinct, key=str)  # type: ignore[assignment]
+    return [ids.index(x) for x in distinct]
+
+
+class OpencoodDataset(Dataset):
+    """Base class: subclasses implement ``get_sample(index, rng)`` and their collate functions."""
+
+    required_keys: Tuple[Tuple[str, str], ...] = COMMON_KEYS
+    optional_keys: Tuple[Tuple[str, str], ...] = COMMON_OPTIONAL_KEYS
+
+    def __init__(self, hypes: Mapping, split: str, train: bool, seed: int,
+                 post_processor: Optional[PostProcessor] = None, visualize: bool = False):
+        source = hypes_source(hypes)
+        if split not in SPLIT_KEYS:
+            raise ConfigError(f"dataset split must be one of {sorted(SPLIT_KEYS)}, got {split!r}")
+        split_key = SPLIT_KEYS[split]
+        validate(hypes, tuple(self.required_keys) + ((split_key, "str"),), source, self.optional_keys)
+        self.hypes = hypes
+        self.split, self.train, self.seed, self.visualize = split, bool(train), int(seed), bool(visualize)
+        self.epoch = 0
+        self.post_processor = post_processor
+        self._anchors: Optional[np.ndarray] = None
+
+        self.lidar_range = _range6(hypes, "preprocess.cav_lidar_range", source)
+        self.gt_range = self._gt_range(hypes, source)
+        self.order = hypes["postprocess"]["order"]
+        if self.order not in ("hwl", "lwh"):
+            raise ConfigError(f"{source}: key postprocess.order must be 'hwl' or 'lwh', got {self.order!r}")
+        self.max_num = int(hypes["postprocess"]["max_num"])
+        self.max_cav = int(get_key(hypes, "train_params.max_cav", DEFAULT_MAX_CAV))
+        self.voxelizer = Voxelizer.from_hypes(hypes["preprocess"], self.train)
+        self.augmentor = WorldAugmentor(hypes["data_augment"]) if self.train and self.augments(hypes) else None
+        # The scan raises DataError for a missing folder or an empty split.
+        self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav)
+
+    # ----------------------------------------------------------------------------------- protocol
+
+    def augments(self, hypes: Mapping) -> bool:
+        """Whether this kind of dataset augments in training (early, late: yes; intermediate: opt-in)."""
+        return True
+
+    def _gt_range(self, hypes: Mapping, source: str) -> Tuple[float, ...]:
+        if self.train:
+            return _range6(hypes, "postprocess.anchor_args.cav_lidar_range", source)
+        if get_key(hypes, "postprocess.gt_range") is not None:
+            return _range6(hypes, "postprocess.gt_range", source)
+        return GT_RANGE
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's random stream (augmentation, shuffling, late fusion's CAV choice)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, index: int) -> "OrderedDict[str, Any]":
+        index = operator.index(index)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples of {self.index.root}")
+        return self.get_sample(index, sample_rng(self.seed, self.epoch, index))
+
+    def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------- points
+
+    def load_cav_points(self, cav_pcd_path: Any, rng: np.random.Generator) -> np.ndarray:
+        """One CAV's cloud, read once, shuffled with the sample's RNG and without the car's own hits."""
+        return mask_ego_points(shuffle_points(read_pcd(cav_pcd_path), rng))
+
+    def crop(self, points: np.ndarray) -> np.ndarray:
+        return mask_points_by_range(points, self.lidar_range)
+
+    # ----------------------------------------------------------------------------------- ground truth
+
+    def cav_objects(self, cav: CavFrame, target_pose: np.ndarray) -> Tuple[np.ndarray, List[Hashable]]:
+        """(K, 7) boxes of one CAV's ``vehicles`` in the frame of ``target_pose``, filtered by the GT range."""
+        vehicles = cav.params.get("vehicles")
+        if vehicles is None:
+            raise DataError(f"{cav.yaml_path}: no 'vehicles' mapping (use 'vehicles: {{}}' for an empty frame); "
+                            f"re-export this frame's yaml")
+        if not isinstance(vehicles, Mapping):
+            raise DataError(f"{cav.yaml_path}: 'vehicles' must be a mapping of id -> object, got "
+                            f"{type(vehicles).__name__}; re-export this frame's yaml")
+        projected = project_world_objects(vehicles, target_pose, self.gt_range, self.order,
+                                          source=str(cav.yaml_path))
+        boxes = np.array(list(projected.values()), dtype=np.float64).reshape(-1, 7)
+        return boxes, list(projected)
+
+    def merge_objects(self, per_cav: Iterable[Tuple[np.ndarray, List[Hashable]]]) -> Tuple[np.ndarray, List]:
+        """Stack the CAVs' boxes and drop repeated ids (upstream's order, first CAV's box kept)."""
+        boxes_list, ids = [], []
+        for boxes, cav_ids in per_cav:
+            boxes_list.append(boxes)
+            ids.extend(cav_ids)
+        stacked = np.concatenate(boxes_list) if boxes_list else np.zeros((0, 7))
+        keep = upstream_unique_indices(ids)
+        return stacked[keep].reshape(-1, 7), [ids[k] for k in keep]
+
+    def pad_objects(self, boxes: np.ndarray, where: Any) -> Tuple[np.ndarray, np.ndarray]:
+        """(max_num, 7) float64 boxes and (max_num,) float64 mask, as upstream."""
+        if len(boxes) > self.max_num:
+            raise DataError(f"{where}: {len(boxes)} ground-truth objects exceed postprocess.max_num "
+                            f"{self.max_num}; raise postprocess.max_num in the hypes")
+        center = np.zeros((self.max_num, 7), dtype=np.float64)
+        mask = np.zeros(self.max_num, dtype=np.float64)
+        center[:len(boxes)] = boxes
+        mask[:len(boxes)] = 1
+        return center, mask
+
+    def in_range_boxes(self, boxes: np.ndarray, ids: List) -> Tuple[np.ndarray, List]:
+        """Boxes whose 8 corners lie inside cav_lidar_range (upstream re-filters after augmentation)."""
+        keep = boxes_in_range_mask(boxes_to_corners(boxes, self.order), self.lidar_range) if len(boxes) else \
+            np.zeros(0, dtype=bool)
+        return boxes[keep], [i for i, k in zip(ids, keep) if k]
+
+    def sample_transform(self, rng: np.random.Generator) -> Optional[WorldTransform]:
+        """The sample's augmentation, or None when this dataset does not augment."""
+        return self.augmentor.sample(rng) if self.augmentor is not None else None
+
+    # ----------------------------------------------------------------------------------- labels
+
+    def anchors(self) -> Optional[np.ndarray]:
+        if self.post_processor is None:
+            return None
+        if self._anchors is None:
+            self._anchors = self.post_processor.generate_anchor_box()
+        return self._anchors
+
+    def label_entries(self, center: np.ndarray, mask: np.ndarray) -> Dict[str, Any]:
+        """{'anchor_box', 'label_dict'} from the post-processor, or {} without one."""
+        if self.post_processor is None:
+            return {}
+        anchors = self.anchors()
+        label = self.post_processor.generate_label(gt_box_center=center, anchors=anchors, mask=mask)
+        return {"anchor_box": anchors, "label_dict": label}
+
+    def collate_labels(self, samples: Sequence[Mapping]) -> Dict[str, Any]:
+        if self.post_processor is None:
+            return {}
+        return {"label_dict": self.post_processor.collate_batch([s["label_dict"] for s in samples])}
+
+    # ----------------------------------------------------------------------------------- collate
+
+    @staticmethod
+    def stack_objects(samples: Sequence[Mapping]) -> Dict[str, torch.Tensor]:
+        """(B, max_num, 7) boxes and (B, max_num) masks, float64 as upstream."""
+        return {"object_bbx_center": torch.from_numpy(np.array([s["object_bbx_center"] for s in samples])),
+                "object_bbx_mask": torch.from_numpy(np.array([s["object_bbx_mask"] for s in samples]))}
+
+    def collate_batch_train(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:
+        """Early and late fusion training (and validation-loss) batches: only each sample's 'ego' entry."""
+        egos = [sample["ego"] for sample in batch]
+        ego: Dict[str, Any] = dict(self.stack_objects(egos))
+        ego["processed_lidar"] = collate_voxels([e["processed_lidar"] for e in egos])
+        ego.update(self.collate_labels(egos))
+        return {"ego": ego}
+
+    @staticmethod
+    def require_single(batch: Sequence, kind: str) -> None:
+        if len(batch) != 1:
+            raise ConfigError(f"{kind} evaluation batches hold exactly one sample (upstream's collate_batch_test), "
+                              f"got {len(batch)}; run inference with batch size 1")
+
+
+def identity_matrix() -> torch.Tensor:
+    """The ego's transformation matrix in test batches: float32 identity (4, 4), as upstream."""
+    return torch.from_numpy(np.identity(4)).float()

@@ -1,0 +1,72 @@
+"""Early fusion: every CAV's raw cloud is projected into the ego frame, stacked and voxelized once.
+
+Upstream counterpart: ``opencood/data_utils/datasets/early_fusion_dataset.py``. Per sample, as upstream:
+
+1. the frame's CAVs within 70 m of the ego (ego first); per CAV: GT boxes in the ego frame (GT range, see
+   ``base``), its cloud shuffled, the car's own hits removed, then projected with ``x1_to_x2(cav, ego)``;
+2. boxes de-duplicated by object id and padded to ``max_num``; clouds stacked;
+3. in training, the ``data_augment`` transform applied to the stacked cloud and the valid boxes;
+4. points cropped to ``preprocess.cav_lidar_range``; boxes re-filtered to that range (all 8 corners inside),
+   in training *and* at test time, so test GT is GT_RANGE intersected with cav_lidar_range;
+5. one voxelization of the stacked cloud; anchors and labels from the post-processor when there is one.
+
+Sample: ``{'ego': {object_bbx_center (max_num, 7) f64, object_bbx_mask (max_num,) f64, object_ids,
+processed_lidar {voxel_features, voxel_coords, voxel_num_points}, [anchor_box, label_dict],
+[origin_lidar]}}``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Sequence
+
+import numpy as np
+import torch
+
+from opencood_ddp.data.datasets.base import OpencoodDataset, identity_matrix
+from opencood_ddp.data.geometry import transform_points, x1_to_x2
+from opencood_ddp.data.opv2v import read_frame
+from opencood_ddp.data.voxelize import collate_voxels
+
+
+class EarlyFusionDataset(OpencoodDataset):
+    """Raw-point fusion at the ego (PointPillar early fusion)."""
+
+    def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
+        frame = read_frame(self.index, index)
+        ego_pose = next(iter(frame.values())).lidar_pose
+        clouds, objects = [], []
+        for cav in frame.values():
+            objects.append(self.cav_objects(cav, ego_pose))
+            points = self.load_cav_points(cav.pcd_path, rng)
+            clouds.append(transform_points(points, x1_to_x2(cav.lidar_pose, ego_pose)))
+        boxes, ids = self.merge_objects(objects)
+        points = np.concatenate(clouds)
+
+        transform = self.sample_transform(rng)
+        if transform is not None:
+            points, boxes = transform.points(points), transform.boxes(boxes)
+        points = self.crop(points)
+        boxes, ids = self.in_range_boxes(boxes, ids)
+        center, mask = self.pad_objects(boxes, f"sample {index} of {self.index.root}")
+
+        ego: Dict[str, Any] = {"object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
+                               "processed_lidar": self.voxelizer(points)}
+        ego.update(self.label_entries(center, mask))
+        if self.visualize:
+            ego["origin_lidar"] = points
+        return OrderedDict(ego=ego)
+
+    def collate_batch_test(self, batch: Sequence[dict]) -> Dict[str, Dict[str, Any]]:
+        """Upstream's early-fusion test batch: one sample, tensors with a batch dimension of 1."""
+        self.require_single(batch, "early fusion")
+        ego_in = batch[0]["ego"]
+        ego: Dict[str, Any] = dict(self.stack_objects([ego_in]))
+        ego["object_ids"] = ego_in["object_ids"]
+        ego["processed_lidar"] = collate_voxels([ego_in["processed_lidar"]])
+        ego["transformation_matrix"] = identity_matrix()
+        if "anchor_box" in ego_in:
+            ego["anchor_box"] = torch.from_numpy(np.array(ego_in["anchor_box"]))
+        ego.update(self.collate_labels([ego_in]))
+        if "origin_lidar" in ego_in:
+            ego["origin_lidar"] = torch.from_numpy(ego_in["origin_lidar"][None])
+        return {"ego": ego}

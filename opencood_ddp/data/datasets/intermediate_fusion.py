@@ -1,0 +1,125 @@
+"""Intermediate fusion: each CAV's cloud is voxelized on its own; the model fuses features (AttFuse, F-Cooper).
+
+Upstream counterpart: ``opencood/data_utils/datasets/intermediate_fusion_dataset.py``. Per sample:
+
+1. the frame's CAVs within 70 m of the ego (ego first); per CAV: GT boxes in the ego frame (GT range, see
+   ``base``), its cloud shuffled, the car's own hits removed, projected into the ego frame when
+   ``fusion.args.proj_first`` (default true, as upstream);
+2. per CAV: points cropped to ``preprocess.cav_lidar_range`` and voxelized; boxes de-duplicated by id and
+   padded (no re-filtering by cav_lidar_range: at test time the GT is upstream's GT_RANGE);
+3. ``cav_num`` (-> ``record_len`` in batches) and ``pairwise_t_matrix`` (max_cav, max_cav, 4, 4): identity
+   everywhere with proj_first; otherwise ``inv(T_j) @ T_i`` off the diagonal and zeros on it, as upstream.
+   PointPillar AttFuse (upstream ``point_pillar_intermediate``) reads only the voxels and ``record_len``.
+
+Augmentation: upstream's intermediate dataset never augments. ``fusion.args.augment: true`` (our extension,
+default false) applies one ``data_augment`` transform, in training, to every CAV's ego-frame cloud and to the
+GT boxes between steps 1 and 2, then re-filters the boxes to cav_lidar_range as early fusion does. It needs
+``proj_first`` (the transform lives in the ego frame).
+
+Sample: ``{'ego': {object_bbx_center, object_bbx_mask, object_ids, processed_lidar {voxel_features: [per
+CAV], voxel_coords: [...], voxel_num_points: [...]}, cav_num, pairwise_t_matrix, [anchor_box, label_dict],
+[origin_lidar]}}``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, hypes_source, identity_matrix
+from opencood_ddp.data.geometry import transform_points, x1_to_x2
+from opencood_ddp.data.opv2v import CavFrame, read_frame
+from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import get_key
+
+
+class IntermediateFusionDataset(OpencoodDataset):
+    """Per-CAV voxels grouped by ``record_len`` (PointPillar AttFuse, F-Cooper)."""
+
+    optional_keys = COMMON_OPTIONAL_KEYS + (("fusion.args.proj_first", "bool"), ("fusion.args.augment", "bool"))
+
+    def __init__(self, hypes: Mapping, *args: Any, **kwargs: Any):
+        self.proj_first = bool(get_key(hypes, "fusion.args.proj_first", True))
+        super().__init__(hypes, *args, **kwargs)
+
+    def augments(self, hypes: Mapping) -> bool:
+        wanted = bool(get_key(hypes, "fusion.args.augment", False))
+        if wanted and not self.proj_first:
+            raise ConfigError(f"{hypes_source(hypes)}: fusion.args.augment needs fusion.args.proj_first true (the "
+                              f"augmentation transforms the clouds in the ego frame); set one of them differently")
+        return wanted
+
+    def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
+        frame = read_frame(self.index, index)
+        cavs: List[CavFrame] = list(frame.values())
+        ego_pose = cavs[0].lidar_pose
+        to_ego = [x1_to_x2(cav.lidar_pose, ego_pose) for cav in cavs]
+        clouds, objects = [], []
+        for cav, matrix in zip(cavs, to_ego):
+            objects.append(self.cav_objects(cav, ego_pose))
+            points = self.load_cav_points(cav.pcd_path, rng)
+            clouds.append(transform_points(points, matrix) if self.proj_first else points)
+        boxes, ids = self.merge_objects(objects)
+
+        transform = self.sample_transform(rng)
+        if transform is not None:
+            clouds = [transform.points(points) for points in clouds]
+            boxes, ids = self.in_range_boxes(transform.boxes(boxes), ids)
+        center, mask = self.pad_objects(boxes, f"sample {index} of {self.index.root}")
+        clouds = [self.crop(points) for points in clouds]
+
+        ego: Dict[str, Any] = {
+            "object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
+            "processed_lidar": merge_voxel_dicts([self.voxelizer(points) for points in clouds]),
+            "cav_num": len(cavs), "pairwise_t_matrix": self.pairwise_matrices(to_ego),
+        }
+        ego.update(self.label_entries(center, mask))
+        if self.visualize:
+            ego["origin_lidar"] = np.concatenate(clouds)
+        return OrderedDict(ego=ego)
+
+    def pairwise_matrices(self, to_ego: Sequence[np.ndarray]) -> np.ndarray:
+        """(max_cav, max_cav, 4, 4): entry [i, j] maps CAV i's frame into CAV j's (upstream's layout)."""
+        pairwise = np.zeros((self.max_cav, self.max_cav, 4, 4))
+        if self.proj_first:
+            pairwise[:, :] = np.identity(4)  # clouds are already in the ego frame
+            return pairwise
+        for i, t_i in enumerate(to_ego):
+            for j, t_j in enumerate(to_ego):
+                if i != j:  # upstream leaves the diagonal at zero
+                    pairwise[i, j] = np.linalg.inv(t_j) @ t_i
+        return pairwise
+
+    def collate_batch_train(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:
+        """All CAVs of all samples in one voxel batch; coords' first column is the running CAV index."""
+        egos = [sample["ego"] for sample in batch]
+        ego: Dict[str, Any] = dict(self.stack_objects(egos))
+        per_cav = [dict(zip(VOXEL_KEYS, arrays)) for e in egos
+                   for arrays in zip(*(e["processed_lidar"][key] for key in VOXEL_KEYS))]
+        ego["processed_lidar"] = collate_voxels(per_cav)
+        ego["record_len"] = torch.from_numpy(np.array([e["cav_num"] for e in egos], dtype=np.int64))
+        ego.update(self.collate_labels(egos))
+        # Upstream keeps the first sample's ids only (they are read at inference, where the batch is one sample).
+        ego["object_ids"] = egos[0]["object_ids"]
+        ego["pairwise_t_matrix"] = torch.from_numpy(np.array([e["pairwise_t_matrix"] for e in egos]))
+        return {"ego": ego}
+
+    def collate_batch_test(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:
+        """The training batch of one sample plus anchor_box and the ego's identity transformation_matrix."""
+        self.require_single(batch, "intermediate fusion")
+        output = self.collate_batch_train(batch)
+        ego_in = batch[0]["ego"]
+        if "anchor_box" in ego_in:
+            output["ego"]["anchor_box"] = torch.from_numpy(np.array(ego_in["anchor_box"]))
+        output["ego"]["transformation_matrix"] = identity_matrix()
+        if "origin_lidar" in ego_in:
+            output["ego"]["origin_lidar"] = torch.from_numpy(ego_in["origin_lidar"][None])
+        return output
+
+
+def merge_voxel_dicts(per_cav: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, List[np.ndarray]]:
+    """[{voxel_features: a, ...}, {voxel_features: b, ...}] -> {voxel_features: [a, b], ...} (upstream's merge)."""
+    return {key: [d[key] for d in per_cav] for key in VOXEL_KEYS}

@@ -1,0 +1,94 @@
+"""Late fusion: every CAV detects in its own frame; the post-processor fuses the boxes at the ego.
+
+Upstream counterpart: ``opencood/data_utils/datasets/late_fusion_dataset.py``. One CAV's processing (in its
+own LiDAR frame, no projection), as upstream: cloud shuffled, the car's own hits removed, cropped to
+``preprocess.cav_lidar_range``; GT boxes from that CAV's ``vehicles`` in its own frame (GT range, see ``base``); in
+training the ``data_augment`` transform (points and boxes are *not* re-cropped afterwards, as upstream);
+voxelization; anchors and labels.
+
+- Training (``train=True``): one CAV of the frame drawn at random (from the sample's RNG) among *all* the
+  scenario's kept CAVs, without the 70 m communication filter (upstream's ``get_item_train``); only that CAV's
+  yaml and pcd are read. The sample is ``{'ego': <that CAV>}``.
+- Otherwise: every CAV within 70 m, keyed ``'ego'`` for the ego and by CAV id for the others, each with its
+  ``transformation_matrix`` (float64 (4, 4), ``x1_to_x2(cav, ego)``) into the ego frame.
+
+``collate_batch_train`` (also used for the validation loss) takes each sample's ``'ego'`` entry;
+``collate_batch_test`` takes one sample and keeps one entry per CAV, as upstream.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from opencood_ddp.data.datasets.base import OpencoodDataset
+from opencood_ddp.data.geometry import transform_points, x1_to_x2
+from opencood_ddp.data.opv2v import CavFrame, lidar_pose_of, load_opv2v_yaml, read_frame
+from opencood_ddp.data.voxelize import collate_voxels
+
+
+class LateFusionDataset(OpencoodDataset):
+    """Single-CAV samples in training, all CAVs with their transforms at test (PointPillar late fusion)."""
+
+    def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
+        if self.train:
+            return OrderedDict(ego=self.process_cav(self.random_cav(index, rng), rng))
+        frame = read_frame(self.index, index)
+        ego_pose = next(iter(frame.values())).lidar_pose
+        sample: "OrderedDict[str, Any]" = OrderedDict()
+        for cav in frame.values():
+            processed = self.process_cav(cav, rng)
+            processed["transformation_matrix"] = x1_to_x2(cav.lidar_pose, ego_pose)
+            sample["ego" if cav.ego else cav.cav_id] = processed
+        return sample
+
+    def random_cav(self, index: int, rng: np.random.Generator) -> CavFrame:
+        """Upstream's ``random.choice`` over the frame's CAVs (the ego when visualizing); one yaml read."""
+        scenario, timestamp = self.index.locate(index)
+        position = 0 if self.visualize else int(rng.integers(len(scenario.cavs)))
+        record = scenario.cavs[position]
+        path = record.yaml_path(timestamp)
+        params = load_opv2v_yaml(path)
+        return CavFrame(record.cav_id, params, lidar_pose_of(params, path), record.pcd_path(timestamp), path,
+                        position == 0, float("nan"))  # the distance to the ego is not needed here
+
+    def process_cav(self, cav: CavFrame, rng: np.random.Generator) -> Dict[str, Any]:
+        # Upstream crops before removing the car's own hits; both are point masks, so the order is immaterial.
+        points = self.crop(self.load_cav_points(cav.pcd_path, rng))
+        boxes, ids = self.cav_objects(cav, cav.lidar_pose)
+        center, mask = self.pad_objects(boxes, cav.yaml_path)
+        transform = self.sample_transform(rng)
+        if transform is not None:
+            points, valid = transform.points(points), transform.boxes(boxes)
+            center[:len(valid)] = valid
+        processed: Dict[str, Any] = {"object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
+                                     "processed_lidar": self.voxelizer(points)}
+        processed.update(self.label_entries(center, mask))
+        if self.visualize:
+            processed["origin_lidar"] = points
+        return processed
+
+    def collate_batch_test(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:
+        """One sample -> {cav key: tensors with a batch dimension of 1, object_ids, transformation_matrix}."""
+        self.require_single(batch, "late fusion")
+        output: Dict[str, Dict[str, Any]] = {}
+        for key, cav in batch[0].items():
+            entry: Dict[str, Any] = dict(self.stack_objects([cav]))
+            entry["object_ids"] = cav["object_ids"]
+            entry["processed_lidar"] = collate_voxels([cav["processed_lidar"]])
+            entry["transformation_matrix"] = torch.from_numpy(np.array(cav["transformation_matrix"])).float()
+            if "anchor_box" in cav:
+                entry["anchor_box"] = torch.from_numpy(np.array(cav["anchor_box"]))
+            entry.update(self.collate_labels([cav]))
+            if "origin_lidar" in cav:
+                entry["origin_lidar"] = torch.from_numpy(cav["origin_lidar"][None])
+            output[key] = entry
+        if self.visualize:
+            # As upstream: the ego also carries every CAV's cloud projected into the ego frame.
+            projected = [transform_points(cav["origin_lidar"], cav["transformation_matrix"])
+                         for cav in batch[0].values()]
+            output["ego"]["origin_lidar"] = [torch.from_numpy(np.concatenate(projected))]
+        return output
+

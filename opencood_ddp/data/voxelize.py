@@ -1,0 +1,116 @@
+"""Point cloud -> pillars/voxels with spconv, in upstream OpenCOOD's ``SpVoxelPreprocessor`` layout.
+
+Upstream (``opencood/data_utils/pre_processor/sp_voxel_preprocessor.py``) wraps spconv 1.x's
+``VoxelGenerator(voxel_size, point_cloud_range=cav_lidar_range, max_num_points=max_points_per_voxel,
+max_voxels=max_voxel_train if train else max_voxel_test)`` and returns, as numpy:
+
+- ``voxel_features``   (M, P, C) float32: the points of each voxel, zero-padded to P = max_points_per_voxel;
+- ``voxel_coords``     (M, 3) int32: the voxel's grid index in **(z, y, x)** order;
+- ``voxel_num_points`` (M,) int32: how many of the P rows are real points.
+
+spconv 2.x's ``PointToVoxel`` gives the same layout and rules: a point is kept when
+``floor((p - min) / voxel_size)`` lies in ``[0, grid)`` on every axis, with grid = round(range / voxel
+size); voxels appear in the order their first point appears; a voxel keeps its first P points; voxels past
+``max_voxels`` are dropped. On CPU it runs sequentially, so the same points (in the same order) always give
+the same voxels. The CUDA kernel (``device='cuda'``) fills a hash table with atomics, so its voxel order is
+not guaranteed to be reproducible; the datasets voxelize on CPU inside DataLoader workers.
+
+``collate_voxels`` is upstream's ``collate_batch``: concatenate and prepend the sample (or CAV) index.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+
+from opencood_ddp.errors import ConfigError
+
+VOXEL_KEYS = ("voxel_features", "voxel_coords", "voxel_num_points")
+
+
+def _check_triplet(values: Sequence[float], name: str, length: int) -> List[float]:
+    if len(values) != length or not all(isinstance(v, (int, float)) for v in values):
+        raise ConfigError(f"{name} must be {length} numbers, got {values!r}; fix preprocess in the hypes")
+    return [float(v) for v in values]
+
+
+class Voxelizer:
+    """Callable ``points (N, >=C) -> {'voxel_features', 'voxel_coords', 'voxel_num_points'}`` (numpy).
+
+    The spconv generator holds (max_voxels, P, C) buffers; it is built lazily in the process that first uses
+    it and is left out when the object is pickled (DataLoader workers build their own).
+    """
+
+    def __init__(self, voxel_size: Sequence[float], lidar_range: Sequence[float], max_points_per_voxel: int,
+                 max_voxels: int, num_point_features: int = 4, device: Union[str, torch.device] = "cpu"):
+        self.voxel_size = _check_triplet(voxel_size, "preprocess.args.voxel_size", 3)
+        self.lidar_range = _check_triplet(lidar_range, "preprocess.cav_lidar_range", 6)
+        if min(self.voxel_size) <= 0:
+            raise ConfigError(f"preprocess.args.voxel_size must be positive, got {voxel_size!r}; fix the hypes")
+        if any(self.lidar_range[k + 3] <= self.lidar_range[k] for k in range(3)):
+            raise ConfigError(f"preprocess.cav_lidar_range must be [x_min, y_min, z_min, x_max, y_max, z_max] with "
+                              f"min < max, got {lidar_range!r}; fix the hypes")
+        if max_points_per_voxel < 1 or max_voxels < 1 or num_point_features < 3:
+            raise ConfigError(f"max_points_per_voxel ({max_points_per_voxel}) and max_voxels ({max_voxels}) must "
+                              f"be >= 1 and num_point_features ({num_point_features}) >= 3; fix preprocess.args")
+        self.max_points_per_voxel = int(max_points_per_voxel)
+        self.max_voxels = int(max_voxels)
+        self.num_point_features = int(num_point_features)
+        self.device = torch.device(device)
+        self._generator = None
+
+    @classmethod
+    def from_hypes(cls, preprocess: Mapping, train: bool, device: Union[str, torch.device] = "cpu") -> "Voxelizer":
+        """Upstream's choice: ``max_voxel_train`` for a training dataset, ``max_voxel_test`` otherwise."""
+        args = preprocess["args"]
+        max_voxels = args["max_voxel_train"] if train else args["max_voxel_test"]
+        return cls(args["voxel_size"], preprocess["cav_lidar_range"], args["max_points_per_voxel"], max_voxels,
+                   device=device)
+
+    @property
+    def grid_size(self) -> np.ndarray:
+        """(x, y, z) number of voxels, rounded as upstream's SpVoxelPreprocessor."""
+        extent = np.array(self.lidar_range[3:]) - np.array(self.lidar_range[:3])
+        return np.round(extent / np.array(self.voxel_size)).astype(np.int64)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_generator"] = None  # torch buffers of tens of MB: rebuilt where they are used
+        return state
+
+    def _point_to_voxel(self):
+        if self._generator is None:
+            # Imported here so that importing the datasets does not load spconv's compiled ops.
+            from spconv.pytorch.utils import PointToVoxel
+
+            self._generator = PointToVoxel(vsize_xyz=self.voxel_size, coors_range_xyz=self.lidar_range,
+                                           num_point_features=self.num_point_features,
+                                           max_num_voxels=self.max_voxels,
+                                           max_num_points_per_voxel=self.max_points_per_voxel,
+                                           device=self.device)
+        return self._generator
+
+    def __call__(self, points: np.ndarray) -> Dict[str, np.ndarray]:
+        points = np.asarray(points)
+        if points.ndim != 2 or points.shape[1] < self.num_point_features:
+            raise ValueError(f"points must have shape (N, >={self.num_point_features}), got {points.shape}")
+        cloud = torch.from_numpy(np.ascontiguousarray(points[:, :self.num_point_features], dtype=np.float32))
+        voxels, coords, num_points = self._point_to_voxel()(cloud.to(self.device))
+        return {"voxel_features": voxels.cpu().numpy(),
+                "voxel_coords": coords.cpu().numpy(),
+                "voxel_num_points": num_points.cpu().numpy()}
+
+
+def collate_voxels(voxel_dicts: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
+    """Upstream ``collate_batch``: concatenate, coords become (batch_index, z, y, x) with the list position."""
+    features = [d["voxel_features"] for d in voxel_dicts]
+    num_points = [d["voxel_num_points"] for d in voxel_dicts]
+    coords = [np.pad(d["voxel_coords"], ((0, 0), (1, 0)), mode="constant", constant_values=i)
+              for i, d in enumerate(voxel_dicts)]
+    return {"voxel_features": torch.from_numpy(np.concatenate(features)),
+            "voxel_coords": torch.from_numpy(np.concatenate(coords)),
+            "voxel_num_points": torch.from_numpy(np.concatenate(num_points))}
+
+
+__all__ = ["Voxelizer", "collate_voxels", "VOXEL_KEYS"]

@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Dataset throughput: samples/s through a DataLoader, and where one process spends its time.
+
+Usage: python tools/benchmark_dataset.py [--data data/toy_opv2v] [--hypes hypes_yaml/toy/...yaml]
+                                         [--workers 0 2] [--batch-size 2] [--train] [--torch-threads N]
+
+The data folder is generated (toy world, demo scale, seed 0) when it holds no toy set yet. Each worker count
+reads the whole split once after a short warm-up in the main process (spconv's first call loads its ops);
+the best of ``--repeats`` passes is reported. Then cProfile runs ``--profile-samples`` samples and their
+collation in the main process and the cumulative time is grouped into stages.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import inspect
+import os
+import platform
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils.data import DataLoader
+
+from opencood_ddp.data.augment import WorldTransform
+from opencood_ddp.data.datasets import build_dataset
+from opencood_ddp.data.toy import generate_toy_opv2v
+from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_HYPES = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
+
+# Stage -> (file suffix, function name[, first line]) of the functions whose cumulative time makes up the stage.
+# cProfile keys functions by name and line, so a line number singles out one of several methods of one name.
+_TRANSFORM_LINES = (inspect.getsourcelines(WorldTransform.points)[1], inspect.getsourcelines(WorldTransform.boxes)[1])
+STAGES: Dict[str, Tuple[tuple, ...]] = {
+    "pcd read": (("data/pcd.py", "read_pcd"),),
+    "yaml parse": (("data/opv2v.py", "load_opv2v_yaml"),),
+    "GT projection": (("data/geometry.py", "project_world_objects"),),
+    "point projection": (("data/geometry.py", "transform_points"),),
+    "shuffle + ego mask + crop": (("data/augment.py", "shuffle_points"), ("data/geometry.py", "mask_ego_points"),
+                                  ("data/geometry.py", "mask_points_by_range")),
+    "augmentation": (("data/augment.py", "sample"), ("data/augment.py", "points", _TRANSFORM_LINES[0]),
+                     ("data/augment.py", "boxes", _TRANSFORM_LINES[1])),
+    "voxelization": (("data/voxelize.py", "__call__"),),
+    "collate": (("data/datasets/intermediate_fusion.py", "collate_batch_train"),
+                ("data/datasets/base.py", "collate_batch_train")),
+}
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default="data/toy_opv2v", help="toy OPV2V root (generated when absent)")
+    parser.add_argument("--hypes", default=str(DEFAULT_HYPES), help="hypes YAML naming the dataset")
+    parser.add_argument("--split", default="train", choices=("train", "validate", "test"))
+    parser.add_argument("--train", action="store_true", help="training mode (augmentation, max_voxel_train)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="passes per worker count; the best is reported")
+    parser.add_argument("--profile-samples", type=int, default=24)
+    parser.add_argument("--torch-threads", type=int, default=0,
+                        help="torch intra-op threads of the main process (0: torch's default). DataLoader workers "
+                             "always use 1; spconv's output copies are slow with 2+ threads on a busy machine")
+    return parser.parse_args(argv)
+
+
+def samples_per_second(dataset, batch_size: int, workers: int) -> float:
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                        collate_fn=dataset.collate_batch_train)
+    start = time.perf_counter()
+    count = sum(int(batch["ego"]["object_bbx_center"].shape[0]) for batch in loader)
+    return count / (time.perf_counter() - start)
+
+
+def _matches(spec: tuple, filename: str, line: int, function: str) -> bool:
+    suffix, name = spec[0], spec[1]
+    return filename.endswith(suffix) and function == name and (len(spec) < 3 or spec[2] == line)
+
+
+def profile(dataset, samples: int, batch_size: int) -> Tuple[float, Dict[str, float], List[str]]:
+    """(total seconds, seconds per stage, the top functions by own time) for `samples` samples in-process."""
+    profiler = cProfile.Profile()
+    indices = list(range(min(samples, len(dataset))))
+    start = time.perf_counter()
+    profiler.enable()
+    for first in range(0, len(indices), batch_size):
+        dataset.collate_batch_train([dataset[i] for i in indices[first:first + batch_size]])
+    profiler.disable()
+    total = time.perf_counter() - start
+    stats = pstats.Stats(profiler)
+    stages = {stage: 0.0 for stage in STAGES}
+    for (filename, line, function), (_, _, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        for stage, functions in STAGES.items():
+            if any(_matches(spec, filename, line, function) for spec in functions):
+                stages[stage] += cumulative
+    rows = sorted(stats.stats.items(), key=lambda item: item[1][2], reverse=True)[:8]  # type: ignore[attr-defined]
+    top = [f"{own:7.3f} s own  {Path(filename).name}:{function}" for (filename, _, function), (_, _, own, _, _)
+           in rows]
+    return total, stages, top
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    summary = generate_toy_opv2v(args.data, seed=0, scale="demo")
+    data = Path(args.data)
+    hypes = apply_overrides(load_hypes(args.hypes), [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}",
+                                                     f"test_dir={data / 'test'}"])
+    hypes = run_yaml_parser(hypes, args.hypes)
+    dataset = build_dataset(hypes, args.split, args.train, seed=0)
+    clouds = summary.get("points_per_cloud", {}).get("mean")
+    print(f"{hypes['fusion']['core_method']} on {data / args.split}: {len(dataset)} samples, "
+          f"train={args.train}, batch {args.batch_size}, ~{clouds} points per cloud")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, "
+          f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")
+    dataset.collate_batch_train([dataset[0], dataset[1]])  # warm-up: spconv's ops, page cache
+    for workers in args.workers:
+        best = max(samples_per_second(dataset, args.batch_size, workers) for _ in range(args.repeats))
+        print(f"num_workers={workers}: {best:.1f} samples/s")
+
+    total, stages, top = profile(dataset, args.profile_samples, args.batch_size)
+    print(f"\ncProfile, {args.profile_samples} samples + collate in one process: {total:.2f} s "
+          f"({1000 * total / args.profile_samples:.1f} ms/sample; profiling overhead included)")
+    for stage, seconds in sorted(stages.items(), key=lambda item: -item[1]):
+        print(f"  {stage:<28} {seconds:7.3f} s  {100 * seconds / total:5.1f} %")
+    print("top functions by own time:")
+    for line in top:
+        print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
