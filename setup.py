@@ -14,6 +14,8 @@ CORE = [
     "tqdm>=4.60",
     "tensorboardX>=2.6",
     "matplotlib>=3.7",
+    # compiled ASCII .pcd parser (5x open3d); without it pcd.py falls back to its exact numpy parser
+    "numba==0.68.1; python_version >= '3.10'",
 ]
 
 setup(

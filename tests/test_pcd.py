@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import struct
+import subprocess
+import sys
+from decimal import Decimal, getcontext
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from opencood_ddp.data import pcd
 from opencood_ddp.data.pcd import read_pcd, read_pcd_header, write_pcd
 from opencood_ddp.errors import DataError
 
 open3d = pytest.importorskip("open3d")
+
+HAVE_NUMBA = importlib.util.find_spec("numba") is not None
+needs_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed (the numpy parser is used)")
+
+
+@pytest.fixture(autouse=True, params=["numba", "numpy"])
+def ascii_parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs with both ascii parsers: the compiled one (when numba is installed) and the numpy one."""
+    if request.param == "numba":
+        if not HAVE_NUMBA:
+            pytest.skip("numba is not installed")
+        monkeypatch.delenv(pcd._PARSER_ENV, raising=False)
+        assert pcd._numba_parser() is not None
+    else:
+        monkeypatch.setenv(pcd._PARSER_ENV, "numpy")
+        assert pcd._numba_parser() is None
+    return request.param
 
 
 def _cloud(points: int, seed: int = 0) -> np.ndarray:
@@ -337,3 +360,213 @@ def test_ascii_float_colour_near_float32_midpoints(tmp_path: Path) -> None:
             rows.append(f"0 0 0 {value}")
     path = _write_text(tmp_path / "mid.pcd", _header("x y z rgb", "4 4 4 4", "F F F F", "1 1 1 1", len(rows)), rows)
     _assert_same(read_pcd(path), _open3d_read(path))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The numba parser against the numpy parser: same bits, same errors, fallbacks taken
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _read_with(parser: str, path: Path, monkeypatch: pytest.MonkeyPatch) -> np.ndarray | str:
+    """read_pcd with one parser: the array, or the DataError message."""
+    if parser == "numpy":
+        monkeypatch.setenv(pcd._PARSER_ENV, "numpy")
+    else:
+        monkeypatch.delenv(pcd._PARSER_ENV, raising=False)
+    try:
+        return read_pcd(path)
+    except DataError as error:
+        return str(error)
+
+
+def _assert_parsers_agree(path: Path, monkeypatch: pytest.MonkeyPatch) -> np.ndarray | str:
+    compiled, reference = _read_with("numba", path, monkeypatch), _read_with("numpy", path, monkeypatch)
+    if isinstance(reference, str):
+        assert compiled == reference
+    else:
+        assert isinstance(compiled, np.ndarray)
+        _assert_same(compiled, reference)
+    return reference
+
+
+def _float32_midpoints(rng: np.random.Generator, count: int) -> list[str]:
+    """Decimals at, next to and 19-digit-rounded from midpoints of adjacent float32s (normal and denormal)."""
+    getcontext().prec = 120
+    bits = np.concatenate([rng.integers(1, 0x00800000, count // 2), rng.integers(0x00800000, 0x7F000000, count // 2)])
+    # Only the red byte (bits 16-23) of a colour shows: make most midpoints lie between ...FFFF and the next float.
+    bits[: count * 3 // 4] |= 0xFFFF
+    bits = np.concatenate([bits, [0, 0x00808080, 0x007F7F7F, 0x00FFFFFF, 0x00010101, 0x7F7FFFFE]]).astype(np.uint32)
+    tokens = []
+    for b in bits.tolist():
+        low = Decimal(float(np.uint32(b).view(np.float32)))
+        high = Decimal(float(np.uint32(b + 1).view(np.float32)))
+        middle = (low + high) / 2
+        tokens += [f"{middle:.18e}", f"{middle:.16e}", f"{middle:.9e}", str(middle)]
+        # A few double ulps either side: where a double approximation of the decimal could round the wrong way.
+        tokens += [f"{middle * (1 + Decimal(k) * Decimal('1e-18')):.18e}" for k in (-400, -40, -8, -3, 3, 8, 40, 400)]
+    return tokens
+
+
+def _tricky_tokens(rng: np.random.Generator, count: int) -> list[str]:
+    """Numbers in many spellings: exponents, 1 to 25 digits, signs, zeros, subnormals, specials, midpoints."""
+    tokens = ["0", "-0", "+0", "-0.0", "0e0", "-0e-5", "0e999", "-0.000", "00012.5000", "5.", ".5", "-.25", "+.5e1",
+              "1E-3", "1e+3", "1e-320", "4.9e-324", "2.4703282292062327e-324", "1e-310", "1e-45", "1.4e-45",
+              "7.006492321624085e-46", "7e-46", "1.17549435e-38", "1.1754943e-38", "3.4028235e38", "3.40282357e38",
+              "1e39", "1e308", "1.8e308", "1e400", "-1e400", "9007199254740992", "9007199254740993",
+              "18446744073709551615", "99999999999999999999", "1234567890123456789", "12345678901234567890",
+              "0.1234567890123456789", "0.12345678901234567890123", "1e22", "1e23", "-1e22", "1e-22", "1e-23",
+              "123456789e-30", "nan", "-nan", "inf", "-inf", "Infinity", "NaN", "4278190335", "-1", "16777215",
+              "2147483648", "-2147483649", "9223372036854775807", "9.3e18", "-9.3e18", "3.7", "-2.5", "1e10"]
+    tokens += _float32_midpoints(rng, 40)
+    any_float32 = rng.integers(0, 2**32, count, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    with np.errstate(invalid="ignore"):  # NaN payloads
+        values = np.concatenate([
+            rng.uniform(-200, 200, count), rng.normal(size=count) * 10.0 ** rng.integers(-45, 39, count),
+            any_float32.astype(np.float64), rng.integers(-10**6, 10**6, count).astype(np.float64),
+        ])
+    formats = ["%.1g", "%.6g", "%.9g", "%.10g", "%.15g", "%.17g", "%.19g", "%.20g", "%.21g", "%.3e", "%.9e",
+               "%.16e", "%.18e", "%.19e", "%.24e", "%.0f", "%.3f", "%.8f", "%r", "%+.7G"]
+    for value, form in zip(values.tolist(), rng.choice(formats, len(values)).tolist()):
+        tokens.append(repr(value) if form == "%r" else form % value)
+    return tokens
+
+
+@needs_numba
+@pytest.mark.parametrize("layout", ["rgb F", "rgb U", "rgb I", "intensity", "rgba F last", "no colour"])
+def test_numba_and_numpy_parsers_agree_on_tricky_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         layout: str) -> None:
+    rng = np.random.default_rng(7)
+    tokens = _tricky_tokens(rng, 3000)
+    rng.shuffle(tokens)
+    fields = {"rgb F": ("x y z rgb", "F F F F"), "rgb U": ("x y z rgb", "F F F U"),
+              "rgb I": ("x y z rgb", "F F F I"), "intensity": ("x y z intensity", "F F F F"),
+              "rgba F last": ("y normal z x rgba", "F F F F F"), "no colour": ("x y z", "F F F")}[layout]
+    per_row = len(fields[0].split())
+    while len(tokens) % per_row:
+        tokens.append("1")
+    rows = [" ".join(tokens[i:i + per_row]) for i in range(0, len(tokens), per_row)]
+    count = len(rows)
+    header = _header(fields[0], " ".join(["4"] * per_row), fields[1], " ".join(["1"] * per_row), count)
+    path = _write_text(tmp_path / "tricky.pcd", header, rows)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ours = _assert_parsers_agree(path, monkeypatch)
+    assert isinstance(ours, np.ndarray) and ours.shape == (count, 4)
+    # And both are strtod for the coordinates, cast to float32.
+    column = read_pcd_header(path).column("x")
+    with np.errstate(over="ignore"):
+        expected = np.array([float(row.split()[column]) for row in rows]).astype(np.float32)
+    assert np.array_equal(ours[:, 0].view(np.uint32), expected.view(np.uint32))
+
+
+@needs_numba
+@pytest.mark.parametrize("writer", ["open3d", "ours"])
+def test_numba_and_numpy_parsers_agree_on_written_clouds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         writer: str) -> None:
+    cloud = _cloud(30_000, seed=5)
+    cloud[3, 2] = -0.0
+    cloud[4, 0] = np.float32(1e-44)  # a float32 subnormal
+    path = tmp_path / "cloud.pcd"
+    if writer == "open3d":
+        _open3d_write(path, cloud, ascii_data=True)
+    else:
+        write_pcd(path, cloud)
+    ours = _assert_parsers_agree(path, monkeypatch)
+    _assert_same(ours, _open3d_read(path))
+
+
+@needs_numba
+@pytest.mark.parametrize("rows", [
+    ["1 2 3", "4 abc 6", "7 8 1.2.3"], ["1 2 3", "4 5 6 7", "8 9"], ["1 2 3 4 5 6", "7 8 9"], ["1 2 3", "4 5 6"],
+    ["1 2 3", "4 5 6", "7 8 9", "1"], ["1\t2 3", "4 5 6\r", "7 8 9"], ["1 2 3\r4 5 6", "7 8 9"],
+    ["zz 2 3", "4 1_0 6", "7 8 9"], ["1 2 0x10", "inf -nan 1e400", "7 8 9"],
+], ids=["two-bad", "split", "joined", "short", "long", "tab-cr", "bare-cr", "junk-order", "specials"])
+def test_numba_and_numpy_parsers_agree_on_layouts_and_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              rows: list[str]) -> None:
+    path = _write_text(tmp_path / "rows.pcd", _header("x y z", "4 4 4", "F F F", "1 1 1", 3), rows)
+    with np.errstate(over="ignore"):
+        _assert_parsers_agree(path, monkeypatch)
+
+
+@needs_numba
+def test_numba_and_numpy_parsers_report_the_same_first_bad_token(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # The colour of row 1 and z of row 2 are bad: the numpy parser does x, y, z first, so row 2 is named.
+    path = _write_text(tmp_path / "bad.pcd", _header("z y x rgb", "4 4 4 4", "F F F F", "1 1 1 1", 2),
+                       ["1 2 3 oops", "bad 5 worse 7"])
+    message = _assert_parsers_agree(path, monkeypatch)
+    assert isinstance(message, str) and "row 2" in message and "worse" in message
+
+
+@needs_numba
+def test_numba_parser_flags_what_it_cannot_prove_exact() -> None:
+    from opencood_ddp.data import _ascii_numba as parser
+
+    getcontext().prec = 80
+    low = Decimal(float(np.uint32(0x00808080).view(np.float32)))
+    high = Decimal(float(np.uint32(0x00808081).view(np.float32)))
+    near_tie = f"{(low + high) / 2:.18e}"  # 19 digits, closer to the float32 midpoint than the double's error
+    rows = [("1.5", "2", "3", "1e-38"), ("nan", "1e23", "12345678901234567890", near_tie),
+            ("-0", "1.25e-3", "inf", "2.35098856e-38"), ("0x1p3", "9007199254740993", "7", "1e400"),
+            ("1", "2", "3", "3.4028235e38")]
+    body = ("\n".join(" ".join(row) for row in rows) + "\n").encode()
+    out = np.full((5, 4), -7.0, dtype=np.float32)
+    modes = np.array([parser.DOUBLE, parser.DOUBLE, parser.DOUBLE, parser.FLOAT32_BITS], dtype=np.int64)
+    status, flagged = parser.parse_body(np.frombuffer(body, dtype=np.uint8), 5, 4, np.arange(4, dtype=np.int64),
+                                        modes, out)
+    assert status == parser.STATUS_OK
+    assert sorted((row, column) for row, column, _, _ in flagged.tolist()) == [
+        (1, 0), (1, 1), (1, 2), (1, 3), (2, 2), (3, 0), (3, 1), (3, 3), (4, 3)]
+    for row, column, start, end in flagged.tolist():
+        assert body[start:end] == rows[row][column].encode()
+    red = (int(np.float32(1e-38).view(np.uint32)) >> 16) & 0xFF
+    assert out[0].tolist() == [1.5, 2.0, 3.0, np.float32(red / 255.0)]  # the red byte of strtof("1e-38")
+    assert out[2, :2].tolist() == [0.0, np.float32(1.25e-3)] and np.signbit(out[2, 0])
+    assert out[3, 2] == 7.0
+    # A layout the compiled parser does not accept is left to the numpy parser.
+    status, _ = parser.parse_body(np.frombuffer(b"1 2 3 4\n5 6 7", dtype=np.uint8), 2, 4,
+                                  np.arange(4, dtype=np.int64), modes, out)
+    assert status == parser.STATUS_LAYOUT
+
+
+def test_read_pcd_without_numba_uses_the_numpy_parser(tmp_path: Path, ascii_parser: str) -> None:
+    if ascii_parser != "numpy":
+        pytest.skip("one run is enough")
+    path = tmp_path / "plain.pcd"
+    write_pcd(path, _cloud(500, seed=9))
+    script = (
+        "import sys, numpy as np\n"
+        "sys.modules['numba'] = None  # import numba raises ImportError, as when it is not installed\n"
+        "from opencood_ddp.data import pcd\n"
+        "assert pcd._numba_parser() is None\n"
+        f"np.save({str(tmp_path / 'ours.npy')!r}, pcd.read_pcd({str(path)!r}))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != pcd._PARSER_ENV}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    _assert_same(np.load(tmp_path / "ours.npy"), _open3d_read(path))
+
+
+@needs_numba
+def test_numba_parser_works_without_a_writable_cache(tmp_path: Path, ascii_parser: str) -> None:
+    if ascii_parser != "numba":
+        pytest.skip("one run is enough")
+    path = tmp_path / "cloud.pcd"
+    write_pcd(path, _cloud(200, seed=4))
+    script = (
+        "import warnings, numpy as np\n"
+        "import numba.core.caching as caching\n"
+        "def refuse(self):\n"
+        "    raise OSError('read-only')\n"
+        "caching._CacheLocator.ensure_cache_path = refuse  # no locator can write: numba cannot cache at all\n"
+        "from opencood_ddp.data import pcd\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert pcd._numba_parser() is not None\n"
+        "assert any('NUMBA_CACHE_DIR' in str(w.message) for w in caught), [str(w.message) for w in caught]\n"
+        f"ours = pcd.read_pcd({str(path)!r})\n"
+        f"np.save({str(tmp_path / 'ours.npy')!r}, ours)\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key not in ("NUMBA_CACHE_DIR", pcd._PARSER_ENV)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    _assert_same(np.load(tmp_path / "ours.npy"), _open3d_read(path))
