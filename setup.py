@@ -29,7 +29,7 @@ setup(
         # CPU stack: spconv's CPU wheel (its point-to-voxel generator is what the data pipeline uses).
         "cpu": ["spconv==2.3.8", "open3d-cpu==0.20.0"],
         # CUDA 12.0 stack: install a CUDA build of torch first, then `pip install -e .[cuda]`.
-        "cuda": ["spconv-cu120==2.3.8", "open3d==0.18.0"],
+        "cuda": ["spconv-cu120==2.3.8", "open3d-cpu==0.20.0"],
         "test": ["pytest>=7"],
     },
 )
