@@ -202,7 +202,6 @@ def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
 
 def save_hypes(hypes: Mapping, path: str | os.PathLike) -> None:
     """Write the resolved hypes as plain YAML (atomically: a half-written config.yaml breaks resume)."""
-    path = Path(path)
     text = yaml.dump(_plain(hypes), Dumper=HypesDumper, sort_keys=False, default_flow_style=None)
     atomic_write(path, lambda handle: handle.write(text.encode()))
 

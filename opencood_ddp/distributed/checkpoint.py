@@ -177,8 +177,9 @@ def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any])
     BatchNorm running statistics counted as buffers, over the keys both hold.
     """
     worst: dict = {"parameters": (0.0, None), "buffers": (0.0, None)}
+    state = strip_module_prefix(state)
     for key, ref in strip_module_prefix(reference).items():
-        other = strip_module_prefix(state).get(key)
+        other = state.get(key)
         if other is None or not ref.is_floating_point():
             continue
         kind = "buffers" if "running_" in key else "parameters"

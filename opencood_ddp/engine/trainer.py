@@ -265,12 +265,14 @@ class Trainer:
                 "batch_plan": self.plan.as_dict(), "world_size": self.env.world_size, "seed": self.settings.seed}
 
     def _save(self, epoch: int, val: Optional[dict]) -> None:
-        rng = comm.gather_objects(ckpt.rng_state())  # every rank's RNG, so a resume continues each stream
+        due = self._due(epoch - 1, self.settings.save_freq)  # the same on every rank
+        # Every rank's RNG, so a resume continues each stream; gathered only when a checkpoint is written.
+        rng = comm.gather_objects(ckpt.rng_state()) if due else None
         improved = val is not None and val["loss"] < self.progress.best_val
         if improved:
             self.progress.best_val, self.progress.best_epoch = val["loss"], epoch
         if self.env.is_main:
-            if self._due(epoch - 1, self.settings.save_freq):
+            if due:
                 path = ckpt.save_epoch(self.run_dir, epoch, self.model_without_ddp,
                                        dict(self.training_state(), rng=rng), self.settings.keep_states)
                 self.log.info(f"saved {path}")
