@@ -179,6 +179,11 @@ ENGINE_OPTIONAL_KEYS: Sequence[tuple[str, str]] = (
 )
 
 
+def hypes_source(hypes: Mapping) -> str:
+    """How error messages name hypes whose file is not known at that point: by the run's name."""
+    return f"hypes {hypes.get('name', '')}".strip()
+
+
 def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
              optional: Iterable[tuple[str, str]] = ()) -> None:
     """Raise one ConfigError listing every missing required key and every ill-typed key."""

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
-from opencood_ddp.hypes import validate
+from opencood_ddp.hypes import hypes_source, validate
 
 REQUIRED_KEYS = (("synthetic.num_train", "positive_int"), ("synthetic.num_validate", "positive_int"))
 _SPLIT_OFFSET = {"train": 0, "validate": 1_000_000}
@@ -68,7 +68,7 @@ def regression_step(model: nn.Module, batch: dict) -> LossOutput:
 
 
 def build_task(hypes: dict, for_training: bool) -> Task:
-    validate(hypes, REQUIRED_KEYS, f"hypes {hypes.get('name', '')}".strip())
+    validate(hypes, REQUIRED_KEYS, hypes_source(hypes))
     cfg = hypes["synthetic"]
     seed = int(cfg.get("data_seed", 0))
     shape = dict(channels=cfg.get("channels", 3), size=cfg.get("image_size", 8), outputs=cfg.get("outputs", 2))

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Dict, Mapping, Optional, Type
 
-from opencood_ddp.data.datasets.base import GT_RANGE, SPLIT_KEYS, OpencoodDataset, PostProcessor, hypes_source
+from opencood_ddp.data.datasets.base import GT_RANGE, SPLIT_KEYS, OpencoodDataset, PostProcessor
 from opencood_ddp.data.datasets.early_fusion import EarlyFusionDataset
 from opencood_ddp.data.datasets.intermediate_fusion import IntermediateFusionDataset
 from opencood_ddp.data.datasets.late_fusion import LateFusionDataset
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import validate
+from opencood_ddp.hypes import hypes_source, validate
 
 DATASETS: Dict[str, Type[OpencoodDataset]] = {
     "EarlyFusionDataset": EarlyFusionDataset,

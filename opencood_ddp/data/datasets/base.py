@@ -53,7 +53,7 @@ from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, scan_
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import get_key, validate
+from opencood_ddp.hypes import get_key, hypes_source, validate
 
 # Upstream's evaluation range (opencood/data_utils/datasets/__init__.py).
 GT_RANGE: Tuple[float, ...] = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
@@ -89,11 +89,6 @@ class PostProcessor(Protocol):
     def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> dict: ...
 
     def collate_batch(self, label_list: List[dict]) -> dict: ...
-
-
-def hypes_source(hypes: Mapping) -> str:
-    """How error messages name the hypes (the run's name; the file is not known here)."""
-    return f"hypes {hypes.get('name', '')}".strip()
 
 
 def _range6(hypes: Mapping, key: str, source: str) -> Tuple[float, ...]:

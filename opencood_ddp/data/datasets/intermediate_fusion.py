@@ -28,12 +28,12 @@ from typing import Any, Dict, List, Mapping, Sequence
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, hypes_source, identity_matrix
+from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, identity_matrix
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import CavFrame, read_frame
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.hypes import get_key, hypes_source
 
 
 class IntermediateFusionDataset(OpencoodDataset):
