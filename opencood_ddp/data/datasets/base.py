@@ -263,6 +263,16 @@ class OpencoodDataset(Dataset):
         return {"ego": ego}
 
     @staticmethod
+    def test_extras(sample: Mapping) -> Dict[str, torch.Tensor]:
+        """A one-sample test batch's anchor_box and origin_lidar (batch dimension 1), when the sample has them."""
+        extras: Dict[str, torch.Tensor] = {}
+        if "anchor_box" in sample:
+            extras["anchor_box"] = torch.from_numpy(np.array(sample["anchor_box"]))
+        if "origin_lidar" in sample:
+            extras["origin_lidar"] = torch.from_numpy(sample["origin_lidar"][None])
+        return extras
+
+    @staticmethod
     def require_single(batch: Sequence, kind: str) -> None:
         if len(batch) != 1:
             raise ConfigError(f"{kind} evaluation batches hold exactly one sample (upstream's collate_batch_test), "

@@ -20,7 +20,6 @@ from collections import OrderedDict
 from typing import Any, Dict, Sequence
 
 import numpy as np
-import torch
 
 from opencood_ddp.data.datasets.base import OpencoodDataset, identity_matrix
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
@@ -64,9 +63,6 @@ class EarlyFusionDataset(OpencoodDataset):
         ego["object_ids"] = ego_in["object_ids"]
         ego["processed_lidar"] = collate_voxels([ego_in["processed_lidar"]])
         ego["transformation_matrix"] = identity_matrix()
-        if "anchor_box" in ego_in:
-            ego["anchor_box"] = torch.from_numpy(np.array(ego_in["anchor_box"]))
+        ego.update(self.test_extras(ego_in))
         ego.update(self.collate_labels([ego_in]))
-        if "origin_lidar" in ego_in:
-            ego["origin_lidar"] = torch.from_numpy(ego_in["origin_lidar"][None])
         return {"ego": ego}

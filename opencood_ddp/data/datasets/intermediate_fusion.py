@@ -111,12 +111,8 @@ class IntermediateFusionDataset(OpencoodDataset):
         """The training batch of one sample plus anchor_box and the ego's identity transformation_matrix."""
         self.require_single(batch, "intermediate fusion")
         output = self.collate_batch_train(batch)
-        ego_in = batch[0]["ego"]
-        if "anchor_box" in ego_in:
-            output["ego"]["anchor_box"] = torch.from_numpy(np.array(ego_in["anchor_box"]))
+        output["ego"].update(self.test_extras(batch[0]["ego"]))
         output["ego"]["transformation_matrix"] = identity_matrix()
-        if "origin_lidar" in ego_in:
-            output["ego"]["origin_lidar"] = torch.from_numpy(ego_in["origin_lidar"][None])
         return output
 
 

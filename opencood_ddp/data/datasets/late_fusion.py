@@ -79,11 +79,8 @@ class LateFusionDataset(OpencoodDataset):
             entry["object_ids"] = cav["object_ids"]
             entry["processed_lidar"] = collate_voxels([cav["processed_lidar"]])
             entry["transformation_matrix"] = torch.from_numpy(np.array(cav["transformation_matrix"])).float()
-            if "anchor_box" in cav:
-                entry["anchor_box"] = torch.from_numpy(np.array(cav["anchor_box"]))
+            entry.update(self.test_extras(cav))
             entry.update(self.collate_labels([cav]))
-            if "origin_lidar" in cav:
-                entry["origin_lidar"] = torch.from_numpy(cav["origin_lidar"][None])
             output[key] = entry
         if self.visualize:
             # As upstream: the ego also carries every CAV's cloud projected into the ego frame.
