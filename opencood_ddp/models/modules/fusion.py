@@ -1,0 +1,48 @@
+"""Feature fusion across the CAVs of one sample: AttFuse's attention and F-Cooper's max.
+
+A batch holds the CAVs of all its samples one after the other; ``record_len[b]`` says how many belong to
+sample ``b`` (the ego first). Both fusions return one map per sample. Neither has parameters, so they add no
+state-dict keys (as upstream's ``AttFusion`` and ``SpatialFusion``).
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+from torch import nn
+
+
+def regroup(x: torch.Tensor, record_len: torch.Tensor) -> List[torch.Tensor]:
+    """(sum(record_len), C, H, W) -> one (record_len[b], C, H, W) tensor per sample."""
+    return list(torch.split(x, [int(n) for n in record_len.tolist()]))
+
+
+class AttFusion(nn.Module):
+    """Per BEV cell, scaled dot-product self-attention over the sample's CAV features; keeps the ego's row.
+
+    Upstream ``sub_modules/self_attn.py``: query = key = value = the CAVs' C-vectors at that cell, scaled by
+    sqrt(C). Only the ego's output is kept, so this is attention of the ego's feature over all CAVs.
+    """
+
+    def __init__(self, feature_dim: int):
+        super().__init__()
+        self.scale = 1.0 / math.sqrt(feature_dim)
+
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+        fused = []
+        for cavs in regroup(x, record_len):
+            n, c, h, w = cavs.shape
+            tokens = cavs.reshape(n, c, h * w).permute(2, 0, 1)  # (cells, cavs, C)
+            ego = tokens[:, :1]  # only the ego's output row is used
+            weights = torch.softmax(torch.bmm(ego, tokens.transpose(1, 2)) * self.scale, dim=-1)
+            out = torch.bmm(weights, tokens)  # (cells, 1, C)
+            fused.append(out.permute(1, 2, 0).reshape(1, c, h, w))
+        return torch.cat(fused, dim=0)
+
+
+class MaxFusion(nn.Module):
+    """F-Cooper's maxout fusion (upstream ``SpatialFusion``): element-wise max over the sample's CAVs."""
+
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+        return torch.cat([cavs.max(dim=0, keepdim=True).values for cavs in regroup(x, record_len)], dim=0)

@@ -1,0 +1,224 @@
+"""The PointPillar family: upstream parameter names and shapes, and what each module computes."""
+from __future__ import annotations
+
+import ast
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+from opencood_ddp.models import create_model
+from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
+from opencood_ddp.models.modules.pillar_vfe import PillarVFE
+from opencood_ddp.models.modules.scatter import PointPillarScatter
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT.parent / "shared" / "reference" / "opencood_state_dict"
+BASELINES = {
+    "point_pillar_early_fusion": "point_pillar",
+    "point_pillar_late_fusion": "point_pillar",
+    "point_pillar_intermediate_fusion": "point_pillar_intermediate",
+    "point_pillar_fcooper": "point_pillar_fcooper",
+}
+TOY = ["point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
+       "point_pillar_fcooper"]
+
+
+def hypes_of(path: Path, *overrides: str) -> dict:
+    return run_yaml_parser(apply_overrides(load_hypes(path), list(overrides)), str(path))
+
+
+def reference_shapes(core_method: str) -> list[tuple[str, list[int]]]:
+    rows = (REFERENCE / f"{core_method}.tsv").read_text().splitlines()
+    return [(name, ast.literal_eval(shape)) for name, shape in (row.split("\t") for row in rows)]
+
+
+@pytest.mark.parametrize("config", sorted(BASELINES))
+def test_baseline_state_dict_equals_upstream_reference(config):
+    hypes = hypes_of(ROOT / "hypes_yaml" / "opv2v" / f"{config}.yaml")
+    assert hypes["model"]["core_method"] == BASELINES[config]
+    model = create_model(hypes)
+    ours = [(name, list(tensor.shape)) for name, tensor in model.state_dict().items()]
+    assert ours == reference_shapes(BASELINES[config])  # names, shapes and order
+
+
+@pytest.mark.parametrize("config", sorted(BASELINES))
+def test_upstream_shaped_checkpoint_loads_strictly(config):
+    """A state dict with upstream's keys (here: random values of the reference shapes) loads with strict=True."""
+    hypes = hypes_of(ROOT / "hypes_yaml" / "opv2v" / f"{config}.yaml")
+    model = create_model(hypes)
+    generator = torch.Generator().manual_seed(0)
+    upstream = {name: (torch.randint(0, 5, shape, generator=generator) if name.endswith("num_batches_tracked")
+                       else torch.randn(shape, generator=generator)) for name, shape in
+                reference_shapes(BASELINES[config])}
+    model.load_state_dict(upstream, strict=True)
+    assert torch.equal(model.state_dict()["cls_head.weight"], upstream["cls_head.weight"])
+
+
+def _voxel_batch(num_images: int, cells_per_image: int = 30, points: int = 5, seed: int = 0,
+                 grid=(32, 16)) -> dict:
+    """Random pillars (unique cells per image) in upstream's collated layout, coords (image, z, y, x)."""
+    g = torch.Generator().manual_seed(seed)
+    coords, features, counts = [], [], []
+    for image in range(num_images):
+        cells = torch.randperm(grid[0] * grid[1], generator=g)[:cells_per_image]
+        y, x = cells // grid[0], cells % grid[0]
+        coords.append(torch.stack([torch.full_like(x, image), torch.zeros_like(x), y, x], dim=1))
+        n = torch.randint(1, points + 1, (cells_per_image,), generator=g)
+        f = torch.randn(cells_per_image, points, 4, generator=g)
+        f[torch.arange(points).view(1, -1) >= n.view(-1, 1)] = 0  # padded rows are zero, as spconv writes them
+        features.append(f)
+        counts.append(n)
+    return {"voxel_features": torch.cat(features), "voxel_coords": torch.cat(coords).int(),
+            "voxel_num_points": torch.cat(counts).int()}
+
+
+def _toy_model_hypes(config: str, *overrides: str) -> dict:
+    return hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", *overrides)
+
+
+def test_pillar_vfe_ignores_padded_rows_and_point_order():
+    cfg = {"use_norm": True, "with_distance": False, "use_absolute_xyz": True, "num_filters": [16]}
+    vfe = PillarVFE(cfg, 4, [0.4, 0.4, 4], [-6.4, -3.2, -3, 6.4, 3.2, 1]).eval()
+    batch = _voxel_batch(2, grid=(32, 16))
+    base = vfe(dict(batch))["pillar_features"]
+    assert base.shape == (60, 16)
+    garbage = dict(batch)
+    features = batch["voxel_features"].clone()
+    pad = torch.arange(features.shape[1]).view(1, -1) >= batch["voxel_num_points"].view(-1, 1).long()
+    features[pad] = 1e3  # whatever sits in padded rows must not matter
+    garbage["voxel_features"] = features
+    assert torch.allclose(vfe(garbage)["pillar_features"], base)
+    # The max over points does not depend on the order of the real points.
+    reordered = dict(batch)
+    features = batch["voxel_features"].clone()
+    first = batch["voxel_num_points"].long() >= 2
+    features[first, 0], features[first, 1] = batch["voxel_features"][first, 1], batch["voxel_features"][first, 0]
+    reordered["voxel_features"] = features
+    assert torch.allclose(vfe(reordered)["pillar_features"], base, atol=1e-6)
+
+
+def test_pillar_vfe_decoration_matches_hand_computation():
+    cfg = {"use_norm": False, "with_distance": True, "use_absolute_xyz": True, "num_filters": [8]}
+    vfe = PillarVFE(cfg, 4, [0.5, 0.5, 4], [-2, -2, -3, 2, 2, 1])
+    voxels = torch.zeros(1, 3, 4)
+    voxels[0, 0] = torch.tensor([0.1, 0.2, 0.0, 0.5])
+    voxels[0, 1] = torch.tensor([0.3, 0.4, -1.0, 0.7])
+    coords = torch.tensor([[0, 0, 4, 4]])  # cell (y 4, x 4): centre x = 4 * 0.5 + 0.25 - 2 = 0.25
+    decorated = vfe.decorate(voxels, torch.tensor([2]), coords)
+    assert decorated.shape == (1, 3, 11)
+    mean = torch.tensor([0.2, 0.3, -0.5])
+    centre = torch.tensor([0.25, 0.25, -1.0])  # z: 0 * 4 + 2 - 3
+    row = decorated[0, 1]
+    assert torch.allclose(row[:4], voxels[0, 1])
+    assert torch.allclose(row[4:7], voxels[0, 1, :3] - mean)
+    assert torch.allclose(row[7:10], voxels[0, 1, :3] - centre)
+    assert math.isclose(row[10].item(), float(torch.linalg.vector_norm(voxels[0, 1, :3])), rel_tol=1e-6)
+    assert torch.count_nonzero(decorated[0, 2]) == 0  # the padded row
+
+
+def test_scatter_places_each_pillar_in_its_cell_and_keeps_trailing_empty_images():
+    scatter = PointPillarScatter({"num_features": 3, "grid_size": [8, 4, 1]})
+    pillars = torch.arange(6, dtype=torch.float32).view(2, 3)
+    coords = torch.tensor([[0, 0, 1, 2], [1, 0, 3, 7]])
+    out = scatter({"pillar_features": pillars, "voxel_coords": coords}, num_images=3)["spatial_features"]
+    assert out.shape == (3, 3, 4, 8)
+    assert torch.equal(out[0, :, 1, 2], pillars[0]) and torch.equal(out[1, :, 3, 7], pillars[1])
+    assert out.abs().sum() == pillars.abs().sum()  # nothing else written
+    assert out[2].abs().sum() == 0  # the third image had no pillar and is still there
+
+
+def _att_reference(x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+    """Upstream's formulation: full self-attention over every CAV, then the ego's row."""
+    out, start = [], 0
+    for n in record_len.tolist():
+        cavs = x[start:start + n]
+        start += n
+        c, h, w = cavs.shape[1:]
+        tokens = cavs.reshape(n, c, -1).permute(2, 0, 1)
+        attn = torch.softmax(tokens @ tokens.transpose(1, 2) / math.sqrt(c), dim=-1) @ tokens
+        out.append(attn.permute(1, 2, 0).reshape(n, c, h, w)[:1])
+    return torch.cat(out)
+
+
+def test_att_fusion_equals_full_self_attention_ego_row():
+    x = torch.randn(6, 8, 5, 7, generator=torch.Generator().manual_seed(1))
+    record_len = torch.tensor([3, 1, 2])
+    fused = AttFusion(8)(x, record_len)
+    assert fused.shape == (3, 8, 5, 7)
+    assert torch.allclose(fused, _att_reference(x, record_len), atol=1e-6)
+    assert torch.allclose(fused[1], x[3])  # a lone ego attends only to itself
+
+
+def test_max_fusion_is_elementwise_max_per_sample():
+    x = torch.randn(5, 4, 3, 3, generator=torch.Generator().manual_seed(2))
+    fused = MaxFusion()(x, torch.tensor([2, 3]))
+    assert torch.equal(fused[0], torch.maximum(x[0], x[1]))
+    assert torch.equal(fused[1], x[2:].max(dim=0).values)
+
+
+@pytest.mark.parametrize("config", TOY)
+def test_toy_models_forward_backward_every_parameter(config):
+    hypes = _toy_model_hypes(config)
+    model = create_model(hypes)
+    grid = hypes["model"]["args"]["point_pillar_scatter"]["grid_size"]
+    fused = hypes["model"]["core_method"] != "point_pillar"
+    record_len = torch.tensor([2, 1]) if fused else None
+    images = 3 if fused else 2
+    lidar = _voxel_batch(images, cells_per_image=200, grid=(grid[0], grid[1]))
+    data = {"processed_lidar": lidar, "object_bbx_center": torch.zeros(2, 100, 7)}
+    if fused:
+        data["record_len"] = record_len
+    out = model(data)
+    anchors = hypes["postprocess"]["anchor_args"]["num"]
+    size = (grid[1] // 2, grid[0] // 2)
+    assert out["psm"].shape == (2, anchors, *size)
+    assert out["rm"].shape == (2, 7 * anchors, *size)
+    (out["psm"].sum() + out["rm"].sum()).backward()
+    missing = [name for name, p in model.named_parameters() if p.grad is None]
+    assert missing == []
+
+
+def test_fusion_model_sample_depends_only_on_its_own_cavs():
+    """Grouping by record_len: changing sample 1's CAVs leaves sample 0's output unchanged (eval mode)."""
+    hypes = _toy_model_hypes("point_pillar_intermediate_fusion")
+    model = create_model(hypes).eval()
+    grid = hypes["model"]["args"]["point_pillar_scatter"]["grid_size"]
+    a = _voxel_batch(3, cells_per_image=100, grid=(grid[0], grid[1]), seed=3)
+    b = _voxel_batch(3, cells_per_image=100, grid=(grid[0], grid[1]), seed=4)
+    b_mixed = {key: torch.cat([a[key][a["voxel_coords"][:, 0] < 2], b[key][b["voxel_coords"][:, 0] == 2]])
+               for key in a}
+    record_len = torch.tensor([2, 1])
+    with torch.no_grad():
+        out_a = model({"processed_lidar": a, "record_len": record_len})
+        out_b = model({"processed_lidar": b_mixed, "record_len": record_len})
+    assert torch.allclose(out_a["psm"][0], out_b["psm"][0], atol=1e-5)
+    assert not torch.allclose(out_a["psm"][1], out_b["psm"][1])
+
+
+def test_create_model_errors_name_the_key():
+    hypes = hypes_of(ROOT / "hypes_yaml" / "opv2v" / "point_pillar_early_fusion.yaml")
+    wrong = copy.deepcopy(hypes)
+    wrong["model"]["core_method"] = "point_pillar_v2vnet"
+    with pytest.raises(ConfigError, match="model.core_method 'point_pillar_v2vnet'"):
+        create_model(wrong)
+    missing = copy.deepcopy(hypes)
+    del missing["model"]["args"]["base_bev_backbone"]["layer_nums"]
+    with pytest.raises(ConfigError, match="missing key model.args.base_bev_backbone.layer_nums"):
+        create_model(missing)
+    unsupported = copy.deepcopy(hypes)
+    unsupported["model"]["args"]["base_bev_backbone"]["compression"] = 32
+    with pytest.raises(ConfigError, match="compression"):
+        create_model(unsupported)
+    mismatch = copy.deepcopy(hypes)
+    mismatch["model"]["args"]["point_pillar_scatter"]["num_features"] = 32
+    with pytest.raises(ConfigError, match="num_features"):
+        create_model(mismatch)
+    uneven = copy.deepcopy(hypes)
+    uneven["model"]["args"]["base_bev_backbone"]["layer_strides"] = [2, 2]
+    with pytest.raises(ConfigError, match="one entry per level"):
+        create_model(uneven)
