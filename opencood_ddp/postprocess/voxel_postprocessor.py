@@ -1,0 +1,243 @@
+"""The anchor-based post-processor of the PointPillar family: anchors, labels, and boxes from head outputs.
+
+Upstream counterpart: ``VoxelPostprocessor`` (``opencood/data_utils/post_processor/voxel_postprocessor.py``)
+with ``BasePostprocessor.generate_gt_bbx``. The datasets call ``generate_anchor_box``, ``generate_label`` and
+``collate_batch`` (the interface documented in ``opencood_ddp.data.datasets.base``); evaluation calls
+``post_process`` and ``generate_gt_bbx`` on one-sample test batches.
+
+Reads ``postprocess.anchor_args`` (cav_lidar_range, l, w, h, r, num, optional feature_stride, and W, H, vw,
+vh written by the yaml_parser), ``target_args`` (pos_threshold, neg_threshold, score_threshold), ``order``
+('hwl' only: upstream's label generation supports nothing else), ``nms_thresh`` and our optional
+``gt_range`` (the evaluation range; absent, upstream's fixed GT_RANGE).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from opencood_ddp.data.datasets.base import GT_RANGE, upstream_unique_indices
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import get_key, validate
+from opencood_ddp.postprocess import box_coder
+from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
+from opencood_ddp.postprocess.boxes import (boxes_to_corners, normal_size_mask, normal_z_mask, project_corners,
+                                            within_range_mask)
+from opencood_ddp.postprocess.nms import nms_rotated
+from opencood_ddp.postprocess.targets import anchor_standup_boxes, assign_targets
+
+REQUIRED_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("postprocess.anchor_args.cav_lidar_range", "list"),
+    ("postprocess.anchor_args.l", "number"),
+    ("postprocess.anchor_args.w", "number"),
+    ("postprocess.anchor_args.h", "number"),
+    ("postprocess.anchor_args.r", "list"),
+    ("postprocess.anchor_args.num", "positive_int"),
+    ("postprocess.anchor_args.W", "positive_int"),
+    ("postprocess.anchor_args.H", "positive_int"),
+    ("postprocess.anchor_args.vw", "number"),
+    ("postprocess.anchor_args.vh", "number"),
+    ("postprocess.target_args.pos_threshold", "number"),
+    ("postprocess.target_args.neg_threshold", "number"),
+    ("postprocess.target_args.score_threshold", "number"),
+    ("postprocess.order", "str"),
+    ("postprocess.nms_thresh", "number"),
+)
+OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("postprocess.anchor_args.feature_stride", "positive_int"),
+    ("postprocess.gt_range", "list"),
+)
+_PARSER_KEYS = ("W", "H", "vw", "vh")
+
+
+def _fail(source: str, message: str) -> ConfigError:
+    return ConfigError(f"{source}: {message}; fix the hypes or pass --set key=value")
+
+
+def _six_numbers(value: Any, key: str, source: str) -> Tuple[float, ...]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 6
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise _fail(source, f"key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max], got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
+    """Raise one ConfigError naming the first problem of ``postprocess`` (keys written as ``postprocess.*``)."""
+    anchor_args = get_key({"postprocess": postprocess}, "postprocess.anchor_args")
+    if isinstance(anchor_args, Mapping) and not any(k in anchor_args for k in _PARSER_KEYS):
+        raise ConfigError(f"{source}: keys postprocess.anchor_args.W, H, vw, vh are missing; they are written by "
+                          f"the yaml_parser: add 'yaml_parser: load_point_pillar_params' to the hypes")
+    validate({"postprocess": postprocess}, REQUIRED_KEYS, source, OPTIONAL_KEYS)
+    if postprocess["order"] != "hwl":
+        raise _fail(source, f"key postprocess.order must be 'hwl' for VoxelPostprocessor (upstream's label "
+                            f"generation supports only 'hwl'), got {postprocess['order']!r}")
+    for name in ("pos_threshold", "neg_threshold"):
+        value = postprocess["target_args"][name]
+        if not 0 <= value <= 1:
+            raise _fail(source, f"key postprocess.target_args.{name} must be an IoU in [0, 1], got {value!r}")
+    args = postprocess["anchor_args"]
+    if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in args["r"]):
+        raise _fail(source, f"key postprocess.anchor_args.r must be a list of yaw angles in degrees, got {args['r']!r}")
+    if args["num"] != len(args["r"]):
+        raise _fail(source, f"key postprocess.anchor_args.num ({args['num']}) must equal the number of yaws in "
+                            f"postprocess.anchor_args.r ({args['r']!r})")
+    _six_numbers(args["cav_lidar_range"], "postprocess.anchor_args.cav_lidar_range", source)
+    if "gt_range" in postprocess:
+        _six_numbers(postprocess["gt_range"], "postprocess.gt_range", source)
+    spec = AnchorSpec.from_anchor_args(args)
+    if min(spec.feature_shape) < 1:
+        raise _fail(source, f"the BEV grid {spec.grid_w} x {spec.grid_h} (postprocess.anchor_args.W, H) is smaller "
+                            f"than postprocess.anchor_args.feature_stride {spec.feature_stride}")
+
+
+def _empty_detections(device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.zeros((0, 8, 3), dtype=torch.float32, device=device),
+            torch.zeros((0,), dtype=torch.float32, device=device))
+
+
+def _require_single(tensor: torch.Tensor, what: str, cav_id: Hashable) -> None:
+    if tensor.shape[0] != 1:
+        raise ValueError(f"{what} of CAV {cav_id!r} has batch size {tensor.shape[0]}; post-processing takes "
+                         f"one-sample test batches (upstream asserts batch size 1)")
+
+
+class VoxelPostprocessor:
+    """Anchors, training labels and detections for anchor-based BEV heads (upstream's VoxelPostprocessor).
+
+    Picklable (plain attributes; datasets carry it into DataLoader workers) and deterministic (no RNG).
+    """
+
+    delta_to_boxes3d = staticmethod(box_coder.delta_to_boxes3d)
+
+    def __init__(self, postprocess_hypes: Mapping, train: bool, source: str = "hypes"):
+        check_postprocess_hypes(postprocess_hypes, source)
+        self.params: Dict[str, Any] = copy.deepcopy(dict(postprocess_hypes))
+        self.train = bool(train)
+        self.order: str = self.params["order"]
+        self.anchor_spec = AnchorSpec.from_anchor_args(self.params["anchor_args"])
+        self.anchor_num = int(self.params["anchor_args"]["num"])
+        target_args = self.params["target_args"]
+        self.pos_threshold = float(target_args["pos_threshold"])
+        self.neg_threshold = float(target_args["neg_threshold"])
+        self.score_threshold = float(target_args["score_threshold"])
+        self.nms_thresh = float(self.params["nms_thresh"])
+        self.gt_range: Tuple[float, ...] = (tuple(float(v) for v in self.params["gt_range"])
+                                            if "gt_range" in self.params else tuple(GT_RANGE))
+        # (anchors, their standup boxes) of the last generate_label call; the datasets pass one cached array.
+        self._standup_cache: Optional[Tuple[np.ndarray, np.ndarray]] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_standup_cache"] = None  # workers rebuild it; no need to ship a few MB per copy
+        return state
+
+    # ----------------------------------------------------------------------------------- dataset side
+
+    def generate_anchor_box(self) -> np.ndarray:
+        """(H, W, anchor_num, 7) float64 anchors, 'hwl' (see ``anchors``)."""
+        return generate_anchors(self.anchor_spec, self.order)
+
+    def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray,
+                       mask: np.ndarray) -> Dict[str, np.ndarray]:
+        """pos_equal_one, neg_equal_one (H, W, A) and targets (H, W, 7A), float64 (see ``targets``)."""
+        gt = np.asarray(gt_box_center, dtype=np.float64).reshape(-1, 7)
+        valid = gt[np.asarray(mask).reshape(-1) == 1]
+        return assign_targets(valid, anchors, self.pos_threshold, self.neg_threshold, self.anchor_standup(anchors))
+
+    def anchor_standup(self, anchors: np.ndarray) -> np.ndarray:
+        """Standup boxes of ``anchors``, computed once per anchor array (anchors are never modified in place)."""
+        if self._standup_cache is None or self._standup_cache[0] is not anchors:
+            self._standup_cache = (anchors, anchor_standup_boxes(anchors))
+        return self._standup_cache[1]
+
+    @staticmethod
+    def collate_batch(label_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
+        """Per-sample label dicts -> {'targets', 'pos_equal_one', 'neg_equal_one'} with a batch dimension."""
+        return {key: torch.from_numpy(np.array([label[key] for label in label_list]))
+                for key in ("targets", "pos_equal_one", "neg_equal_one")}
+
+    # ----------------------------------------------------------------------------------- evaluation side
+
+    def cav_detections(self, cav_id: Hashable, cav: Mapping[str, Any],
+                       output: Mapping[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """One CAV's boxes above the score threshold as float32 corners in the ego frame, and their scores."""
+        psm, rm = output["psm"], output["rm"]
+        _require_single(psm, "psm", cav_id)
+        _require_single(rm, "rm", cav_id)
+        # (1, A, H, W) -> (H * W * A,): the anchors' (H, W, A) order, as the decoded boxes.
+        prob = torch.sigmoid(psm.float().permute(0, 2, 3, 1)).reshape(-1)
+        boxes = self.delta_to_boxes3d(rm, cav["anchor_box"])[0]
+        if prob.shape[0] != boxes.shape[0]:
+            raise ValueError(f"CAV {cav_id!r}: psm {tuple(psm.shape)} gives {prob.shape[0]} scores for "
+                             f"{boxes.shape[0]} anchors; the head's anchor_number and postprocess.anchor_args.num "
+                             f"disagree")
+        keep = prob > self.score_threshold  # strict, as upstream's torch.gt
+        boxes, scores = boxes[keep], prob[keep]
+        corners = project_corners(boxes_to_corners(boxes, self.order), cav["transformation_matrix"])
+        return corners, scores
+
+    def post_process(self, data_dict: Mapping[Hashable, Mapping[str, Any]],
+                     output_dict: Mapping[Hashable, Mapping[str, torch.Tensor]]
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Detections of one test sample in the ego frame: (N, 8, 3) float32 corners and (N,) scores.
+
+        As upstream: per CAV (``'ego'`` and, in late fusion, the other CAV ids), sigmoid scores above
+        ``score_threshold``, boxes decoded from their anchors and projected by the CAV's
+        ``transformation_matrix``; then all CAVs together (late fusion's merge): boxes larger than 6 m or with
+        corners outside z [-3, 1] dropped, rotated NMS at ``nms_thresh``, boxes not inside the GT range
+        dropped. Departure: where upstream returns ``(None, None)`` (no box above the threshold), this
+        returns empty tensors of shapes (0, 8, 3) and (0,).
+        """
+        corners_list: List[torch.Tensor] = []
+        scores_list: List[torch.Tensor] = []
+        for cav_id, cav in data_dict.items():
+            if cav_id not in output_dict:
+                raise ValueError(f"the model output has no entry for CAV {cav_id!r} "
+                                 f"(outputs for {list(output_dict)})")
+            corners, scores = self.cav_detections(cav_id, cav, output_dict[cav_id])
+            if len(scores):
+                corners_list.append(corners)
+                scores_list.append(scores)
+        if not corners_list:
+            device = next((out["psm"].device for out in output_dict.values()), torch.device("cpu"))
+            return _empty_detections(device)
+        corners, scores = torch.cat(corners_list), torch.cat(scores_list)
+        keep = normal_size_mask(corners) & normal_z_mask(corners)
+        corners, scores = corners[keep], scores[keep]
+        keep = nms_rotated(corners, scores, self.nms_thresh)
+        corners, scores = corners[keep], scores[keep]
+        in_range = within_range_mask(corners, self.gt_range)
+        return corners[in_range], scores[in_range]
+
+    def generate_gt_bbx(self, data_dict: Mapping[Hashable, Mapping[str, Any]]) -> torch.Tensor:
+        """(M, 8, 3) float32 GT corners in the ego frame, each object once, inside the GT range.
+
+        As upstream ``BasePostprocessor.generate_gt_bbx``: every CAV's valid boxes projected by its
+        ``transformation_matrix``; an object id seen by several CAVs keeps its first CAV's box (CAV order,
+        ego first), in upstream's id order (``upstream_unique_indices``). Corners are computed and projected
+        in float64, then rounded to float32 (upstream rounds the corners to float32 first).
+        """
+        corners_list: List[torch.Tensor] = []
+        ids: List[Hashable] = []
+        device = torch.device("cpu")
+        for cav_id, cav in data_dict.items():
+            center, mask = cav["object_bbx_center"], cav["object_bbx_mask"]
+            _require_single(center, "object_bbx_center", cav_id)
+            device = center.device
+            boxes = center[0][mask[0] == 1].double()
+            cav_ids = list(cav["object_ids"])
+            if len(cav_ids) != len(boxes):
+                raise ValueError(f"CAV {cav_id!r}: {len(cav_ids)} object_ids for {len(boxes)} masked boxes")
+            corners_list.append(project_corners(boxes_to_corners(boxes, self.order),
+                                                torch.as_tensor(cav["transformation_matrix"])))
+            ids.extend(cav_ids)
+        if not corners_list:
+            return torch.zeros((0, 8, 3), dtype=torch.float32, device=device)
+        corners = torch.cat(corners_list).float()
+        corners = corners[torch.as_tensor(upstream_unique_indices(ids), dtype=torch.long, device=corners.device)]
+        return corners[within_range_mask(corners, self.gt_range)]
+
+
+__all__ = ["REQUIRED_KEYS", "OPTIONAL_KEYS", "VoxelPostprocessor", "check_postprocess_hypes"]
