@@ -1,0 +1,155 @@
+"""PointPillar detection loss: sigmoid focal classification plus smooth-L1 box regression.
+
+Upstream counterpart: ``opencood/loss/point_pillar_loss.py`` (``PointPillarLoss`` with its
+``WeightedSmoothL1Loss``). The arithmetic is upstream's; the departures are about robustness:
+
+- the loss is computed in (at least) float32 with autocast disabled, so a bf16/fp16 forward pass is safe;
+- labels may arrive in any float dtype (the collate makes float64) and are cast to the computation's dtype;
+- there is no branch on the presence of positives: a frame without objects contributes through zero weights,
+  so every rank of a DDP job builds the same autograd graph and every head parameter receives a gradient;
+- a NaN regression target costs nothing on every code, yaw included (upstream: a NaN yaw target gives a NaN
+  loss, because its NaN replacement runs after the sin encoding has spread the NaN to the prediction);
+- the logged parts are returned (detached) instead of kept in a ``loss_dict`` attribute.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from opencood_ddp.engine.task import LossOutput
+
+FOCAL_ALPHA = 0.25
+FOCAL_GAMMA = 2.0
+SMOOTH_L1_BETA = 1.0 / 9.0
+BOX_CODE_SIZE = 7
+YAW_CODE = 6
+
+
+def sigmoid_cross_entropy_with_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Element-wise binary cross entropy on logits in its overflow-free form (upstream's helper of that name):
+    max(x, 0) - x * z + log(1 + exp(-|x|))."""
+    return torch.clamp(logits, min=0) - logits * target + torch.log1p(torch.exp(-torch.abs(logits)))
+
+
+def sigmoid_focal_loss(logits: torch.Tensor, target: torch.Tensor,
+                       alpha: float = FOCAL_ALPHA, gamma: float = FOCAL_GAMMA) -> torch.Tensor:
+    """Element-wise focal loss (upstream ``PointPillarLoss.cls_loss_func`` before its weighting).
+
+    alpha weighs positives (1 - alpha negatives); (1 - p_t) ** gamma down-weights easy anchors. Not reduced.
+    """
+    prob = torch.sigmoid(logits)
+    alpha_weight = target * alpha + (1.0 - target) * (1.0 - alpha)
+    one_minus_pt = target * (1.0 - prob) + (1.0 - target) * prob
+    return alpha_weight * torch.pow(one_minus_pt, gamma) * sigmoid_cross_entropy_with_logits(logits, target)
+
+
+def smooth_l1(diff: torch.Tensor, beta: float = SMOOTH_L1_BETA) -> torch.Tensor:
+    """0.5 x^2 / beta where |x| < beta, |x| - 0.5 beta elsewhere; plain |x| when beta < 1e-5 (as upstream)."""
+    n = torch.abs(diff)
+    if beta < 1e-5:
+        return n
+    return torch.where(n < beta, 0.5 * n ** 2 / beta, n - 0.5 * beta)
+
+
+def add_sin_difference(pred: torch.Tensor, target: torch.Tensor,
+                       dim: int = YAW_CODE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace the yaw code of pred by sin(a)cos(b) and of target by cos(a)sin(b) (a: predicted, b: target yaw).
+
+    Their difference is sin(a - b), so a yaw error of pi costs nothing (upstream ``add_sin_difference``).
+    """
+    pred_yaw, target_yaw = pred[..., dim:dim + 1], target[..., dim:dim + 1]
+    pred_code = torch.sin(pred_yaw) * torch.cos(target_yaw)
+    target_code = torch.cos(pred_yaw) * torch.sin(target_yaw)
+    pred = torch.cat([pred[..., :dim], pred_code, pred[..., dim + 1:]], dim=-1)
+    target = torch.cat([target[..., :dim], target_code, target[..., dim + 1:]], dim=-1)
+    return pred, target
+
+
+def weighted_smooth_l1(pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor,
+                       beta: float = SMOOTH_L1_BETA) -> torch.Tensor:
+    """(B, N, C) code-wise smooth-L1 weighted per anchor by (B, N) weights (upstream ``WeightedSmoothL1Loss``).
+
+    A NaN target is replaced by the prediction itself, so that code costs 0 (upstream's "ignore nan targets").
+    """
+    target = torch.where(torch.isnan(target), pred, target)
+    return smooth_l1(pred - target, beta) * weights.unsqueeze(-1)
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float32 for half-precision outputs (autocast), float64 kept for double-precision parity checks."""
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
+
+class PointPillarLoss(nn.Module):
+    """OpenCOOD's PointPillar loss: total = cls_weight * focal + reg * smooth-L1.
+
+    Classification: sigmoid focal loss (alpha 0.25, gamma 2) on every anchor; the target is 1 where
+    ``pos_equal_one`` > 0 and 0 elsewhere (``neg_equal_one`` is not read, as upstream: an anchor that is not
+    positive is a negative). Each anchor weighs 1 / max(1, positives of its sample).
+
+    Regression: smooth-L1 (beta 1/9) on the 7 box codes with the sin-difference trick on yaw, on positive
+    anchors only, each weighing 1 / max(1, positives of its sample).
+
+    Reduction: each term is summed over anchors and divided by the batch size B, i.e. it is the MEAN OVER
+    SAMPLES of a per-sample loss. That is what makes DDP's gradient average over N ranks (each holding B
+    samples) equal to the gradient of the 1-process loss over the N*B samples of the global batch.
+
+    ``parts`` are detached and already weighted, as upstream logs them (its ``conf_loss`` is
+    ``cls_weight * cls`` and its ``reg_loss`` is ``reg * smooth-L1``), so total == parts['cls'] + parts['reg'].
+    """
+
+    def __init__(self, cls_weight: float, reg: float):
+        super().__init__()
+        self.cls_weight = float(cls_weight)
+        self.reg_coe = float(reg)
+
+    def forward(self, output_dict: Mapping[str, torch.Tensor],
+                label_dict: Mapping[str, torch.Tensor]) -> LossOutput:
+        psm, rm = output_dict["psm"], output_dict["rm"]
+        dtype = _compute_dtype(psm, rm)
+        # Autocast would run some of the element-wise ops below in bf16/fp16; the loss is cheap, keep it exact.
+        with torch.autocast(device_type=psm.device.type, enabled=False):
+            positives = self._positives(label_dict["pos_equal_one"], psm, dtype)
+            normalizer = torch.clamp(positives.sum(dim=1, keepdim=True), min=1.0)  # (B, 1): per sample
+            cls_loss = self._cls_loss(psm.to(dtype), positives, normalizer)
+            reg_loss = self._reg_loss(rm.to(dtype), label_dict["targets"], positives, normalizer)
+            conf_part = self.cls_weight * cls_loss
+            reg_part = self.reg_coe * reg_loss
+            total = conf_part + reg_part
+        return LossOutput(total=total, parts={"cls": conf_part.detach(), "reg": reg_part.detach()})
+
+    @staticmethod
+    def _positives(pos_equal_one: torch.Tensor, psm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B, H*W*A) 1.0 on positive anchors; (B, H, W, A) labels flatten in the order of psm's (B, H, W, A)."""
+        labels = pos_equal_one.to(device=psm.device).reshape(psm.shape[0], -1)
+        return (labels > 0).to(dtype)
+
+    @staticmethod
+    def _cls_loss(psm: torch.Tensor, positives: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+        batch = psm.shape[0]
+        logits = psm.permute(0, 2, 3, 1).reshape(batch, -1)  # (B, H*W*A), anchor-major per cell
+        per_anchor = sigmoid_focal_loss(logits, positives) / normalizer
+        return per_anchor.sum() / batch
+
+    @staticmethod
+    def _reg_loss(rm: torch.Tensor, targets: torch.Tensor, positives: torch.Tensor,
+                  normalizer: torch.Tensor) -> torch.Tensor:
+        batch = rm.shape[0]
+        pred = rm.permute(0, 2, 3, 1).reshape(batch, -1, BOX_CODE_SIZE)  # (B, H*W*A, 7)
+        target = targets.to(device=rm.device, dtype=rm.dtype).reshape(batch, -1, BOX_CODE_SIZE)
+        # NaN targets are replaced before the sin encoding: upstream replaces them after it, where a NaN yaw
+        # target has already turned the prediction's code into NaN too, so its loss becomes NaN.
+        target = torch.where(torch.isnan(target), pred, target)
+        pred, target = add_sin_difference(pred, target)
+        # Zero weights on non-positive anchors keep rm in the graph even when a batch has no object.
+        per_code = weighted_smooth_l1(pred, target, positives / normalizer)
+        return per_code.sum() / batch
+
+
+__all__ = ["PointPillarLoss", "sigmoid_focal_loss", "sigmoid_cross_entropy_with_logits", "smooth_l1",
+           "add_sin_difference", "weighted_smooth_l1"]
