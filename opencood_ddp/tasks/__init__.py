@@ -6,6 +6,7 @@ task defined elsewhere (an installed upstream opencood, say). Absent, it is the 
 from __future__ import annotations
 
 import importlib
+from typing import Any, Callable
 
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import ConfigError
@@ -17,6 +18,20 @@ BUILTIN_TASKS = {
 
 
 def build_task(hypes: dict, for_training: bool) -> Task:
+    return _builder(hypes)(hypes, for_training)
+
+
+def build_eval(hypes: dict, options: Any) -> Any:
+    """The task's evaluation spec: the function ``build_eval`` beside its ``build_task``."""
+    builder = _builder(hypes)
+    module = importlib.import_module(builder.__module__)
+    if not hasattr(module, "build_eval"):
+        raise ConfigError(f"task {hypes.get('task', 'opencood')!r} has no build_eval in {module.__name__}; "
+                          f"it cannot be evaluated")
+    return module.build_eval(hypes, options)
+
+
+def _builder(hypes: dict) -> Callable[[dict, bool], Task]:
     name = hypes.get("task", "opencood")
     target = BUILTIN_TASKS.get(name, name)
     module_name, _, function_name = target.partition(":")
@@ -30,4 +45,4 @@ def build_task(hypes: dict, for_training: bool) -> Task:
             raise
         raise ConfigError(f"task {name!r}: module {module_name} is not available; "
                           f"install it or fix the `task` key of the hypes") from None
-    return getattr(module, function_name)(hypes, for_training)
+    return getattr(module, function_name)

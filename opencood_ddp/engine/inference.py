@@ -1,0 +1,128 @@
+"""The evaluation recipe behind tools/inference_ddp.py, top to bottom.
+
+detect launcher -> process group -> the run's config.yaml (rank 0, broadcast) -> checkpoint choice (rank 0,
+broadcast) -> the task's EvalSpec (dataset, model, per-frame evaluation) -> weights -> evaluate on every rank
+-> rank 0 writes eval.yaml (or eval_global_sort.yaml) and prints the table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+import yaml
+
+from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.atomic import atomic_write
+from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import comm
+from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
+from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
+from opencood_ddp.engine.logging import get_logger, setup_logging
+from opencood_ddp.engine.run_dir import CONFIG_NAME
+from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
+
+EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Evaluate a trained run on 1..N processes (AP@0.3/0.5/0.7).")
+    parser.add_argument("--model_dir", required=True, help="run folder with config.yaml and net_epoch*.pth")
+    parser.add_argument("--fusion_method", required=True, choices=("early", "late", "intermediate"))
+    parser.add_argument("--dataset_dir", help="split to evaluate (default: validate_dir of config.yaml)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--epoch", type=int, help="evaluate net_epoch{N}.pth (default: the last)")
+    which.add_argument("--bestval", action="store_true", help="evaluate net_epoch_bestval_at{N}.pth")
+    parser.add_argument("--global_sort_detections", action="store_true",
+                        help="sort all detections by score before AP (default: upstream's frame order)")
+    parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers per process")
+    parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
+    parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                        help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+    return parser
+
+
+def load_run_config(model_dir: Path) -> dict:
+    path = model_dir / CONFIG_NAME
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist; pass --model_dir of a training run (it holds config.yaml)")
+    hypes = hypes_lib.load_hypes(path)
+    hypes.pop("batch_plan", None)
+    return hypes_lib.run_yaml_parser(hypes, str(path))
+
+
+def choose_checkpoint(model_dir: Path, epoch: Optional[int], bestval: bool) -> Path:
+    """--epoch N, --bestval, or the highest net_epoch{N}.pth (upstream's choice)."""
+    if bestval:
+        found = ckpt.epochs_on_disk(model_dir, ckpt.BESTVAL_RE)
+        if not found:
+            raise CheckpointError(f"{model_dir}: no net_epoch_bestval_at*.pth; drop --bestval or pass --epoch")
+        return model_dir / ckpt.bestval_name(found[-1])
+    found = ckpt.epochs_on_disk(model_dir)
+    if epoch is not None:
+        if epoch not in found:
+            raise CheckpointError(f"{model_dir}: no {ckpt.weights_name(epoch)} (epochs on disk: "
+                                  f"{found or 'none'}); pass one of them to --epoch")
+        return model_dir / ckpt.weights_name(epoch)
+    if not found:
+        raise CheckpointError(f"{model_dir}: no net_epoch*.pth checkpoint; train first or pass another --model_dir")
+    return model_dir / ckpt.weights_name(found[-1])
+
+
+def eval_file_name(global_sort: bool) -> str:
+    return "eval_global_sort.yaml" if global_sort else "eval.yaml"
+
+
+def write_eval_yaml(path: Path, result: EvalResult, checkpoint: Path) -> None:
+    content = dict(result.summary, frames=result.frames, world_size=result.world_size,
+                   seconds=round(result.seconds, 3), checkpoint=checkpoint.name)
+    text = yaml.safe_dump(content, sort_keys=False)
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def summary_table(result: EvalResult) -> str:
+    s = result.summary
+    rows = ["| IoU | AP |", "|---|---:|"] + [f"| {iou} | {s[key]:.4f} |" for iou, key in
+                                            (("0.3", "ap30"), ("0.5", "ap_50"), ("0.7", "ap_70"))]
+    rate = result.frames / result.seconds if result.seconds > 0 else float("inf")
+    return "\n".join(rows + [f"{result.frames} frames on {result.world_size} process(es) in {result.seconds:.1f} s "
+                             f"({rate:.1f} frames/s)"])
+
+
+def run_eval(args: argparse.Namespace, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
+    log = get_logger()
+    model_dir = Path(args.model_dir)
+    hypes, checkpoint = comm.on_main_then_broadcast(
+        lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, args.epoch, args.bestval)))
+    request = EvalRequest(fusion_method=args.fusion_method, dataset_dir=args.dataset_dir,
+                          global_sort=args.global_sort_detections, out_dir=str(model_dir))
+    spec = build_eval(hypes, request)
+    ckpt.load_weights(spec.model, checkpoint)
+    spec.model.to(torch.device(env.device))
+    log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
+    result = evaluate(spec, env, batch_size=request.batch_size, num_workers=args.num_workers)
+    if result is not None:
+        path = model_dir / eval_file_name(request.global_sort)
+        write_eval_yaml(path, result, checkpoint)
+        log.info(summary_table(result) + f"\nwrote {path}")
+    return result
+
+
+def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder) -> int:
+    args = build_parser().parse_args(argv)
+    env: Optional[DistEnv] = None
+    try:
+        env = detect_from_process(args.local_rank, args.dist_backend)
+        setup_logging(env.rank)
+        with distributed_session(env, args.dist_timeout):
+            run_eval(args, env, build_eval)
+    except OpencoodDdpError as exc:
+        rank = env.rank if env is not None else int(os.environ.get("RANK", "0") or 0)
+        if rank == 0:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return 0
