@@ -222,3 +222,16 @@ def test_create_model_errors_name_the_key():
     uneven["model"]["args"]["base_bev_backbone"]["layer_strides"] = [2, 2]
     with pytest.raises(ConfigError, match="one entry per level"):
         create_model(uneven)
+
+
+def test_toy_extensions_set_bn_momentum_and_class_prior_only_where_asked():
+    toy = create_model(_toy_model_hypes("point_pillar_intermediate_fusion"))
+    norms = [m for m in toy.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert norms and all(m.momentum == 0.1 for m in norms)
+    assert torch.allclose(torch.sigmoid(toy.cls_head.bias), torch.full_like(toy.cls_head.bias, 0.01))
+    baseline = create_model(hypes_of(ROOT / "hypes_yaml" / "opv2v" / "point_pillar_intermediate_fusion.yaml"))
+    assert all(m.momentum == 0.01 for m in baseline.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    assert torch.sigmoid(baseline.cls_head.bias).min() > 0.3  # PyTorch's default init: scores near 0.5
+    for key, value in (("bn_momentum", 0), ("cls_head_prior", 1.0)):
+        with pytest.raises(ConfigError, match=f"model.args.{key} must be in"):
+            create_model(_toy_model_hypes("point_pillar_early_fusion", f"model.args.{key}={value}"))

@@ -6,8 +6,10 @@ point_pillar_intermediate (AttFuse) and point_pillar_fcooper. The hypes must hav
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Mapping, Tuple, Type
 
+import torch
 from torch import nn
 
 from opencood_ddp.errors import ConfigError
@@ -31,7 +33,8 @@ REQUIRED_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, 
     ("base_bev_backbone.num_upsample_filter", "list")))
 OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, kind in (
     ("base_bev_backbone.compression", "int"), ("compression", "int"), ("backbone_fix", "bool"),
-    ("shrink_header", "dict"), ("anchor_num", "positive_int"), ("bn_momentum", "number")))
+    ("shrink_header", "dict"), ("anchor_num", "positive_int"), ("bn_momentum", "number"),
+    ("cls_head_prior", "number")))
 
 
 def create_model(hypes: Mapping) -> nn.Module:
@@ -57,7 +60,23 @@ def create_model(hypes: Mapping) -> nn.Module:
                           f"fix the hypes") from None
     if "bn_momentum" in args:
         set_bn_momentum(model, args["bn_momentum"], source)
+    if "cls_head_prior" in args:
+        init_cls_prior(model, args["cls_head_prior"], source)
     return model
+
+
+def init_cls_prior(model: nn.Module, prior: float, source: str) -> None:
+    """Our extension ``model.args.cls_head_prior``: start every anchor at this foreground probability.
+
+    Upstream leaves the class head's bias at PyTorch's default (scores start near 0.5), so the first few
+    thousand steps of the focal loss go into pushing the ~10^4 background anchors of each frame down. The
+    focal-loss paper (and OpenPCDet's PointPillars) initialise the bias to logit(0.01) instead; learning then
+    starts on the objects at once. Only the initial value changes: checkpoints and parameter names do not.
+    """
+    if not 0 < prior < 1:
+        raise ConfigError(f"{source}: model.args.cls_head_prior must be in (0, 1), got {prior!r}; fix the hypes")
+    with torch.no_grad():
+        model.cls_head.bias.fill_(-math.log((1 - prior) / prior))
 
 
 def set_bn_momentum(model: nn.Module, momentum: float, source: str) -> None:
