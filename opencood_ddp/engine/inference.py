@@ -7,8 +7,6 @@ broadcast) -> the task's EvalSpec (dataset, model, per-frame evaluation) -> weig
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -19,11 +17,12 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed import comm
-from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
+from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
-from opencood_ddp.engine.logging import get_logger, setup_logging
+from opencood_ddp.engine.entry import run_distributed
+from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.run_dir import CONFIG_NAME
-from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
+from opencood_ddp.errors import CheckpointError, ConfigError
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
 
@@ -113,16 +112,4 @@ def run_eval(args: argparse.Namespace, env: DistEnv, build_eval: EvalBuilder) ->
 
 
 def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder) -> int:
-    args = build_parser().parse_args(argv)
-    env: Optional[DistEnv] = None
-    try:
-        env = detect_from_process(args.local_rank, args.dist_backend)
-        setup_logging(env.rank)
-        with distributed_session(env, args.dist_timeout):
-            run_eval(args, env, build_eval)
-    except OpencoodDdpError as exc:
-        rank = env.rank if env is not None else int(os.environ.get("RANK", "0") or 0)
-        if rank == 0:
-            print(f"error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    return 0
+    return run_distributed(build_parser().parse_args(argv), lambda args, env: run_eval(args, env, build_eval))

@@ -6,9 +6,7 @@ config.yaml (rank 0) -> trainer (SyncBN, DDP, optimizer) -> resume -> fit.
 from __future__ import annotations
 
 import argparse
-import os
 import random
-import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -19,12 +17,13 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, BatchPlan, make_batch_plan
-from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
-from opencood_ddp.engine.logging import attach_log_file, get_logger, setup_logging, summary_writer
+from opencood_ddp.distributed.env import DistEnv
+from opencood_ddp.engine.entry import run_distributed
+from opencood_ddp.engine.logging import attach_log_file, get_logger, summary_writer
 from opencood_ddp.engine.run_dir import CONFIG_NAME, RunFolder, create_run_folder, resolve_run_folder
 from opencood_ddp.engine.task import Task, TaskBuilder
 from opencood_ddp.engine.trainer import Trainer, TrainSettings
-from opencood_ddp.errors import ConfigError, OpencoodDdpError
+from opencood_ddp.errors import ConfigError
 
 # Keys this script adds to config.yaml; they describe the run, not the baseline.
 RUN_KEYS = ("batch_plan",)
@@ -135,21 +134,4 @@ def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder) -> Pa
 
 
 def main(argv: Optional[Sequence[str]], build_task: TaskBuilder) -> int:
-    args = build_parser().parse_args(argv)
-    env: Optional[DistEnv] = None
-    try:
-        env = detect_from_process(args.local_rank, args.dist_backend)
-        setup_logging(env.rank)
-        with distributed_session(env, args.dist_timeout):
-            train(args, env, build_task)
-    except OpencoodDdpError as exc:
-        report_error(exc, env)
-        return exc.exit_code
-    return 0
-
-
-def report_error(exc: OpencoodDdpError, env: Optional[DistEnv]) -> None:
-    """One line on rank 0's stderr; other ranks stay silent (they raised the same error or follow rank 0)."""
-    rank = env.rank if env is not None else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
-    if rank == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    return run_distributed(build_parser().parse_args(argv), lambda args, env: train(args, env, build_task))
