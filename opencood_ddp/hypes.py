@@ -205,6 +205,16 @@ def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
 
 
 
+def range6(hypes: Mapping, key: str, source: str) -> tuple[float, ...]:
+    """The value at ``key`` as a range ``(x_min, y_min, z_min, x_max, y_max, z_max)`` of floats, or a ConfigError."""
+    value = get_key(hypes, key)
+    if (not isinstance(value, (list, tuple)) or len(value) != 6
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max], got {value!r}; "
+                          f"fix the hypes or pass --set key=value")
+    return tuple(float(v) for v in value)
+
+
 def save_hypes(hypes: Mapping, path: str | os.PathLike) -> None:
     """Write the resolved hypes as plain YAML (atomically: a half-written config.yaml breaks resume)."""
     text = yaml.dump(_plain(hypes), Dumper=HypesDumper, sort_keys=False, default_flow_style=None)

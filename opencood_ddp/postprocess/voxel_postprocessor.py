@@ -18,9 +18,9 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import GT_RANGE, upstream_unique_indices
+from opencood_ddp.data.datasets.base import evaluation_gt_range, upstream_unique_indices
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key, validate
+from opencood_ddp.hypes import get_key, range6, validate
 from opencood_ddp.postprocess import box_coder
 from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
 from opencood_ddp.postprocess.boxes import (boxes_to_corners, normal_size_mask, normal_z_mask, project_corners,
@@ -56,13 +56,6 @@ def _fail(source: str, message: str) -> ConfigError:
     return ConfigError(f"{source}: {message}; fix the hypes or pass --set key=value")
 
 
-def _six_numbers(value: Any, key: str, source: str) -> Tuple[float, ...]:
-    if (not isinstance(value, (list, tuple)) or len(value) != 6
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
-        raise _fail(source, f"key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max], got {value!r}")
-    return tuple(float(v) for v in value)
-
-
 def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
     """Raise one ConfigError naming the first problem of ``postprocess`` (keys written as ``postprocess.*``)."""
     anchor_args = get_key({"postprocess": postprocess}, "postprocess.anchor_args")
@@ -83,9 +76,8 @@ def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
     if args["num"] != len(args["r"]):
         raise _fail(source, f"key postprocess.anchor_args.num ({args['num']}) must equal the number of yaws in "
                             f"postprocess.anchor_args.r ({args['r']!r})")
-    _six_numbers(args["cav_lidar_range"], "postprocess.anchor_args.cav_lidar_range", source)
-    if "gt_range" in postprocess:
-        _six_numbers(postprocess["gt_range"], "postprocess.gt_range", source)
+    range6({"postprocess": postprocess}, "postprocess.anchor_args.cav_lidar_range", source)
+    evaluation_gt_range({"postprocess": postprocess}, source)
     spec = AnchorSpec.from_anchor_args(args)
     if min(spec.feature_shape) < 1:
         raise _fail(source, f"the BEV grid {spec.grid_w} x {spec.grid_h} (postprocess.anchor_args.W, H) is smaller "
@@ -123,8 +115,7 @@ class VoxelPostprocessor:
         self.neg_threshold = float(target_args["neg_threshold"])
         self.score_threshold = float(target_args["score_threshold"])
         self.nms_thresh = float(self.params["nms_thresh"])
-        self.gt_range: Tuple[float, ...] = (tuple(float(v) for v in self.params["gt_range"])
-                                            if "gt_range" in self.params else tuple(GT_RANGE))
+        self.gt_range: Tuple[float, ...] = evaluation_gt_range({"postprocess": self.params}, source)
         # (anchors, their standup boxes) of the last generate_label call; the datasets pass one cached array.
         self._standup_cache: Optional[Tuple[np.ndarray, np.ndarray]] = None
 

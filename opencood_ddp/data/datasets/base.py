@@ -53,7 +53,7 @@ from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, scan_
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import get_key, hypes_source, validate
+from opencood_ddp.hypes import get_key, hypes_source, range6, validate
 
 # Upstream's evaluation range (opencood/data_utils/datasets/__init__.py).
 GT_RANGE: Tuple[float, ...] = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
@@ -91,13 +91,15 @@ class PostProcessor(Protocol):
     def collate_batch(self, label_list: List[dict]) -> dict: ...
 
 
-def _range6(hypes: Mapping, key: str, source: str) -> Tuple[float, ...]:
-    value = get_key(hypes, key)
-    if (not isinstance(value, (list, tuple)) or len(value) != 6
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
-        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max], got {value!r}; "
-                          f"fix the hypes or pass --set key=value")
-    return tuple(float(v) for v in value)
+def evaluation_gt_range(hypes: Mapping, source: str) -> Tuple[float, ...]:
+    """The GT range outside training: our ``postprocess.gt_range`` when set, else upstream's GT_RANGE.
+
+    The datasets filter test-time GT with it and the post-processor filters detections with it, so both sides
+    of the evaluation see the same area.
+    """
+    if get_key(hypes, "postprocess.gt_range") is not None:
+        return range6(hypes, "postprocess.gt_range", source)
+    return GT_RANGE
 
 
 def upstream_unique_indices(ids: Sequence[Hashable]) -> List[int]:
@@ -127,7 +129,7 @@ class OpencoodDataset(Dataset):
         self.post_processor = post_processor
         self._anchors: Optional[np.ndarray] = None
 
-        self.lidar_range = _range6(hypes, "preprocess.cav_lidar_range", source)
+        self.lidar_range = range6(hypes, "preprocess.cav_lidar_range", source)
         self.gt_range = self._gt_range(hypes, source)
         self.order = hypes["postprocess"]["order"]
         if self.order not in ("hwl", "lwh"):
@@ -147,10 +149,8 @@ class OpencoodDataset(Dataset):
 
     def _gt_range(self, hypes: Mapping, source: str) -> Tuple[float, ...]:
         if self.train:
-            return _range6(hypes, "postprocess.anchor_args.cav_lidar_range", source)
-        if get_key(hypes, "postprocess.gt_range") is not None:
-            return _range6(hypes, "postprocess.gt_range", source)
-        return GT_RANGE
+            return range6(hypes, "postprocess.anchor_args.cav_lidar_range", source)
+        return evaluation_gt_range(hypes, source)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's random stream (augmentation, shuffling, late fusion's CAV choice)."""
