@@ -40,7 +40,6 @@ class Task:
     step: StepFn
     batch_size_of: Callable[[Any], int]
     move_to: Callable[[Any, torch.device], Any]
-    postprocessor: Any = None
 
 
 class TaskBuilder(Protocol):

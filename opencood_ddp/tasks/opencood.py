@@ -6,7 +6,7 @@ This is where the perception stack meets the engine's ``Task`` protocol (``openc
 - the validation loss is computed on ``validate_dir`` with ``train=False``, as upstream's train.py does;
 - one step runs the model on the batch's ``ego`` dict and the loss against its ``label_dict``; the loss is a
   mean over the local batch's samples, so DDP's gradient average equals the 1-process gradient;
-- the post-processor given to the engine for evaluation is the test-time one (GT range, NMS).
+- evaluation (``build_eval``) uses the test-time post-processor (GT range, NMS) on one-frame test batches.
 """
 from __future__ import annotations
 
@@ -57,8 +57,7 @@ def build_task(hypes: dict, for_training: bool) -> Task:
     return Task(train_set=train_set, val_set=val_set,
                 collate_train=train_set.collate_batch_train if train_set is not None else None,
                 collate_val=val_set.collate_batch_train, model=model, step=DetectionStep(create_loss(hypes)),
-                batch_size_of=batch_size_of, move_to=move_tensors,
-                postprocessor=create_postprocessor(hypes, train=False))
+                batch_size_of=batch_size_of, move_to=move_tensors)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
