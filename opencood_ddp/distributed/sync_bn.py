@@ -20,69 +20,113 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from opencood_ddp.distributed import comm
 
 
-def _reduce_dims(x: torch.Tensor) -> list[int]:
-    return [0] + list(range(2, x.dim()))
-
-
 def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Reshape a (C,) tensor to broadcast against x of shape (N, C, ...)."""
     return t.reshape([1, -1] + [1] * (x.dim() - 2))
 
 
-def _all_reduce_(t: torch.Tensor) -> torch.Tensor:
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
+    """Per-channel tensors stay float32 for a bf16/fp16 input: the mixed-type CPU kernels want that."""
+    return x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _affine(x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor) -> torch.Tensor:
+    """slope * x + intercept per channel in one fused pass: eval-mode batch_norm with mean 0, var 1, eps 0."""
+    if x.numel() == 0:  # a rank without data; the native kernels divide by the element count
+        return torch.empty_like(x)
+    zeros, ones = torch.zeros_like(slope), torch.ones_like(slope)
+    return torch.batch_norm(x, slope, intercept, zeros, ones, False, 0.0, 0.0, False)
+
+
+def _local_moments(x: torch.Tensor) -> torch.Tensor:
+    """(3, C) float64 rows: this rank's value count, mean and biased variance per channel."""
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    if count:
+        # The native training kernel is the fastest per-channel reduction on CPU (var_mean is ~3x slower).
+        # With eps 0 its invstd is 1 / std, and 0 for a constant channel (variance 0).
+        _, mean, invstd = torch.native_batch_norm(x, None, None, None, None, True, 0.0, 0.0)
+        invstd = invstd.double()
+        mean, var = mean.double(), torch.where(invstd > 0, invstd.pow(-2), torch.zeros_like(invstd))
+    else:
+        mean = var = torch.zeros(channels, dtype=torch.float64, device=x.device)
+    return torch.stack([torch.full_like(mean, float(count)), mean, var])
+
+
+def _global_moments(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Count, mean and biased variance over all ranks, combined exactly from each rank's (count, mean, var)
+    (Chan's parallel formula: no sum-of-squares cancellation)."""
     if comm.is_dist():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t
+        parts = [torch.empty_like(local) for _ in range(comm.get_world_size())]
+        dist.all_gather(parts, local)
+        stacked = torch.stack(parts)
+    else:
+        stacked = local[None]
+    counts, means, variances = stacked[:, 0], stacked[:, 1], stacked[:, 2]
+    count = counts[:, 0].sum()
+    if count.item() < 2:
+        raise ValueError("synchronized batch norm needs more than one value per channel over all ranks")
+    mean = (counts * means).sum(0) / count
+    var = (counts * (variances + (means - mean) ** 2)).sum(0) / count
+    return count, mean, var
+
+
+def _local_gradient_sums(grad_out: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor],
+                         mean: torch.Tensor, invstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sum(dy * xhat) and sum(dy) per channel, xhat under the global mean and invstd."""
+    if x.numel() == 0:
+        return torch.zeros_like(mean), torch.zeros_like(mean)
+    # The backward kernel's weight-gradient reduction is exactly these two sums, fused.
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        grad_out, x, None if weight is None else weight.to(mean.dtype), None, None, mean, invstd, True, 0.0,
+        [False, True, True])
+    return sum_dy_xhat, sum_dy
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-    """Training-mode batch norm with statistics and input-gradient terms all-reduced over ranks."""
+    """Training-mode batch norm with statistics and input-gradient terms combined over ranks.
+
+    Built from fused native kernels (per-channel moments, eval-mode affine, the backward's reductions):
+    as fast as BatchNorm on CPU, where composing it from elementwise ops and sums took twice as long.
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps: float, momentum: float):
-        dims = _reduce_dims(x)
-        channels = x.shape[1]
-        local_count = x.numel() // channels if channels else 0
-        # float64 sums: sum-of-squares variance stays exact enough to match BatchNorm to 1e-5.
-        stats = torch.cat([x.sum(dims, dtype=torch.float64), (x * x).sum(dims, dtype=torch.float64),
-                           torch.tensor([float(local_count)], dtype=torch.float64, device=x.device)])
-        stats = _all_reduce_(stats)
-        count = stats[-1]
-        if count.item() < 2:
-            raise ValueError("synchronized batch norm needs more than one value per channel over all ranks")
-        mean = stats[:channels] / count
-        var = (stats[channels:2 * channels] / count - mean * mean).clamp_min(0.0)
+        count, mean, var = _global_moments(_local_moments(x))
         invstd = torch.rsqrt(var + eps)
         with torch.no_grad():
             if running_mean is not None:
                 running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
                 unbiased = var * count / (count - 1)
                 running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
-        mean32, invstd32 = mean.to(x.dtype), invstd.to(x.dtype)
-        xhat = (x - _per_channel(mean32, x)) * _per_channel(invstd32, x)
-        ctx.save_for_backward(xhat, weight, invstd32)
+        dtype = _stat_dtype(x)
+        mean, invstd = mean.to(dtype), invstd.to(dtype)
+        scale = invstd if weight is None else invstd * weight.to(dtype)
+        shift = -mean * scale if bias is None else bias.to(dtype) - mean * scale
+        ctx.save_for_backward(x, weight, mean, invstd)
         ctx.count = count
-        out = xhat
-        if weight is not None:
-            out = out * _per_channel(weight, x) + _per_channel(bias, x)
-        return out
+        return _affine(x, scale, shift)
 
     @staticmethod
     def backward(ctx, grad_out):
-        xhat, weight, invstd = ctx.saved_tensors
-        dims = _reduce_dims(grad_out)
-        channels = grad_out.shape[1]
-        sum_dy = grad_out.sum(dims, dtype=torch.float64)
-        sum_dy_xhat = (grad_out * xhat).sum(dims, dtype=torch.float64)
+        x, weight, mean, invstd = ctx.saved_tensors
+        channels = x.shape[1]
+        grad_out = grad_out.contiguous()
+        sum_dy_xhat, sum_dy = _local_gradient_sums(grad_out, x, weight, mean, invstd)
         # Parameter gradients stay local: DDP averages them over ranks like every other parameter.
-        grad_weight = sum_dy_xhat.to(grad_out.dtype) if weight is not None else None
-        grad_bias = sum_dy.to(grad_out.dtype) if weight is not None else None
-        global_sums = _all_reduce_(torch.cat([sum_dy, sum_dy_xhat]))
-        mean_dy = (global_sums[:channels] / ctx.count).to(grad_out.dtype)
-        mean_dy_xhat = (global_sums[channels:] / ctx.count).to(grad_out.dtype)
-        scale = invstd if weight is None else invstd * weight
-        grad_in = (grad_out - _per_channel(mean_dy, grad_out) - xhat * _per_channel(mean_dy_xhat, grad_out))
-        grad_in = grad_in * _per_channel(scale, grad_out)
+        grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
+        grad_bias = sum_dy.to(weight.dtype) if weight is not None else None
+        sums = torch.cat([sum_dy, sum_dy_xhat]).double()
+        if comm.is_dist():
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        mean_dy = (sums[:channels] / ctx.count).to(mean.dtype)
+        mean_dy_xhat = (sums[channels:] / ctx.count).to(mean.dtype)
+        # dx = (dy - mean(dy) - xhat * mean(dy xhat)) * invstd * w, regrouped as k1 * dy + k2 * x + k3.
+        k1 = invstd if weight is None else invstd * weight.to(mean.dtype)
+        k2 = -k1 * mean_dy_xhat * invstd
+        k3 = -k1 * mean_dy - k2 * mean
+        grad_in = _affine(grad_out, k1, k3)
+        grad_in.addcmul_(x, _per_channel(k2, x).to(grad_in.dtype))
         return grad_in, grad_weight, grad_bias, None, None, None, None
 
 

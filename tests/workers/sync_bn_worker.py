@@ -50,7 +50,8 @@ def run_case(name, counts, rank):
         diffs = {
             "output": (out - out_ref[start:stop]).abs().max().item() if stop > start else 0.0,
             "input_grad": (local_x.grad - x.grad[start:stop]).abs().max().item() if stop > start else 0.0,
-            "param_grad": (grads - ref_grads).abs().max().item(),
+            # Relative: both sides sum 100+ float32 products per channel (native kernels), ~1e-6 apart.
+            "param_grad": ((grads - ref_grads).abs().max() / ref_grads.abs().max()).item(),
             "running_mean": (synced[0].running_mean - reference.running_mean).abs().max().item(),
             "running_var": (synced[0].running_var - reference.running_var).abs().max().item(),
             "num_batches_tracked": abs(int(synced[0].num_batches_tracked) - int(reference.num_batches_tracked)),
