@@ -1,13 +1,18 @@
 """The perception task end to end on the small toy world: real training runs and distributed evaluation.
 
 Each fusion method trains with tools/train_ddp.py (the same processes users start) and its loss falls; the
-intermediate (AttFuse) run uses 2 ranks and bf16 autocast (--half on CPU). Evaluation with
-tools/inference_ddp.py gives the same eval.yaml on 1, 2 and 3 ranks (4 test frames: 3 does not divide them).
+intermediate (AttFuse) run uses 2 ranks and bf16 autocast (--half on CPU); the F-Cooper run evaluates itself
+(--eval_after_training). Evaluation with tools/inference_ddp.py gives the same eval.yaml on 1, 2 and 3 ranks
+(4 test frames: 3 does not divide them), the same --save_npy files on 1 and 2 ranks, the same AP with
+--batch_size 1 and more, and one picture per frame with --save_vis.
 """
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
+
+import numpy as np
 
 import pytest
 import torch
@@ -56,7 +61,7 @@ def history(run_dir: Path) -> list[dict]:
     ("point_pillar_early_fusion", 0, ()),
     ("point_pillar_late_fusion", 0, ()),
     ("point_pillar_intermediate_fusion", 2, ("--half",)),
-    ("point_pillar_fcooper", 0, ()),
+    ("point_pillar_fcooper", 0, ("--eval_after_training",)),
 ])
 def test_toy_training_loss_falls(toy_runs, config, world, flags):
     epochs = history(toy_runs(config, world, *flags))
@@ -108,3 +113,81 @@ def test_inference_missing_epoch_names_the_epochs_on_disk(toy_runs, toy_small):
                     "--num_workers", "0")
     assert result.returncode == 2
     assert f"no net_epoch99.pth (epochs on disk: {list(range(1, EPOCHS + 1))})" in result.stderr
+
+
+def test_eval_after_training_evaluates_the_last_checkpoint_on_the_test_split(toy_runs):
+    run_dir = toy_runs("point_pillar_fcooper", 0, "--eval_after_training")
+    result = yaml.safe_load((run_dir / "eval.yaml").read_text())
+    assert result["checkpoint"] == f"net_epoch{EPOCHS}.pth"
+    assert result["frames"] == 4 and result["world_size"] == 1  # the 4 frames of test_dir, not validate_dir
+    assert all(key in result for key in ("ap30", "ap_50", "ap_70"))
+
+
+def test_eval_after_training_fails_before_training_without_a_test_split(toy_small, tmp_path):
+    run_dir = tmp_path / "run"
+    result = train(0, "--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_late_fusion.yaml",
+                   "--model_dir", run_dir, "--num_workers", "0", *split_overrides(toy_small),
+                   "--set", f"test_dir={tmp_path / 'missing'}", "--eval_after_training")
+    assert result.returncode == 2, explain(result)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and str(tmp_path / "missing") in lines[0]
+    assert not list(run_dir.glob("net_epoch*.pth"))  # nothing trained
+
+
+def copy_run(run_dir: Path, into: Path) -> Path:
+    """The run's config and last checkpoint in a fresh folder, so that two evaluations write apart."""
+    into.mkdir()
+    shutil.copy(run_dir / "config.yaml", into)
+    shutil.copy(run_dir / f"net_epoch{EPOCHS}.pth", into)
+    return into
+
+
+@pytest.mark.parametrize("config, fusion", [("point_pillar_intermediate_fusion", "intermediate"),
+                                            ("point_pillar_late_fusion", "late")])
+def test_save_npy_from_two_ranks_equals_one_rank(toy_runs, toy_small, tmp_path, config, fusion):
+    run_dir = toy_runs(config, 2, "--half") if fusion == "intermediate" else toy_runs(config, 0)
+    written = {}
+    for world in (0, 2):
+        copy = copy_run(run_dir, tmp_path / f"w{world}")
+        evaluate(copy, world, fusion, toy_small, "--save_npy")
+        written[world] = {path.name: np.load(path) for path in sorted((copy / "npy").iterdir())}
+    names = [f"{index:04d}_{kind}.npy" for index in range(4) for kind in ("gt", "pcd", "pred")]
+    assert sorted(written[0]) == sorted(written[2]) == names
+    for name in names:
+        assert np.array_equal(written[0][name], written[2][name]), name
+    assert all(written[0][f"{i:04d}_pcd.npy"].shape[1] == 4 for i in range(4))
+    assert all(written[0][f"{i:04d}_gt.npy"].shape[1:] == (8, 3) for i in range(4))
+
+
+def test_save_vis_and_pr_plot_write_pictures(toy_runs, toy_small, tmp_path):
+    import matplotlib.image
+
+    copy = copy_run(toy_runs("point_pillar_late_fusion", 0), tmp_path / "run")
+    evaluate(copy, 2, "late", toy_small, "--save_vis", "--pr_plot")
+    pictures = sorted((copy / "vis").iterdir())
+    assert [p.name for p in pictures] == [f"bev_{index:05d}.png" for index in range(4)]
+    for path in pictures + [copy / "pr_curve.png"]:
+        image = matplotlib.image.imread(path)
+        assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 300
+        assert image[..., :3].std() > 0.01  # not a blank canvas
+
+
+@pytest.mark.parametrize("config, fusion, world, batch", [
+    ("point_pillar_intermediate_fusion", "intermediate", 2, "2"),  # one batch of 2 per rank
+    ("point_pillar_early_fusion", "early", 0, "3"),  # batches of 3 and 1
+])
+def test_batch_size_gives_the_same_ap(toy_runs, toy_small, tmp_path, config, fusion, world, batch):
+    run_dir = toy_runs(config, 2, "--half") if fusion == "intermediate" else toy_runs(config, 0)
+    single = evaluate(copy_run(run_dir, tmp_path / "single"), 0, fusion, toy_small)
+    batched = evaluate(copy_run(run_dir, tmp_path / "batched"), world, fusion, toy_small, "--batch_size", batch)
+    for key in ("ap30", "ap_50", "ap_70"):
+        assert batched[key] == pytest.approx(single[key], abs=1e-6), key
+    assert batched["frames"] == single["frames"] == 4
+
+
+def test_late_fusion_refuses_batches_of_several_frames(toy_runs, toy_small):
+    result = python(INFERENCE, "--model_dir", toy_runs("point_pillar_late_fusion", 0), "--fusion_method", "late",
+                    "--dataset_dir", toy_small / "test", "--num_workers", "0", "--batch_size", "2")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "late fusion evaluates one frame per batch" in lines[0]

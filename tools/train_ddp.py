@@ -4,7 +4,7 @@ or `srun python tools/train_ddp.py ...`. See README.md for the batch semantics a
 import sys
 
 from opencood_ddp.engine.train import main
-from opencood_ddp.tasks import build_task
+from opencood_ddp.tasks import build_eval, build_task
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:], build_task))
+    sys.exit(main(sys.argv[1:], build_task, build_eval))

@@ -1,8 +1,10 @@
 """Distributed evaluation: unpadded shards, per-frame records gathered to rank 0 in dataset order, metrics once.
 
 The engine knows nothing about detection. A task hands over an ``EvalSpec``: the dataset and its collate
-function, the model, ``evaluate_batch(model, batch) -> one picklable record per sample`` and
-``summarize(records in dataset order) -> dict``. Every frame is evaluated by exactly one rank (the shards of
+function, the model, ``evaluate_batch(model, batch, indices) -> one picklable record per sample`` (``indices``:
+the batch's dataset indices, so per-frame files are named by frame whatever rank wrote them),
+``summarize(records in dataset order) -> dict`` and optionally ``finish(records in dataset order)`` for
+artefacts drawn once on rank 0 (plots). Every frame is evaluated by exactly one rank (the shards of
 ``EvalShardSampler`` are contiguous, unpadded and cover the dataset), so nothing is counted twice, and the
 summary is computed once from the same ordered list at every world size: the metrics do not depend on it.
 """
@@ -26,13 +28,15 @@ from opencood_ddp.engine.logging import progress
 class EvalRequest:
     """What the user asked for (tools/inference_ddp.py's flags), handed to the task's ``build_eval``."""
 
-    fusion_method: str
+    fusion_method: Optional[str]  # None: the one the run's hypes imply
     dataset_dir: Optional[str] = None  # None: the run's validate_dir, as upstream's inference
+    test_split: bool = False  # with dataset_dir None: the hypes' test_dir where it has one (--eval_after_training)
     global_sort: bool = False
     batch_size: int = 1
     out_dir: Optional[str] = None  # where --save_vis / --save_npy write
     save_vis: bool = False
     save_npy: bool = False
+    pr_plot: bool = False
 
 
 @dataclass
@@ -40,9 +44,10 @@ class EvalSpec:
     dataset: Dataset
     collate: Callable
     model: nn.Module
-    evaluate_batch: Callable[[nn.Module, Any], List[Any]]
+    evaluate_batch: Callable[[nn.Module, Any, Sequence[int]], List[Any]]
     summarize: Callable[[List[Any]], dict]
     move_to: Callable[[Any, torch.device], Any]
+    finish: Optional[Callable[[List[Any]], None]] = None
 
 
 @dataclass
@@ -62,17 +67,18 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
     device = torch.device(env.device)
     bar = progress(len(spec.dataset), "evaluating", env.is_main)
     started, records = time.perf_counter(), []
-    for batch in loader:
-        batch_records = spec.evaluate_batch(spec.model, spec.move_to(batch, device))
-        records.extend(zip(indices[len(records):len(records) + len(batch_records)], batch_records))
+    for number, batch in enumerate(loader):
+        batch_indices = indices[number * batch_size:(number + 1) * batch_size]
+        batch_records = spec.evaluate_batch(spec.model, spec.move_to(batch, device), batch_indices)
+        if len(batch_records) != len(batch_indices):
+            raise RuntimeError(f"rank {env.rank}: evaluate_batch returned {len(batch_records)} records for "
+                               f"{len(batch_indices)} frames; it must return one record per sample")
+        records.extend(zip(batch_indices, batch_records))
         # Rank 0 sees only its own shard; shards differ by at most one frame, so its pace x world size is
         # the whole job's pace.
         bar.update(min(len(batch_records) * env.world_size, bar.total - bar.n))
         bar.set_postfix(frames_per_s=f"{len(records) * env.world_size / (time.perf_counter() - started):.1f}")
     bar.close()
-    if len(records) != len(indices):
-        raise RuntimeError(f"rank {env.rank}: evaluate_batch returned {len(records)} records for {len(indices)} "
-                           f"frames; it must return one record per sample")
     return records
 
 
@@ -96,5 +102,7 @@ def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int
     if not env.is_main:
         return None
     ordered = in_dataset_order(gathered, len(spec.dataset))
+    if spec.finish is not None:
+        spec.finish(ordered)
     return EvalResult(summary=spec.summarize(ordered), frames=len(ordered),
                       seconds=time.perf_counter() - started, world_size=env.world_size)

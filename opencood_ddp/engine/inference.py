@@ -37,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--bestval", action="store_true", help="evaluate net_epoch_bestval_at{N}.pth")
     parser.add_argument("--global_sort_detections", action="store_true",
                         help="sort all detections by score before AP (default: upstream's frame order)")
+    parser.add_argument("--batch_size", type=int, default=1,
+                        help="frames per forward pass on each process (early/intermediate; late fusion: 1)")
+    parser.add_argument("--save_vis", action="store_true", help="bird's-eye-view PNG per frame in MODEL_DIR/vis/")
+    parser.add_argument("--save_npy", action="store_true",
+                        help="per frame MODEL_DIR/npy/{index:04d}_pcd.npy, _pred.npy, _gt.npy (upstream's files)")
+    parser.add_argument("--pr_plot", action="store_true",
+                        help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve[_global_sort].png")
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers per process")
     parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
@@ -92,23 +99,47 @@ def summary_table(result: EvalResult) -> str:
                              f"({rate:.1f} frames/s)"])
 
 
-def run_eval(args: argparse.Namespace, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
+def evaluate_checkpoint(spec: EvalSpec, request: EvalRequest, checkpoint: Path, env: DistEnv,
+                        num_workers: int) -> Optional[EvalResult]:
+    """Load `checkpoint` into the spec's model, evaluate on every rank; rank 0 writes eval.yaml into
+    ``request.out_dir`` and logs the table. Shared by inference and training's --eval_after_training."""
     log = get_logger()
+    out_dir = Path(request.out_dir)
+    ckpt.load_weights(spec.model, checkpoint)
+    spec.model.to(torch.device(env.device))
+    log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
+    result = evaluate(spec, env, batch_size=request.batch_size, num_workers=num_workers)
+    if result is not None:
+        path = out_dir / eval_file_name(request.global_sort)
+        write_eval_yaml(path, result, checkpoint)
+        log.info("\n".join([summary_table(result), f"wrote {path}"] + written_files(request, out_dir)))
+    return result
+
+
+def written_files(request: EvalRequest, out_dir: Path) -> list:
+    lines = []
+    if request.save_vis:
+        lines.append(f"bird's-eye-view pictures: {out_dir / 'vis'}/bev_*.png")
+    if request.save_npy:
+        lines.append(f"arrays: {out_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
+    if request.pr_plot:
+        lines.append(f"precision-recall curves: {out_dir / pr_plot_name(request.global_sort)}")
+    return lines
+
+
+def pr_plot_name(global_sort: bool) -> str:
+    return "pr_curve_global_sort.png" if global_sort else "pr_curve.png"
+
+
+def run_eval(args: argparse.Namespace, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
     model_dir = Path(args.model_dir)
     hypes, checkpoint = comm.on_main_then_broadcast(
         lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, args.epoch, args.bestval)))
     request = EvalRequest(fusion_method=args.fusion_method, dataset_dir=args.dataset_dir,
-                          global_sort=args.global_sort_detections, out_dir=str(model_dir))
-    spec = build_eval(hypes, request)
-    ckpt.load_weights(spec.model, checkpoint)
-    spec.model.to(torch.device(env.device))
-    log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
-    result = evaluate(spec, env, batch_size=request.batch_size, num_workers=args.num_workers)
-    if result is not None:
-        path = model_dir / eval_file_name(request.global_sort)
-        write_eval_yaml(path, result, checkpoint)
-        log.info(summary_table(result) + f"\nwrote {path}")
-    return result
+                          global_sort=args.global_sort_detections, batch_size=args.batch_size,
+                          out_dir=str(model_dir), save_vis=args.save_vis, save_npy=args.save_npy,
+                          pr_plot=args.pr_plot)
+    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, args.num_workers)
 
 
 def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder) -> int:

@@ -1,7 +1,8 @@
 """The training recipe behind tools/train_ddp.py, top to bottom.
 
 detect launcher -> process group -> hypes (rank 0, broadcast) -> batch plan -> task -> run folder and
-config.yaml (rank 0) -> trainer (SyncBN, DDP, optimizer) -> resume -> fit.
+config.yaml (rank 0) -> trainer (SyncBN, DDP, optimizer) -> resume -> fit -> [evaluation of the last
+checkpoint on the test split, all ranks].
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, BatchPlan, make_batch_plan
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.entry import run_distributed
+from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
+from opencood_ddp.engine.inference import EvalBuilder, evaluate_checkpoint
 from opencood_ddp.engine.logging import attach_log_file, get_logger, summary_writer
 from opencood_ddp.engine.run_dir import CONFIG_NAME, RunFolder, create_run_folder, resolve_run_folder
 from opencood_ddp.engine.task import Task, TaskBuilder
@@ -47,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--no_sync_bn", action="store_true", help="keep per-rank BatchNorm statistics")
     parser.add_argument("--log_root", default="logs", help="parent of new run folders without --model_dir")
+    parser.add_argument("--eval_after_training", action="store_true",
+                        help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
+                             "ranks; writes eval.yaml into the run folder")
     parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
                         help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
     return parser
@@ -108,12 +114,34 @@ def describe_start(env: DistEnv, plan: BatchPlan, task: Task, folder: RunFolder,
 
 
 # ------------------------------------------------------------------------------------------------ main
-def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder) -> Path:
+def plan_final_evaluation(args: argparse.Namespace, hypes: dict,
+                          build_eval: Optional[EvalBuilder]) -> Optional[tuple[EvalRequest, EvalSpec]]:
+    """--eval_after_training: build the test-split evaluation now, so that a missing split or a task without
+    evaluation fails before hours of training, not after."""
+    if not args.eval_after_training:
+        return None
+    if build_eval is None:
+        raise ConfigError("--eval_after_training: this entry point has no evaluation; drop the flag")
+    request = EvalRequest(fusion_method=None, test_split=True)
+    return request, build_eval(hypes, request)
+
+
+def run_final_evaluation(final: tuple[EvalRequest, EvalSpec], folder: Path, epochs: int, env: DistEnv,
+                         num_workers: int) -> None:
+    request, spec = final
+    request.out_dir = str(folder)
+    # The trainer's last save ends with a barrier: the checkpoint is on disk for every rank.
+    evaluate_checkpoint(spec, request, folder / ckpt.weights_name(epochs), env, num_workers)
+
+
+def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder,
+          build_eval: Optional[EvalBuilder] = None) -> Path:
     log = get_logger()
     hypes, source = comm.on_main_then_broadcast(lambda: load_run_hypes(args))
     plan = plan_batches(hypes, args, env.world_size)
     seed_everything(hypes["train_params"]["seed"])
     task = build_task(hypes, for_training=True)
+    final = plan_final_evaluation(args, hypes, build_eval)
     folder = open_run_folder(args, hypes, plan)
     attach_log_file(folder.path, env.rank)
     log.info(f"hypes: {source}")
@@ -130,8 +158,11 @@ def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder) -> Pa
         trainer.fit()
     finally:
         writer.close()
+    if final is not None:
+        run_final_evaluation(final, folder.path, settings.epochs, env, args.num_workers)
     return folder.path
 
 
-def main(argv: Optional[Sequence[str]], build_task: TaskBuilder) -> int:
-    return run_distributed(build_parser().parse_args(argv), lambda args, env: train(args, env, build_task))
+def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Optional[EvalBuilder] = None) -> int:
+    return run_distributed(build_parser().parse_args(argv),
+                           lambda args, env: train(args, env, build_task, build_eval))

@@ -6,25 +6,34 @@ This is where the perception stack meets the engine's ``Task`` protocol (``openc
 - the validation loss is computed on ``validate_dir`` with ``train=False``, as upstream's train.py does;
 - one step runs the model on the batch's ``ego`` dict and the loss against its ``label_dict``; the loss is a
   mean over the local batch's samples, so DDP's gradient average equals the 1-process gradient;
-- evaluation (``build_eval``) uses the test-time post-processor (GT range, NMS) on one-frame test batches.
+- evaluation (``build_eval``) uses the test-time post-processor (GT range, NMS) frame by frame on upstream's
+  one-frame test batches (the model may run on several frames at once), and writes --save_npy / --save_vis
+  files per frame and the --pr_plot curves.
 """
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Mapping
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
+import numpy as np
+import torch
 from torch import nn
 
 from opencood_ddp.data.datasets import build_dataset
+from opencood_ddp.data.datasets.base import evaluation_gt_range
 from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
+from opencood_ddp.engine.inference import pr_plot_name
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.loss import create_loss
-from opencood_ddp.metrics import FrameStats, eval_summary, frame_stats
+from opencood_ddp.metrics import FrameStats, eval_summary, frame_stats, pr_curve
 from opencood_ddp.models import create_model
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
+from opencood_ddp.vis import plot_pr_curves
+from opencood_ddp.vis.export import FrameExporter
 
 # --fusion_method of upstream's inference.py -> the dataset class it needs.
 FUSION_DATASETS: Dict[str, str] = {"early": "EarlyFusionDataset", "late": "LateFusionDataset",
@@ -61,20 +70,64 @@ def build_task(hypes: dict, for_training: bool) -> Task:
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
+class EvalCollate:
+    """Test batches: ``frames``, one upstream test batch (``collate_batch_test``) per frame, for post-processing,
+    GT and pictures; and ``model_input``, the frame itself when alone, else the frames stacked by the training
+    collate so that the model runs once per batch (early and intermediate fusion; eval-mode BatchNorm makes
+    each frame's output independent of its batch)."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __call__(self, samples: List[Mapping]) -> Dict[str, Any]:
+        frames = [self.dataset.collate_batch_test([sample]) for sample in samples]
+        model_input = frames[0] if len(samples) == 1 else self.dataset.collate_batch_train(samples)
+        return {"frames": frames, "model_input": model_input}
+
+
 class FrameEvaluator:
-    """One test batch (one frame) -> its FrameStats: model per CAV entry, post-processing, TP/FP per IoU."""
+    """One test batch -> one FrameStats per frame: model, post-processing, TP/FP per IoU, optional files."""
 
-    def __init__(self, post: VoxelPostprocessor, fusion_method: str):
-        self.post, self.fusion_method = post, fusion_method
+    def __init__(self, post: VoxelPostprocessor, fusion_method: str, exporter: Optional[FrameExporter] = None):
+        self.post, self.fusion_method, self.exporter = post, fusion_method, exporter
 
-    def outputs(self, model: nn.Module, batch: Mapping[str, Any]) -> Dict[str, Any]:
-        if self.fusion_method == "late":  # every CAV detects in its own frame
-            return {cav: model(entry) for cav, entry in batch.items()}
-        return {"ego": model(batch["ego"])}
+    def outputs(self, model: nn.Module, model_input: Mapping[str, Any], frames: int) -> List[Dict[str, Any]]:
+        """The model's output dict per frame, keyed like the frame's test batch."""
+        if self.fusion_method == "late":  # every CAV detects in its own frame; one frame per batch
+            return [{cav: model(entry) for cav, entry in model_input.items()}]
+        output = model(model_input["ego"])
+        return [{"ego": {key: value[i:i + 1] for key, value in output.items()}} for i in range(frames)]
 
-    def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> List[FrameStats]:
-        boxes, scores = self.post.post_process(batch, self.outputs(model, batch))
-        return [frame_stats(boxes, scores, self.post.generate_gt_bbx(batch))]
+    def __call__(self, model: nn.Module, batch: Mapping[str, Any], indices: Sequence[int]) -> List[FrameStats]:
+        frames = batch["frames"]
+        records = []
+        for index, frame, output in zip(indices, frames, self.outputs(model, batch["model_input"], len(frames))):
+            boxes, scores = self.post.post_process(frame, output)
+            gt = self.post.generate_gt_bbx(frame)
+            if self.exporter is not None:
+                self.exporter(index, frame_points(frame), _numpy(boxes), _numpy(scores), _numpy(gt),
+                              frame_cav_positions(frame))
+            records.append(frame_stats(boxes, scores, gt))
+        return records
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().cpu().numpy()
+
+
+def frame_points(frame: Mapping[str, Any]) -> np.ndarray:
+    """All CAVs' points in the ego frame (the test batch's ``origin_lidar``, built when visualizing)."""
+    lidar = frame["ego"]["origin_lidar"]
+    return _numpy(lidar[0])
+
+
+def frame_cav_positions(frame: Mapping[str, Any]) -> np.ndarray:
+    """(K, 3) CAV LiDAR origins in the ego frame, ego first: early/intermediate carry them, late fusion's
+    per-CAV transformation matrices hold them."""
+    ego = frame["ego"]
+    if "cav_positions" in ego:
+        return _numpy(ego["cav_positions"][0])
+    return np.stack([_numpy(cav["transformation_matrix"])[:3, 3] for cav in frame.values()])
 
 
 class Summary:
@@ -85,30 +138,75 @@ class Summary:
         return eval_summary(frames, global_sort=self.global_sort)
 
 
+class PrPlot:
+    """Rank 0, after the gather: precision-recall curves at IoU 0.3/0.5/0.7 in one PNG."""
+
+    def __init__(self, path: Path, global_sort: bool):
+        self.path, self.global_sort = path, global_sort
+
+    def __call__(self, frames: List[FrameStats]) -> None:
+        curves = {f"IoU {threshold:g}": (curve.recall, curve.precision, curve.ap)
+                  for threshold, curve in pr_curve(frames, self.global_sort).items()}
+        order = "global sort" if self.global_sort else "frame order"
+        plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames ({order})")
+
+
 def eval_dataset_hypes(hypes: dict, options: EvalRequest) -> dict:
-    """The hypes of the split to evaluate, checked against --fusion_method."""
+    """The hypes of the split to evaluate, checked against --fusion_method and --batch_size."""
     source = hypes_source(hypes)
-    if options.fusion_method not in FUSION_DATASETS:
-        raise ConfigError(f"--fusion_method must be one of {', '.join(FUSION_DATASETS)}, got "
-                          f"{options.fusion_method!r}")
-    wanted, found = FUSION_DATASETS[options.fusion_method], hypes.get("fusion", {}).get("core_method")
+    found = hypes.get("fusion", {}).get("core_method")
+    fusion_method = options.fusion_method or fusion_method_of(hypes)
+    if fusion_method not in FUSION_DATASETS:
+        raise ConfigError(f"--fusion_method must be one of {', '.join(FUSION_DATASETS)}, got {fusion_method!r}")
+    wanted = FUSION_DATASETS[fusion_method]
     if found != wanted:
-        raise ConfigError(f"{source}: --fusion_method {options.fusion_method} needs fusion.core_method {wanted}, "
+        raise ConfigError(f"{source}: --fusion_method {fusion_method} needs fusion.core_method {wanted}, "
                           f"the model was trained with {found}; pass the matching --fusion_method")
+    if options.batch_size < 1:
+        raise ConfigError(f"--batch_size must be at least 1, got {options.batch_size}")
+    if fusion_method == "late" and options.batch_size != 1:
+        raise ConfigError(f"--batch_size {options.batch_size}: late fusion evaluates one frame per batch (each CAV "
+                          f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
     hypes = copy.deepcopy(hypes)
     if options.dataset_dir is not None:
         hypes["validate_dir"] = str(options.dataset_dir)
+    elif options.test_split and hypes.get("test_dir"):
+        hypes["validate_dir"] = hypes["test_dir"]
     return hypes
+
+
+def fusion_method_of(hypes: Mapping) -> str:
+    """--fusion_method implied by the hypes' dataset (training's --eval_after_training)."""
+    found = hypes.get("fusion", {}).get("core_method")
+    methods = [method for method, dataset in FUSION_DATASETS.items() if dataset == found]
+    if not methods:
+        raise ConfigError(f"{hypes_source(hypes)}: fusion.core_method {found!r} is not one of "
+                          f"{', '.join(FUSION_DATASETS.values())}; it cannot be evaluated")
+    return methods[0]
+
+
+def build_exporter(hypes: dict, options: EvalRequest) -> Optional[FrameExporter]:
+    if not (options.save_npy or options.save_vis):
+        return None
+    if options.out_dir is None:
+        raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
+    return FrameExporter(Path(options.out_dir), options.save_npy, options.save_vis,
+                         evaluation_gt_range(hypes, hypes_source(hypes)))
 
 
 def build_eval(hypes: dict, options: EvalRequest) -> EvalSpec:
     hypes = eval_dataset_hypes(hypes, options)
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
-    dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post)
-    return EvalSpec(dataset=dataset, collate=dataset.collate_batch_test, model=create_model(hypes),
-                    evaluate_batch=FrameEvaluator(post, options.fusion_method),
-                    summarize=Summary(options.global_sort), move_to=move_tensors)
+    exporter = build_exporter(hypes, options)
+    dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
+                            visualize=exporter is not None)
+    finish = None
+    if options.pr_plot and options.out_dir is not None:
+        finish = PrPlot(Path(options.out_dir) / pr_plot_name(options.global_sort), options.global_sort)
+    return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
+                    evaluate_batch=FrameEvaluator(post, options.fusion_method or fusion_method_of(hypes), exporter),
+                    summarize=Summary(options.global_sort), move_to=move_tensors, finish=finish)
 
 
 __all__ = ["build_task", "build_eval", "DetectionStep", "batch_size_of", "FUSION_DATASETS"]

@@ -264,12 +264,15 @@ class OpencoodDataset(Dataset):
 
     @staticmethod
     def test_extras(sample: Mapping) -> Dict[str, torch.Tensor]:
-        """A one-sample test batch's anchor_box and origin_lidar (batch dimension 1), when the sample has them."""
+        """A one-sample test batch's anchor_box, origin_lidar and cav_positions (batch dimension 1), when the
+        sample has them."""
         extras: Dict[str, torch.Tensor] = {}
         if "anchor_box" in sample:
             extras["anchor_box"] = torch.from_numpy(np.array(sample["anchor_box"]))
         if "origin_lidar" in sample:
             extras["origin_lidar"] = torch.from_numpy(sample["origin_lidar"][None])
+        if "cav_positions" in sample:
+            extras["cav_positions"] = torch.from_numpy(sample["cav_positions"][None])
         return extras
 
     @staticmethod
@@ -277,6 +280,11 @@ class OpencoodDataset(Dataset):
         if len(batch) != 1:
             raise ConfigError(f"{kind} evaluation batches hold exactly one sample (upstream's collate_batch_test), "
                               f"got {len(batch)}; run inference with batch size 1")
+
+
+def cav_positions(to_ego: Sequence[np.ndarray]) -> np.ndarray:
+    """(K, 3) float32 LiDAR origins of the frame's CAVs in the ego frame (ego first): our key, for pictures."""
+    return np.array([matrix[:3, 3] for matrix in to_ego], dtype=np.float32).reshape(-1, 3)
 
 
 def identity_matrix() -> torch.Tensor:

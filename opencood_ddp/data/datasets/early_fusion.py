@@ -12,7 +12,7 @@ Upstream counterpart: ``opencood/data_utils/datasets/early_fusion_dataset.py``. 
 
 Sample: ``{'ego': {object_bbx_center (max_num, 7) f64, object_bbx_mask (max_num,) f64, object_ids,
 processed_lidar {voxel_features, voxel_coords, voxel_num_points}, [anchor_box, label_dict],
-[origin_lidar]}}``.
+[origin_lidar, cav_positions]}}`` (the last two when visualizing).
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from opencood_ddp.data.datasets.base import OpencoodDataset, identity_matrix
+from opencood_ddp.data.datasets.base import OpencoodDataset, cav_positions, identity_matrix
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import read_frame
 from opencood_ddp.data.voxelize import collate_voxels
@@ -34,10 +34,11 @@ class EarlyFusionDataset(OpencoodDataset):
         frame = read_frame(self.index, index)
         ego_pose = next(iter(frame.values())).lidar_pose
         clouds, objects = [], []
-        for cav in frame.values():
+        to_ego = [x1_to_x2(cav.lidar_pose, ego_pose) for cav in frame.values()]
+        for cav, matrix in zip(frame.values(), to_ego):
             objects.append(self.cav_objects(cav, ego_pose))
             points = self.load_cav_points(cav.pcd_path, rng)
-            clouds.append(transform_points(points, x1_to_x2(cav.lidar_pose, ego_pose)))
+            clouds.append(transform_points(points, matrix))
         boxes, ids = self.merge_objects(objects)
         points = np.concatenate(clouds)
 
@@ -53,6 +54,7 @@ class EarlyFusionDataset(OpencoodDataset):
         ego.update(self.label_entries(center, mask))
         if self.visualize:
             ego["origin_lidar"] = points
+            ego["cav_positions"] = cav_positions(to_ego)
         return OrderedDict(ego=ego)
 
     def collate_batch_test(self, batch: Sequence[dict]) -> Dict[str, Dict[str, Any]]:

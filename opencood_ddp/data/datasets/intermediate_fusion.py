@@ -18,7 +18,7 @@ GT boxes between steps 1 and 2, then re-filters the boxes to cav_lidar_range as 
 
 Sample: ``{'ego': {object_bbx_center, object_bbx_mask, object_ids, processed_lidar {voxel_features: [per
 CAV], voxel_coords: [...], voxel_num_points: [...]}, cav_num, pairwise_t_matrix, [anchor_box, label_dict],
-[origin_lidar]}}``.
+[origin_lidar, cav_positions]}}`` (the last two when visualizing).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, identity_matrix
+from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, cav_positions, identity_matrix
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import CavFrame, read_frame
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
@@ -78,7 +78,10 @@ class IntermediateFusionDataset(OpencoodDataset):
         }
         ego.update(self.label_entries(center, mask))
         if self.visualize:
-            ego["origin_lidar"] = np.concatenate(clouds)
+            # The picture is drawn in the ego frame: without proj_first the clouds are still in their CAVs' frames.
+            ego["origin_lidar"] = np.concatenate(clouds if self.proj_first else
+                                                 [transform_points(c, m) for c, m in zip(clouds, to_ego)])
+            ego["cav_positions"] = cav_positions(to_ego)
         return OrderedDict(ego=ego)
 
     def pairwise_matrices(self, to_ego: Sequence[np.ndarray]) -> np.ndarray:
