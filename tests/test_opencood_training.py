@@ -191,3 +191,19 @@ def test_late_fusion_refuses_batches_of_several_frames(toy_runs, toy_small):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "late fusion evaluates one frame per batch" in lines[0]
+
+
+def test_recall_by_visibility_counts_every_gt_object_once(toy_runs, toy_small, tmp_path):
+    copy = copy_run(toy_runs("point_pillar_late_fusion", 0), tmp_path / "late")
+    evaluate(copy, 0, "late", toy_small, "--save_npy")
+    result = python(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
+                    "--runs", copy)
+    assert result.returncode == 0, explain(result)
+    row = next(line for line in result.stdout.splitlines() if line.startswith("| late |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")][1:]
+    objects = sum(int(cell.split("/")[1].rstrip(")")) for cell in cells if cell != "-")
+    assert objects == sum(len(np.load(copy / "npy" / f"{i:04d}_gt.npy")) for i in range(4))
+
+    missing = python(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
+                     "--runs", tmp_path)
+    assert missing.returncode == 2 and "--save_npy" in missing.stderr

@@ -1,0 +1,116 @@
+"""Recall of evaluated runs split by how well the ego's own LiDAR sees each object.
+
+Cooperative perception pays off on objects the ego cannot see; an overall AP hides that. For each run
+evaluated with `tools/inference_ddp.py --save_npy` (its MODEL_DIR/npy/{index}_pred.npy and _gt.npy), this
+counts each ground-truth object's LiDAR points in the ego's own cloud and in all CAVs' clouds together, puts
+the object in one group, and reports per group the share of objects that a detection above the score
+threshold overlaps with BEV IoU >= --iou:
+
+  ego sees it        >= --min_points points from the ego's own LiDAR
+  only others see it  fewer from the ego, >= --min_points from all CAVs together
+  barely seen         fewer than --min_points from all CAVs together
+
+    python tools/recall_by_visibility.py --dataset_dir data/toy_opv2v/test --runs logs/late logs/attfuse
+
+The runs must have been evaluated on the same --dataset_dir. Single process, no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import shapely
+
+from opencood_ddp.data.geometry import transform_points, x1_to_x2
+from opencood_ddp.data.opv2v import read_frame, scan_split
+from opencood_ddp.data.pcd import read_pcd
+from opencood_ddp.errors import OpencoodDdpError, DataError
+from opencood_ddp.postprocess.bev_iou import bev_iou_matrix, bev_polygons
+from opencood_ddp.vis.export import npy_paths
+
+GROUPS = ("ego sees it", "only others see it", "barely seen")
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dataset_dir", required=True, help="the split the runs were evaluated on")
+    parser.add_argument("--runs", nargs="+", required=True, help="run folders evaluated with --save_npy")
+    parser.add_argument("--iou", type=float, default=0.5, help="BEV IoU that counts as found (default 0.5)")
+    parser.add_argument("--min_points", type=int, default=10, help="points that make an object seen")
+    return parser.parse_args(argv)
+
+
+def points_in_boxes(points: np.ndarray, corners: np.ndarray) -> np.ndarray:
+    """Per box (M, 8, 3): how many points lie inside its footprint and between its lowest and highest z."""
+    counts = np.zeros(len(corners), dtype=np.int64)
+    for i, (polygon, box) in enumerate(zip(bev_polygons(corners), corners)):
+        in_height = (points[:, 2] >= box[:, 2].min()) & (points[:, 2] <= box[:, 2].max())
+        candidates = points[in_height]
+        counts[i] = int(shapely.contains_xy(polygon, candidates[:, 0], candidates[:, 1]).sum())
+    return counts
+
+
+def frame_clouds(index, frame_number: int) -> List[np.ndarray]:
+    """Every CAV's cloud in the ego frame, ego first (the ego's own car hits are inside no GT box)."""
+    cavs = list(read_frame(index, frame_number).values())
+    ego_pose = cavs[0].lidar_pose
+    return [transform_points(read_pcd(cav.pcd_path)[:, :3], x1_to_x2(cav.lidar_pose, ego_pose)) for cav in cavs]
+
+
+def visibility_groups(clouds: List[np.ndarray], gt: np.ndarray, min_points: int) -> np.ndarray:
+    """Group number (index into GROUPS) of each GT box."""
+    ego_points = points_in_boxes(clouds[0], gt)
+    all_points = points_in_boxes(np.concatenate(clouds), gt)
+    return np.where(ego_points >= min_points, 0, np.where(all_points >= min_points, 1, 2))
+
+
+def found(pred: np.ndarray, gt: np.ndarray, iou: float) -> np.ndarray:
+    if len(gt) == 0 or len(pred) == 0:
+        return np.zeros(len(gt), dtype=bool)
+    return (bev_iou_matrix(gt, pred) >= iou).any(axis=1)
+
+
+def load_npy(run: Path, frame_number: int) -> Dict[str, np.ndarray]:
+    paths = npy_paths(run, frame_number)
+    missing = [str(p) for p in (paths["pred"], paths["gt"]) if not p.is_file()]
+    if missing:
+        raise DataError(f"{missing[0]} does not exist; evaluate {run} with tools/inference_ddp.py --save_npy "
+                        f"--dataset_dir of this split first")
+    return {kind: np.load(paths[kind]) for kind in ("pred", "gt")}
+
+
+def recall_table(runs: Sequence[Path], dataset_dir: Path, iou: float, min_points: int) -> str:
+    index = scan_split(dataset_dir)
+    totals = {run: np.zeros((len(GROUPS), 2), dtype=np.int64) for run in runs}  # [group] -> (found, objects)
+    for frame_number in range(len(index)):
+        clouds = frame_clouds(index, frame_number)
+        for run in runs:
+            arrays = load_npy(run, frame_number)
+            groups = visibility_groups(clouds, arrays["gt"], min_points)
+            hits = found(arrays["pred"], arrays["gt"], iou)
+            for group in range(len(GROUPS)):
+                totals[run][group] += (int(hits[groups == group].sum()), int((groups == group).sum()))
+    header = "| run | " + " | ".join(GROUPS) + " |"
+    rows = [header, "|---|" + "---:|" * len(GROUPS)]
+    for run in runs:
+        cells = [f"{f / n:.3f} ({f}/{n})" if n else "-" for f, n in totals[run]]
+        rows.append(f"| {run.name} | " + " | ".join(cells) + " |")
+    return "\n".join(rows + [f"recall at BEV IoU {iou}; seen = at least {min_points} LiDAR points in the box; "
+                             f"{len(index)} frames of {dataset_dir}"])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        print(recall_table([Path(run) for run in args.runs], Path(args.dataset_dir), args.iou, args.min_points))
+    except OpencoodDdpError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
