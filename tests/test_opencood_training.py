@@ -207,3 +207,17 @@ def test_recall_by_visibility_counts_every_gt_object_once(toy_runs, toy_small, t
     missing = python(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
                      "--runs", tmp_path)
     assert missing.returncode == 2 and "--save_npy" in missing.stderr
+
+
+def test_attention_by_visibility_reads_an_attfuse_run(toy_runs, toy_small):
+    script = REPO / "tools" / "attention_by_visibility.py"
+    result = python(script, "--model_dir", toy_runs("point_pillar_intermediate_fusion", 2, "--half"),
+                    "--dataset_dir", toy_small / "test")
+    assert result.returncode == 0, explain(result)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "objects" not in line]
+    assert len(rows) == 3
+    for row in rows:
+        share = row.strip("|").split("|")[-1].strip()
+        assert share == "-" or 0.0 <= float(share) <= 1.0
+    late = python(script, "--model_dir", toy_runs("point_pillar_late_fusion", 0), "--dataset_dir", toy_small / "test")
+    assert late.returncode == 2 and "reads AttFuse" in late.stderr

@@ -1,0 +1,108 @@
+"""How much of its attention AttFuse's ego row gives to the other CAVs, at the cells of objects by visibility.
+
+AttFuse fuses per BEV cell with softmax(ego . cav / sqrt(C)) weights over the frame's CAVs. If the fusion works,
+the ego should lean on the other CAVs where only they see an object. For each test frame this runs the model of a
+point_pillar_intermediate run, takes the attention weights of the first backbone level (a forward hook on the
+AttFusion module, recomputing its weights from its inputs), and averages 1 - weight(ego) over the cells of the GT
+objects in each visibility group of tools/recall_by_visibility.py:
+
+    python tools/attention_by_visibility.py --model_dir logs/attfuse --dataset_dir data/toy_opv2v/test
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.engine.evaluator import EvalRequest
+from opencood_ddp.engine.inference import choose_checkpoint, load_run_config
+from opencood_ddp.errors import ConfigError, OpencoodDdpError
+from opencood_ddp.models.modules.fusion import AttFusion
+from opencood_ddp.tasks.opencood import build_eval
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from recall_by_visibility import GROUPS, frame_clouds, visibility_groups  # noqa: E402
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_dir", required=True, help="a point_pillar_intermediate (AttFuse) run")
+    parser.add_argument("--dataset_dir", required=True, help="the split to look at")
+    parser.add_argument("--min_points", type=int, default=10, help="points that make an object seen")
+    return parser.parse_args(argv)
+
+
+class FirstLevelWeights:
+    """Forward hook: the ego row's attention weights (H, W, CAVs) of the first sample, first AttFusion call."""
+
+    def __init__(self) -> None:
+        self.weights: List[torch.Tensor] = []
+
+    def __call__(self, module: AttFusion, inputs, output) -> None:
+        x, record_len = inputs
+        cavs = x[: int(record_len[0])]
+        n, c, h, w = cavs.shape
+        tokens = cavs.reshape(n, c, h * w).permute(2, 0, 1)
+        weights = torch.softmax(torch.bmm(tokens[:, :1], tokens.transpose(1, 2)) * module.scale, dim=-1)
+        self.weights.append(weights[:, 0, :].reshape(h, w, n))
+
+
+def cell_of(box: np.ndarray, lidar_range: Sequence[float], shape: Sequence[int]) -> Optional[tuple]:
+    """(row, column) of the BEV cell under a box's centre, None outside the grid."""
+    height, width = shape
+    x, y = box[:, 0].mean(), box[:, 1].mean()
+    column = int((x - lidar_range[0]) / (lidar_range[3] - lidar_range[0]) * width)
+    row = int((y - lidar_range[1]) / (lidar_range[4] - lidar_range[1]) * height)
+    return (row, column) if 0 <= row < height and 0 <= column < width else None
+
+
+def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
+    hypes = load_run_config(model_dir)
+    if hypes["model"]["core_method"] != "point_pillar_intermediate":
+        raise ConfigError(f"{model_dir}: model.core_method is {hypes['model']['core_method']!r}; this tool reads "
+                          f"AttFuse (point_pillar_intermediate) runs")
+    spec = build_eval(hypes, EvalRequest(fusion_method="intermediate", dataset_dir=dataset_dir))
+    ckpt.load_weights(spec.model, choose_checkpoint(model_dir, None, False))
+    spec.model.eval()
+    hook = FirstLevelWeights()
+    first = next(m for m in spec.model.modules() if isinstance(m, AttFusion))
+    first.register_forward_hook(hook)
+    lidar_range = hypes["preprocess"]["cav_lidar_range"]
+    shares: List[List[float]] = [[] for _ in GROUPS]
+    for index in range(len(spec.dataset)):
+        hook.weights.clear()
+        batch = spec.collate([spec.dataset[index]])
+        with torch.no_grad():
+            spec.model(batch["model_input"]["ego"])
+        weights = hook.weights[0]
+        if weights.shape[2] < 2:
+            continue  # a frame with the ego alone has nothing to fuse
+        gt = spec.evaluate_batch.post.generate_gt_bbx(batch["frames"][0]).numpy()
+        groups = visibility_groups(frame_clouds(spec.dataset.index, index), gt, min_points)
+        for box, group in zip(gt, groups):
+            cell = cell_of(box, lidar_range, weights.shape[:2])
+            if cell is not None:
+                shares[group].append(1.0 - float(weights[cell][0]))
+    rows = ["| objects | count | mean attention weight on the other CAVs |", "|---|---:|---:|"]
+    rows += [f"| {name} | {len(v)} | {np.mean(v):.3f} |" if v else f"| {name} | 0 | - |"
+             for name, v in zip(GROUPS, shares)]
+    return "\n".join(rows + [f"first backbone level of {model_dir}, {len(spec.dataset)} frames of {dataset_dir}"])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        print(attention_table(Path(args.model_dir), args.dataset_dir, args.min_points))
+    except OpencoodDdpError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
