@@ -6,6 +6,7 @@ and 0 or 2 DataLoader workers load bit-identical tensors for every sample index.
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def assert_identical(a, b) -> None:
 AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
            {"NAME": "random_world_rotation", "WORLD_ROT_ANGLE": [-0.785, 0.785]},
            {"NAME": "random_world_scaling", "WORLD_SCALE_RANGE": [0.95, 1.05]}]
+# The toy early and late hypes train without augmentation; tests of augmented datasets put a list back.
+AUGMENT_OVERRIDE = "data_augment=" + json.dumps(AUGMENT)
 
 
 def assert_same_corner_sets(a: np.ndarray, b: np.ndarray) -> None:
@@ -180,9 +183,10 @@ def check_objects(ego: dict, max_num: int) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("train", [True, False])
 def test_sample_and_batch_layout(toy_small, kind, train):
-    hypes = toy_hypes(kind, toy_small, "fusion.args.augment=true" if kind == "intermediate" else "name=x")
+    hypes = toy_hypes(kind, toy_small, "fusion.args.augment=true" if kind == "intermediate" else AUGMENT_OVERRIDE)
     dataset = build_dataset(hypes, "train" if train else "test", train, SEED)
     max_voxels = hypes["preprocess"]["args"]["max_voxel_train" if train else "max_voxel_test"]
+    points = hypes["preprocess"]["args"]["max_points_per_voxel"]
     samples = [dataset[0], dataset[1]]
     for sample in samples:
         for key, entry in sample.items():
@@ -190,10 +194,10 @@ def test_sample_and_batch_layout(toy_small, kind, train):
             if kind == "intermediate":
                 assert entry["cav_num"] == len(read_frame(dataset.index, 0 if sample is samples[0] else 1))
                 for k in range(entry["cav_num"]):
-                    check_voxels({name: v[k] for name, v in entry["processed_lidar"].items()}, max_voxels, 32)
+                    check_voxels({name: v[k] for name, v in entry["processed_lidar"].items()}, max_voxels, points)
                 assert entry["pairwise_t_matrix"].shape == (5, 5, 4, 4)
             else:
-                check_voxels(entry["processed_lidar"], max_voxels, 32)
+                check_voxels(entry["processed_lidar"], max_voxels, points)
             assert "anchor_box" not in entry and "label_dict" not in entry
             assert (kind == "late" and not train) == ("transformation_matrix" in entry)
 
@@ -360,7 +364,8 @@ def load_through_shards(dataset, world: int, epoch: int, workers: int) -> dict:
     return loaded
 
 
-@pytest.mark.parametrize("kind,extra", [("early", "name=early"), ("intermediate", "fusion.args.augment=true")])
+@pytest.mark.parametrize("kind,extra", [("early", AUGMENT_OVERRIDE), ("intermediate", "fusion.args.augment=true")],
+                         ids=["early", "intermediate"])
 def test_samples_identical_across_world_sizes_and_workers(toy_small, kind, extra):
     dataset = build_dataset(toy_hypes(kind, toy_small, extra), "train", True, SEED)
     assert dataset.augmentor is not None

@@ -137,7 +137,8 @@ class OpencoodDataset(Dataset):
         self.max_num = int(hypes["postprocess"]["max_num"])
         self.max_cav = int(get_key(hypes, "train_params.max_cav", DEFAULT_MAX_CAV))
         self.voxelizer = Voxelizer.from_hypes(hypes["preprocess"], self.train)
-        self.augmentor = WorldAugmentor(hypes["data_augment"]) if self.train and self.augments(hypes) else None
+        augments = self.train and self.augments(hypes) and bool(hypes["data_augment"])  # [] means none
+        self.augmentor = WorldAugmentor(hypes["data_augment"]) if augments else None
         # The scan raises DataError for a missing folder or an empty split.
         self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav)
 
