@@ -3,6 +3,8 @@
 Entry points catch `OpencoodDdpError`, print its message once (rank 0) and exit non-zero; every other
 exception is a bug and keeps its traceback.
 """
+import sys
+from typing import Callable
 
 
 class OpencoodDdpError(Exception):
@@ -21,3 +23,14 @@ class DataError(OpencoodDdpError):
 
 class CheckpointError(OpencoodDdpError):
     """A checkpoint or run folder is missing, truncated or belongs to another model."""
+
+
+def run_tool(action: Callable[[], str]) -> int:
+    """A single-process tool's main: print what `action` returns and exit 0, or print a project error as one
+    `error:` line on stderr and exit with its code."""
+    try:
+        print(action())
+    except OpencoodDdpError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0

@@ -21,7 +21,7 @@ import torch
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.engine.evaluator import EvalRequest
 from opencood_ddp.engine.inference import choose_checkpoint, load_run_config
-from opencood_ddp.errors import ConfigError, OpencoodDdpError
+from opencood_ddp.errors import ConfigError, run_tool
 from opencood_ddp.models.modules.fusion import AttFusion
 from opencood_ddp.tasks.opencood import build_eval
 
@@ -96,12 +96,7 @@ def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        print(attention_table(Path(args.model_dir), args.dataset_dir, args.min_points))
-    except OpencoodDdpError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
-    return 0
+    return run_tool(lambda: attention_table(Path(args.model_dir), args.dataset_dir, args.min_points))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 from typing import List, Optional
 
 from opencood_ddp.data.toy import format_summary, generate_toy_opv2v
-from opencood_ddp.errors import OpencoodDdpError
+from opencood_ddp.errors import run_tool
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -24,13 +24,8 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        summary = generate_toy_opv2v(args.out, seed=args.seed, scale=args.scale, binary=args.binary)
-    except OpencoodDdpError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
-    print(format_summary(summary))
-    return 0
+    return run_tool(lambda: format_summary(generate_toy_opv2v(args.out, seed=args.seed, scale=args.scale,
+                                                              binary=args.binary)))
 
 
 if __name__ == "__main__":

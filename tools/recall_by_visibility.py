@@ -27,7 +27,7 @@ import shapely
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import read_frame, scan_split
 from opencood_ddp.data.pcd import read_pcd
-from opencood_ddp.errors import OpencoodDdpError, DataError
+from opencood_ddp.errors import DataError, run_tool
 from opencood_ddp.postprocess.bev_iou import bev_iou_matrix, bev_polygons
 from opencood_ddp.vis.export import npy_paths
 
@@ -104,12 +104,7 @@ def recall_table(runs: Sequence[Path], dataset_dir: Path, iou: float, min_points
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    try:
-        print(recall_table([Path(run) for run in args.runs], Path(args.dataset_dir), args.iou, args.min_points))
-    except OpencoodDdpError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return error.exit_code
-    return 0
+    return run_tool(lambda: recall_table([Path(run) for run in args.runs], Path(args.dataset_dir), args.iou, args.min_points))
 
 
 if __name__ == "__main__":
