@@ -151,11 +151,10 @@ class PrPlot:
         plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames ({order})")
 
 
-def eval_dataset_hypes(hypes: dict, options: EvalRequest) -> dict:
-    """The hypes of the split to evaluate, checked against --fusion_method and --batch_size."""
+def eval_dataset_hypes(hypes: dict, options: EvalRequest, fusion_method: str) -> dict:
+    """The hypes of the split to evaluate, checked against the fusion method and --batch_size."""
     source = hypes_source(hypes)
     found = hypes.get("fusion", {}).get("core_method")
-    fusion_method = options.fusion_method or fusion_method_of(hypes)
     if fusion_method not in FUSION_DATASETS:
         raise ConfigError(f"--fusion_method must be one of {', '.join(FUSION_DATASETS)}, got {fusion_method!r}")
     wanted = FUSION_DATASETS[fusion_method]
@@ -195,7 +194,8 @@ def build_exporter(hypes: dict, options: EvalRequest) -> Optional[FrameExporter]
 
 
 def build_eval(hypes: dict, options: EvalRequest) -> EvalSpec:
-    hypes = eval_dataset_hypes(hypes, options)
+    fusion_method = options.fusion_method or fusion_method_of(hypes)
+    hypes = eval_dataset_hypes(hypes, options, fusion_method)
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
     exporter = build_exporter(hypes, options)
@@ -205,7 +205,7 @@ def build_eval(hypes: dict, options: EvalRequest) -> EvalSpec:
     if options.pr_plot and options.out_dir is not None:
         finish = PrPlot(Path(options.out_dir) / pr_plot_name(options.global_sort), options.global_sort)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
-                    evaluate_batch=FrameEvaluator(post, options.fusion_method or fusion_method_of(hypes), exporter),
+                    evaluate_batch=FrameEvaluator(post, fusion_method, exporter),
                     summarize=Summary(options.global_sort), move_to=move_tensors, finish=finish)
 
 
