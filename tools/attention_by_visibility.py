@@ -3,7 +3,7 @@
 AttFuse fuses per BEV cell with softmax(ego . cav / sqrt(C)) weights over the frame's CAVs. If the fusion works,
 the ego should lean on the other CAVs where only they see an object. For each test frame this runs the model of a
 point_pillar_intermediate run, takes the attention weights of the first backbone level (a forward hook on the
-AttFusion module, recomputing its weights from its inputs), and averages 1 - weight(ego) over the cells of the GT
+AttFusion module, recomputing its weights from its inputs with ``AttFusion.ego_weights``), and averages 1 - weight(ego) over the cells of the GT
 objects in each visibility group of tools/recall_by_visibility.py:
 
     python tools/attention_by_visibility.py --model_dir logs/attfuse --dataset_dir data/toy_opv2v/test
@@ -47,8 +47,7 @@ class FirstLevelWeights:
         x, record_len = inputs
         cavs = x[: int(record_len[0])]
         n, c, h, w = cavs.shape
-        tokens = cavs.reshape(n, c, h * w).permute(2, 0, 1)
-        weights = torch.softmax(torch.bmm(tokens[:, :1], tokens.transpose(1, 2)) * module.scale, dim=-1)
+        weights = module.ego_weights(cavs.reshape(n, c, h * w).permute(2, 0, 1))
         self.weights.append(weights[:, 0, :].reshape(h, w, n))
 
 

@@ -29,14 +29,16 @@ class AttFusion(nn.Module):
         super().__init__()
         self.scale = 1.0 / math.sqrt(feature_dim)
 
+    def ego_weights(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(cells, cavs, C) -> (cells, 1, cavs): the ego row of the attention matrix (only it is used)."""
+        return torch.softmax(torch.bmm(tokens[:, :1], tokens.transpose(1, 2)) * self.scale, dim=-1)
+
     def forward(self, x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
         fused = []
         for cavs in regroup(x, record_len):
             n, c, h, w = cavs.shape
             tokens = cavs.reshape(n, c, h * w).permute(2, 0, 1)  # (cells, cavs, C)
-            ego = tokens[:, :1]  # only the ego's output row is used
-            weights = torch.softmax(torch.bmm(ego, tokens.transpose(1, 2)) * self.scale, dim=-1)
-            out = torch.bmm(weights, tokens)  # (cells, 1, C)
+            out = torch.bmm(self.ego_weights(tokens), tokens)  # (cells, 1, C)
             fused.append(out.permute(1, 2, 0).reshape(1, c, h, w))
         return torch.cat(fused, dim=0)
 
