@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import shapely
 
-from opencood_ddp.data.geometry import transform_points, x1_to_x2
+from opencood_ddp.data.geometry import mask_ego_points, transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import read_frame, scan_split
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import DataError, run_tool
@@ -54,10 +54,11 @@ def points_in_boxes(points: np.ndarray, corners: np.ndarray) -> np.ndarray:
 
 
 def frame_clouds(index, frame_number: int) -> List[np.ndarray]:
-    """Every CAV's cloud in the ego frame, ego first (the ego's own car hits are inside no GT box)."""
+    """Every CAV's cloud in the ego frame, ego first, without each car's own hits (as the datasets read them)."""
     cavs = list(read_frame(index, frame_number).values())
     ego_pose = cavs[0].lidar_pose
-    return [transform_points(read_pcd(cav.pcd_path)[:, :3], x1_to_x2(cav.lidar_pose, ego_pose)) for cav in cavs]
+    return [transform_points(mask_ego_points(read_pcd(cav.pcd_path))[:, :3], x1_to_x2(cav.lidar_pose, ego_pose))
+            for cav in cavs]
 
 
 def visibility_groups(clouds: List[np.ndarray], gt: np.ndarray, min_points: int) -> np.ndarray:
