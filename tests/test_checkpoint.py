@@ -1,6 +1,5 @@
 """Checkpoints: upstream-compatible weights, sidecars, strict prefix-agnostic loading, atomic writes, RNG state."""
 import os
-import pickle
 import random
 import stat
 from collections import OrderedDict

@@ -7,7 +7,6 @@
 """
 from __future__ import annotations
 
-import os
 import pickle
 import random
 import re

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-import torch
 from torch import nn
 
 
