@@ -10,10 +10,27 @@ from opencood_ddp.errors import ConfigError
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "abc",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
 LAUNCH = {"RANK": "2", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
-SLURM_MULTI = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_NODELIST": "gpu[01-02]",
-               "SLURM_JOB_ID": "123456"}
-SLURM_SINGLE = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "2", "SLURM_NODELIST": "node7",
-                "SLURM_JOB_ID": "987"}
+# srun job steps: only a step has SLURM_STEP_NUM_TASKS (a batch script has SLURM_PROCID and SLURM_NTASKS too).
+SLURM_MULTI = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_STEP_NUM_TASKS": "8", "SLURM_LOCALID": "1",
+               "SLURM_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "123456"}
+SLURM_SINGLE = {"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_LOCALID": "2",
+                "SLURM_NODELIST": "node7", "SLURM_JOB_ID": "987"}
+# What `sbatch -n 2` gives the batch script itself: one process, not rank 0 of 2.
+SBATCH_SCRIPT = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_NPROCS": "2", "SLURM_LOCALID": "0",
+                 "SLURM_NODELIST": "node1", "SLURM_JOB_ID": "55", "SLURM_NNODES": "1"}
+# What `srun -N 2 -n 8` exports to task 5 (the second on node gpu02), trimmed to the identity variables.
+SRUN_TWO_NODES = {"SLURM_JOB_ID": "123456", "SLURM_JOBID": "123456", "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2",
+                  "SLURM_NODELIST": "gpu[01-02]", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_NTASKS": "8",
+                  "SLURM_NPROCS": "8", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_STEP_ID": "0",
+                  "SLURM_STEP_NODELIST": "gpu[01-02]", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "8",
+                  "SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1", "SLURMD_NODENAME": "gpu02",
+                  "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_GTIDS": "4,5,6,7"}
+SRUN_TWO_NODES_EXPECTED = dict(rank=5, local_rank=1, world_size=8, launcher="slurm", master_addr="gpu01",
+                               master_port=23456)
+# `srun -N 1 -n 4 --relative=1` inside that allocation: a step of 4 tasks on gpu02 only, ranks counted per step
+SRUN_SECOND_NODE_STEP = dict(SRUN_TWO_NODES, SLURM_STEP_ID="1", SLURM_STEP_NODELIST="gpu02", SLURM_STEP_NUM_NODES="1",
+                             SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="4", SLURM_NODEID="0",
+                             SLURM_PROCID="1", SLURM_GTIDS="0,1,2,3")
 
 # (id, environ, local_rank_arg, cuda_available, expected fields)
 CASES = [
@@ -53,9 +70,25 @@ CASES = [
      dict(rank=5, local_rank=0, device="cuda:0")),
     ("slurm-no-job-id", {k: v for k, v in SLURM_MULTI.items() if k != "SLURM_JOB_ID"}, None, False,
      dict(master_port=20000)),
+    ("srun-two-nodes", SRUN_TWO_NODES, None, True,
+     dict(SRUN_TWO_NODES_EXPECTED, backend="nccl", device="cuda:1")),
+    ("srun-two-nodes-cpu", SRUN_TWO_NODES, None, False,
+     dict(SRUN_TWO_NODES_EXPECTED, backend="gloo", device="cpu")),
+    ("srun-two-nodes-master-addr-port", dict(SRUN_TWO_NODES, MASTER_ADDR="10.1.2.3", MASTER_PORT="29400"), None, True,
+     dict(SRUN_TWO_NODES_EXPECTED, master_addr="10.1.2.3", master_port=29400)),
+    ("srun-two-nodes-master-addr-only", dict(SRUN_TWO_NODES, MASTER_ADDR="head"), None, True,
+     dict(SRUN_TWO_NODES_EXPECTED, master_addr="head")),
+    ("srun-two-nodes-master-port-only", dict(SRUN_TWO_NODES, MASTER_PORT="29400"), None, True,
+     dict(SRUN_TWO_NODES_EXPECTED, master_port=29400)),
+    ("srun-two-nodes-empty-master-addr", dict(SRUN_TWO_NODES, MASTER_ADDR=""), None, True,
+     dict(SRUN_TWO_NODES_EXPECTED)),
+    ("srun-step-on-second-node", SRUN_SECOND_NODE_STEP, None, True,
+     dict(rank=1, local_rank=1, world_size=4, launcher="slurm", master_addr="gpu02", master_port=23457)),
     ("torchrun-beats-slurm", dict(SLURM_MULTI, **TORCHRUN), None, True,
      dict(rank=3, local_rank=1, world_size=4, launcher="torchrun", device="cuda:1", master_addr=None)),
     ("slurm-procid-without-ntasks", {"SLURM_PROCID": "3"}, None, False,
+     dict(rank=0, world_size=1, launcher="single")),
+    ("sbatch-script-without-srun", SBATCH_SCRIPT, None, False,
      dict(rank=0, world_size=1, launcher="single")),
 ]
 
@@ -104,7 +137,7 @@ def test_dist_env_is_frozen():
     (dict(TORCHRUN, WORLD_SIZE="4x"), "WORLD_SIZE"),
     (dict(TORCHRUN, LOCAL_RANK=""), "LOCAL_RANK"),
     (dict(SLURM_MULTI, SLURM_PROCID="p5"), "SLURM_PROCID"),
-    (dict(SLURM_MULTI, SLURM_NTASKS="eight"), "SLURM_NTASKS"),
+    (dict(SLURM_MULTI, SLURM_STEP_NUM_TASKS="eight"), "SLURM_STEP_NUM_TASKS"),
     (dict(SLURM_MULTI, SLURM_LOCALID="x"), "SLURM_LOCALID"),
     (dict(SLURM_MULTI, MASTER_PORT="http"), "MASTER_PORT"),
 ])
@@ -118,7 +151,7 @@ def test_non_integer_variable_is_named(environ, variable):
     (dict(TORCHRUN, RANK="4"), ("RANK", "WORLD_SIZE", "rank 4", "world size 4")),
     (dict(TORCHRUN, RANK="-1"), ("RANK", "rank -1")),
     (dict(TORCHRUN, RANK="0", WORLD_SIZE="0"), ("WORLD_SIZE", "world size 0")),
-    (dict(SLURM_MULTI, SLURM_PROCID="8"), ("SLURM_PROCID", "SLURM_NTASKS", "rank 8", "world size 8")),
+    (dict(SLURM_MULTI, SLURM_PROCID="8"), ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "rank 8", "world size 8")),
 ])
 def test_rank_outside_world_is_an_error(environ, names):
     with pytest.raises(ConfigError) as info:
@@ -144,6 +177,12 @@ def test_slurm_port_is_the_same_for_every_task_and_in_range():
         assert 20000 <= port < 30000
     assert detect_dist_env(dict(SLURM_MULTI, SLURM_JOB_ID="10000"), cuda_available=False).master_port == 20000
     assert detect_dist_env(dict(SLURM_MULTI, SLURM_JOB_ID="77_3"), cuda_available=False).master_port == 20773
+
+
+def test_concurrent_srun_steps_of_one_job_get_different_ports():
+    ports = {detect_dist_env(dict(SLURM_MULTI, SLURM_STEP_ID=str(step)), cuda_available=False).master_port
+             for step in range(3)}
+    assert ports == {23456, 23457, 23458}
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

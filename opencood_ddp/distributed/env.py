@@ -89,12 +89,12 @@ def _slurm_master_port(environ: Mapping[str, str]) -> int:
         return _int(environ, "MASTER_PORT")
     job_id = environ.get("SLURM_JOB_ID", "0")
     digits = re.sub(r"\D", "", job_id) or "0"
-    return 20000 + int(digits[-4:]) % 10000
+    # The step id keeps two concurrent srun steps of one job (on the same nodes) apart.
+    step = re.sub(r"\D", "", environ.get("SLURM_STEP_ID", "0")) or "0"
+    return 20000 + (int(digits[-4:]) + int(step)) % 10000
 
 
 def _slurm_env(environ: Mapping[str, str]) -> dict:
-    # SLURM_STEP_NUM_TASKS is the size of this srun step; SLURM_NTASKS that of the allocation.
-    world_key = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
     master_addr = environ.get("MASTER_ADDR")
     if not master_addr:
         nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_NODELIST") or ""
@@ -103,7 +103,7 @@ def _slurm_env(environ: Mapping[str, str]) -> dict:
             raise ConfigError("SLURM launch without MASTER_ADDR and without SLURM_NODELIST; "
                               "export MASTER_ADDR=<first node> before srun")
         master_addr = hosts[0]
-    return dict(rank=_int(environ, "SLURM_PROCID"), world_size=_int(environ, world_key),
+    return dict(rank=_int(environ, "SLURM_PROCID"), world_size=_int(environ, "SLURM_STEP_NUM_TASKS"),
                 local_rank=_int(environ, "SLURM_LOCALID") if "SLURM_LOCALID" in environ else 0,
                 launcher="slurm", master_addr=master_addr, master_port=_slurm_master_port(environ))
 
@@ -130,13 +130,16 @@ def detect_dist_env(environ: Mapping[str, str], local_rank_arg: Optional[int] = 
         cuda_available = torch.cuda.is_available()
     if "RANK" in environ and "WORLD_SIZE" in environ:
         fields = _torchrun_env(environ, local_rank_arg)
-    elif "SLURM_PROCID" in environ and ("SLURM_NTASKS" in environ or "SLURM_STEP_NUM_TASKS" in environ):
+    elif "SLURM_PROCID" in environ and "SLURM_STEP_NUM_TASKS" in environ:
+        # Only an srun job step sets SLURM_STEP_NUM_TASKS. A batch script also has SLURM_PROCID=0 and the
+        # allocation's SLURM_NTASKS, but it is one process: taking it for rank 0 of N would wait for ranks
+        # that never start.
         fields = _slurm_env(environ)
     else:
         fields = dict(rank=0, world_size=1, local_rank=0, launcher="single")
     if not 0 <= fields["rank"] < fields["world_size"]:
         raise ConfigError(f"rank {fields['rank']} is outside world size {fields['world_size']}; "
-                          f"check the launcher's RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_NTASKS)")
+                          f"check the launcher's RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_STEP_NUM_TASKS)")
     chosen_backend = backend or ("nccl" if cuda_available else "gloo")
     device = f"cuda:{fields['local_rank']}" if cuda_available else "cpu"
     return DistEnv(backend=chosen_backend, device=device, **fields)
