@@ -123,7 +123,8 @@ def test_only_rank_zero_writes_the_run_folder(synthetic_runs):
     assert len(events) == 1, files  # one SummaryWriter: each writer makes a file of its own
     rest = sorted(set(files) - set(events))
     assert rest == ["config.yaml", "logs/rank0.log", "logs/rank1.log", "net_epoch1.pth", "net_epoch2.pth",
-                    "net_epoch_bestval_at2.pth", "training_state_epoch1.pt", "training_state_epoch2.pt"]
+                    "net_epoch_bestval_at2.pth", "train_steps.csv", "training_state_epoch1.pt",
+                    "training_state_epoch2.pt"]
     # the 1-process run writes the same set minus rank 1's log: nothing else depends on the world size
     single = [f for f in listing(synthetic_runs(1)) if not f.startswith("events.")]
     assert single == [f for f in rest if f != "logs/rank1.log"]

@@ -2,6 +2,7 @@
 
 - `net_epoch{N}.pth`: a bare state_dict of the unwrapped model (no `module.` prefix), loadable by upstream.
 - `net_epoch_bestval_at{N}.pth`: the weights with the lowest all-reduced validation loss (one file).
+- `net_step{K}.pth`: the weights after K optimizer steps of a run cut short by `--max_steps` (no sidecar).
 - `training_state_epoch{N}.pt`: optimizer, lr scheduler, AMP scaler, epoch, global step, RNG states and the
   BatchPlan. Its name does not match upstream's `*epoch*.pth` glob, so upstream tools ignore it.
 """
@@ -29,6 +30,10 @@ STATE_FORMAT = 1
 
 def weights_name(epoch: int) -> str:
     return f"net_epoch{epoch}.pth"
+
+
+def step_weights_name(step: int) -> str:
+    return f"net_step{step}.pth"
 
 
 def bestval_name(epoch: int) -> str:
@@ -157,6 +162,13 @@ def save_bestval(run_dir: Path, epoch: int, model: nn.Module) -> Path:
     return path
 
 
+def save_step_weights(run_dir: Path, step: int, model: nn.Module) -> Path:
+    """Write net_step{step}.pth (weights only). Rank 0 only."""
+    path = Path(run_dir) / step_weights_name(step)
+    atomic_save(unwrap(model).state_dict(), path)
+    return path
+
+
 def load_training_state(run_dir: Path, epoch: int) -> Optional[dict]:
     """The sidecar of `epoch`, or None when the run came from upstream (weights only)."""
     path = Path(run_dir) / state_name(epoch)
@@ -186,3 +198,19 @@ def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any])
         if diff > worst[kind][0]:
             worst[kind] = (diff, key)
     return worst
+
+
+def global_relative_difference(state: Mapping[str, Any], reference: Mapping[str, Any]) -> float:
+    """||a - b|| / ||b|| over all learnable floating tensors at once (BN running statistics excluded).
+
+    Unlike the per-tensor worst case, small tensors that barely train (a BN bias near zero) cannot dominate it.
+    """
+    state = strip_module_prefix(state)
+    gap = norm = 0.0
+    for key, ref in strip_module_prefix(reference).items():
+        other = state.get(key)
+        if other is None or not ref.is_floating_point() or "running_" in key:
+            continue
+        gap += (other.double() - ref.double()).pow(2).sum().item()
+        norm += ref.double().pow(2).sum().item()
+    return (gap / norm) ** 0.5 if norm else 0.0

@@ -19,12 +19,24 @@ from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 from opencood_ddp.errors import ConfigError
 
 
+class ReversedBatchSampler(BatchSampler):
+    """The same batches with their indices in reverse order.
+
+    Every loss and statistic is a mean over the batch, so this is the same training in exact arithmetic; only
+    the float summation order changes, as it does between world sizes. tools/parity_check.py uses it to measure
+    how far two runs drift from rounding alone."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for batch in super().__iter__():
+            yield batch[::-1]
+
+
 def make_train_batch_sampler(dataset: Sized, per_rank: int, world_size: int, rank: int, seed: int,
-                             accumulation: int = 1) -> BatchSampler:
+                             accumulation: int = 1, reverse: bool = False) -> BatchSampler:
     """Batches of `per_rank` indices for `rank`; call `.sampler.set_epoch(epoch)` before each epoch."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
-    batches = BatchSampler(sampler, batch_size=per_rank, drop_last=True)
+    batches = (ReversedBatchSampler if reverse else BatchSampler)(sampler, batch_size=per_rank, drop_last=True)
     if len(batches) < accumulation:
         raise ConfigError(f"the training split has {len(dataset)} samples, fewer than one effective batch of "
                           f"{per_rank * world_size * accumulation}; add data or lower train_params.batch_size")

@@ -5,7 +5,9 @@ builtins.print is never touched.
 """
 from __future__ import annotations
 
+import csv
 import logging
+import math
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -80,3 +82,60 @@ def summary_writer(run_dir: Optional[Path], is_main: bool):
     from tensorboardX import SummaryWriter  # imported lazily: it is slow and rank 0 only needs it
 
     return SummaryWriter(str(run_dir))
+
+
+STEP_LOG_NAME = "train_steps.csv"
+
+
+class StepLog:
+    """Rank 0's `train_steps.csv`: per optimizer step the all-reduced loss parts, the lr and the timing.
+
+    It is how two runs are compared step by step (tools/parity_check.py) and where a run's time goes
+    (data_seconds is the time the step waited for the loader). Other ranks hold a disabled log.
+    """
+
+    def __init__(self, run_dir: Optional[Path], is_main: bool):
+        self.path = Path(run_dir) / STEP_LOG_NAME if is_main and run_dir is not None else None
+        self._columns: Optional[list[str]] = None
+
+    def keep_until(self, step: int) -> None:
+        """After a resume: drop the rows of steps past the restored checkpoint, which will be trained again."""
+        if self.path is None or not self.path.is_file():
+            return
+        rows = read_step_log(self.path)
+        if rows and rows[-1]["step"] > step:
+            columns = list(rows[0])
+            with open(self.path, "w", newline="") as handle:
+                writer = csv.DictWriter(handle, columns)
+                writer.writeheader()
+                writer.writerows(row for row in rows if row["step"] <= step)
+
+    def write(self, row: dict) -> None:
+        if self.path is None:
+            return
+        if self._columns is None:
+            self._columns = self._existing_columns() or list(row)
+            if not self.path.is_file() or self.path.stat().st_size == 0:
+                with open(self.path, "w", newline="") as handle:
+                    csv.DictWriter(handle, self._columns).writeheader()
+        with open(self.path, "a", newline="") as handle:
+            csv.DictWriter(handle, self._columns, restval="", extrasaction="ignore").writerow(row)
+
+    def _existing_columns(self) -> Optional[list[str]]:
+        if not self.path.is_file():
+            return None
+        with open(self.path, newline="") as handle:
+            return next(csv.reader(handle), None)
+
+
+def read_step_log(path: Path) -> list[dict]:
+    """train_steps.csv as a list of rows: `step` and `epoch` as int, every other column as float."""
+    with open(path, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return [{key: _cell(key, value) for key, value in row.items()} for row in rows]
+
+
+def _cell(key: str, value: str) -> float:
+    if key in ("step", "epoch"):
+        return int(value)
+    return float(value) if value != "" else math.nan

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import socket
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -49,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--no_sync_bn", action="store_true", help="keep per-rank BatchNorm statistics")
+    parser.add_argument("--max_steps", type=int, help="end the run after this many optimizer steps and save "
+                                                       "net_step{K}.pth (a smoke test or a parity check)")
+    parser.add_argument("--reverse_batch_order", action="store_true",
+                        help="feed each batch's samples in reverse order: the same training in exact arithmetic, "
+                             "another float summation order (the noise floor of tools/parity_check.py)")
     parser.add_argument("--log_root", default="logs", help="parent of new run folders without --model_dir")
     parser.add_argument("--eval_after_training", action="store_true",
                         help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
@@ -102,13 +108,29 @@ def open_run_folder(args: argparse.Namespace, hypes: dict, plan: BatchPlan) -> R
     return comm.on_main_then_broadcast(make)
 
 
-def describe_start(env: DistEnv, plan: BatchPlan, task: Task, folder: RunFolder, sync_bn: Optional[str]) -> str:
+def describe_devices(entries: Sequence[tuple[str, str]]) -> str:
+    """Every rank's (host, device), grouped by host: 'node1 [cuda:0 cuda:1], node2 [cuda:0 cuda:1]'."""
+    hosts: dict[str, list[str]] = {}
+    for host, device in entries:
+        hosts.setdefault(host, []).append(device)
+    shown = [f"{host} [{' '.join(devices)}]" for host, devices in list(hosts.items())[:4]]
+    more = f", ... ({len(hosts)} hosts)" if len(hosts) > 4 else ""
+    return ", ".join(shown) + more
+
+
+def describe_start(env: DistEnv, plan: BatchPlan, task: Task, folder: RunFolder, trainer: Trainer,
+                   devices: Sequence[tuple[str, str]]) -> str:
+    """The plan rank 0 prints before the first step: who trains, on what, with which batch and data."""
     sizes = f"train {len(task.train_set)} samples, validate {len(task.val_set) if task.val_set is not None else 0}"
+    steps = f"{trainer.steps_per_epoch} optimizer steps per epoch"
+    if trainer.settings.max_steps is not None:
+        steps += f", stopping after {trainer.settings.max_steps} steps (--max_steps)"
     return "\n".join([
         f"launcher {env.launcher}: world size {env.world_size}, backend {env.backend}, device {env.device}",
+        f"devices: {describe_devices(devices)}",
         plan.describe(),
-        f"datasets: {sizes}",
-        f"sync batch norm: {sync_bn or 'off'}",
+        f"datasets: {sizes}; {steps}",
+        f"sync batch norm: {trainer.sync_bn_kind or 'off'}",
         f"run folder: {folder.path}{' (resuming)' if folder.resume else ''}",
     ])
 
@@ -126,17 +148,19 @@ def plan_final_evaluation(args: argparse.Namespace, hypes: dict,
     return request, build_eval(hypes, request)
 
 
-def run_final_evaluation(final: tuple[EvalRequest, EvalSpec], folder: Path, epochs: int, env: DistEnv,
+def run_final_evaluation(final: tuple[EvalRequest, EvalSpec], folder: Path, weights: Path, env: DistEnv,
                          num_workers: int) -> None:
     request, spec = final
     request.out_dir = str(folder)
     # The trainer's last save ends with a barrier: the checkpoint is on disk for every rank.
-    evaluate_checkpoint(spec, request, folder / ckpt.weights_name(epochs), env, num_workers)
+    evaluate_checkpoint(spec, request, weights, env, num_workers)
 
 
 def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder,
           build_eval: Optional[EvalBuilder] = None) -> Path:
     log = get_logger()
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError(f"--max_steps {args.max_steps}: give a positive number of optimizer steps")
     hypes, source = comm.on_main_then_broadcast(lambda: load_run_hypes(args))
     plan = plan_batches(hypes, args, env.world_size)
     seed_everything(hypes["train_params"]["seed"])
@@ -146,11 +170,14 @@ def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder,
     attach_log_file(folder.path, env.rank)
     log.info(f"hypes: {source}")
     settings = TrainSettings.from_hypes(hypes, hypes["train_params"]["seed"], args.num_workers, args.half,
-                                        sync_bn=not args.no_sync_bn)
+                                        sync_bn=not args.no_sync_bn, max_steps=args.max_steps,
+                                        reverse_batch_order=args.reverse_batch_order)
     writer = summary_writer(folder.path, env.is_main)
     try:
         trainer = Trainer(task, plan, env, settings, hypes, folder.path, writer)
-        log.info(describe_start(env, plan, task, folder, trainer.sync_bn_kind))
+        devices = comm.gather_objects((socket.gethostname(), env.device))
+        if env.is_main:
+            log.info(describe_start(env, plan, task, folder, trainer, devices))
         done = ckpt.epochs_on_disk(folder.path)
         if folder.resume and done:
             trainer.restore(done[-1])
@@ -159,7 +186,8 @@ def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder,
     finally:
         writer.close()
     if final is not None:
-        run_final_evaluation(final, folder.path, settings.epochs, env, args.num_workers)
+        weights = trainer.last_weights or folder.path / ckpt.weights_name(settings.epochs)
+        run_final_evaluation(final, folder.path, weights, env, args.num_workers)
     return folder.path
 
 

@@ -28,7 +28,7 @@ from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
-from opencood_ddp.engine.logging import get_logger, progress
+from opencood_ddp.engine.logging import StepLog, get_logger, progress
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.task import Task
 from opencood_ddp.hypes import get_key
@@ -47,14 +47,18 @@ class TrainSettings:
     half: bool = False
     sync_bn: bool = True
     keep_states: int = 2
+    max_steps: Optional[int] = None  # end the run after this many optimizer steps (smoke tests, parity checks)
+    reverse_batch_order: bool = False  # same batches, samples reversed: a rounding-only change (parity noise floor)
 
     @classmethod
-    def from_hypes(cls, hypes: dict, seed: int, num_workers: int, half: bool, sync_bn: bool) -> "TrainSettings":
+    def from_hypes(cls, hypes: dict, seed: int, num_workers: int, half: bool, sync_bn: bool,
+                   max_steps: Optional[int] = None, reverse_batch_order: bool = False) -> "TrainSettings":
         return cls(epochs=hypes["train_params"]["epoches"], seed=seed,
                    eval_freq=get_key(hypes, "train_params.eval_freq", 1),
                    save_freq=get_key(hypes, "train_params.save_freq", 1), num_workers=num_workers,
                    find_unused_parameters=bool(get_key(hypes, "train_params.find_unused_parameters", False)),
-                   half=half, sync_bn=sync_bn)
+                   half=half, sync_bn=sync_bn, max_steps=max_steps,
+                   reverse_batch_order=reverse_batch_order)
 
 
 @dataclass
@@ -66,6 +70,24 @@ class Progress:
     best_val: float = math.inf
     best_epoch: Optional[int] = None
     history: list = field(default_factory=list)  # per epoch: {'epoch', 'train', 'val'}
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: the loss parts all-reduced over ranks (the same on every rank) and this rank's
+    timing; data_seconds is the part of `seconds` spent waiting for the loader."""
+
+    step: int
+    epoch: int
+    losses: dict
+    lr: float
+    seconds: float
+    data_seconds: float
+
+    def row(self, global_batch: int) -> dict:
+        return {"step": self.step, "epoch": self.epoch + 1, **self.losses, "lr": self.lr,
+                "seconds": round(self.seconds, 6), "data_seconds": round(self.data_seconds, 6),
+                "samples_per_s": round(global_batch / self.seconds, 3)}
 
 
 class _Sums:
@@ -106,9 +128,13 @@ class Trainer:
         self.scheduler = build_scheduler(hypes, self.optimizer)
         self.scaler = torch.amp.GradScaler("cuda") if settings.half and self.device.type == "cuda" else None
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
-                                                      settings.seed, plan.accumulation)
+                                                      settings.seed, plan.accumulation,
+                                                      reverse=settings.reverse_batch_order)
         self.steps_per_epoch = steps_per_epoch(self.batch_sampler, plan.accumulation)
         self.progress = Progress()
+        self.step_log = StepLog(self.run_dir, env.is_main)
+        self._epoch_timing = ""
+        self.last_weights: Optional[Path] = None  # the newest weights this run wrote (same value on every rank)
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -140,6 +166,8 @@ class Trainer:
         self.progress = Progress(epoch=epoch, global_step=state["global_step"], best_val=state["best_val"],
                                  best_epoch=state["best_epoch"], history=list(state.get("history", [])))
         self._warn_plan_change(state.get("batch_plan", {}))
+        if self.env.is_main:
+            self.step_log.keep_until(self.progress.global_step)
 
     def _warn_plan_change(self, saved: dict) -> None:
         if saved and saved.get("global_batch") != self.plan.global_batch:
@@ -150,8 +178,11 @@ class Trainer:
     def fit(self) -> Progress:
         if self.progress.epoch >= self.settings.epochs:
             self.log.info(f"nothing to do: {self.progress.epoch} of {self.settings.epochs} epochs already trained")
+        first_step = self.progress.global_step
         for epoch in range(self.progress.epoch, self.settings.epochs):
             train_means = self.train_one_epoch(epoch)
+            if train_means is None:  # --max_steps ended the epoch early
+                break
             if self.scheduler is not None:
                 self.scheduler.step()
             val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
@@ -159,14 +190,19 @@ class Trainer:
             self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
             self._log_epoch(epoch + 1, train_means, val_means)
             self._save(epoch + 1, val_means)
+        if self._max_steps_reached() and self.progress.global_step > first_step:
+            self._save_step_weights()
         self.writer.flush()
         return self.progress
+
+    def _max_steps_reached(self) -> bool:
+        return self.settings.max_steps is not None and self.progress.global_step >= self.settings.max_steps
 
     def _due(self, epoch: int, freq: int) -> bool:
         # Upstream checks `epoch % freq == 0` on the 0-based epoch; the last epoch is always covered here.
         return epoch % freq == 0 or epoch + 1 == self.settings.epochs
 
-    def _train_loader(self, epoch: int) -> DataLoader:
+    def train_loader(self, epoch: int) -> DataLoader:
         self.batch_sampler.sampler.set_epoch(epoch)
         set_epoch = getattr(self.task.train_set, "set_epoch", None)
         if callable(set_epoch):  # per-sample augmentation keyed by (seed, epoch, index)
@@ -198,29 +234,54 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def train_one_epoch(self, epoch: int) -> dict:
+    def steps(self, epoch: int, into: Optional[_Sums] = None) -> Iterator[StepRecord]:
+        """The optimizer steps of one epoch, one record each; stops early at settings.max_steps.
+
+        Every rank runs the same number of steps, so the all-reduce of each step's losses always matches.
+        """
         self.model.train()
-        batches: Iterator = iter(self._train_loader(epoch))
-        epoch_sums = _Sums()
-        bar = progress(self.steps_per_epoch, f"epoch {epoch + 1}/{self.settings.epochs}", self.env.is_main)
+        batches: Iterator = iter(self.train_loader(epoch))
         for _ in range(self.steps_per_epoch):
-            started = time.perf_counter()
+            if self._max_steps_reached():
+                return
+            started, waited = time.perf_counter(), 0.0
             step_sums = _Sums()
             for micro in range(self.plan.accumulation):
-                self._micro_step(next(batches), sync=micro == self.plan.accumulation - 1, sums=step_sums)
+                fetch = time.perf_counter()
+                batch = next(batches)
+                waited += time.perf_counter() - fetch
+                self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums)
             self._optimizer_step()
             self.progress.global_step += 1
+            lr = self.optimizer.param_groups[0]["lr"]
             means = step_sums.reduced_means()
-            _merge(epoch_sums, step_sums)
-            self._log_step(means, bar, time.perf_counter() - started)
-        bar.close()
-        return epoch_sums.reduced_means()
+            if into is not None:
+                _merge(into, step_sums)
+            yield StepRecord(self.progress.global_step, epoch, means, lr, time.perf_counter() - started, waited)
 
-    def _log_step(self, means: dict, bar, seconds: float) -> None:
-        for name, value in means.items():
-            self.writer.add_scalar(f"train/{name}", value, self.progress.global_step)
-        self.writer.add_scalar("train/lr", self.optimizer.param_groups[0]["lr"], self.progress.global_step)
-        bar.set_postfix(loss=f"{means['loss']:.4f}", samples_per_s=f"{self.plan.global_batch / seconds:.1f}")
+    def train_one_epoch(self, epoch: int) -> Optional[dict]:
+        """All-reduced mean losses of the epoch, or None when --max_steps stopped it before its end."""
+        epoch_sums = _Sums()
+        bar = progress(self.steps_per_epoch, f"epoch {epoch + 1}/{self.settings.epochs}", self.env.is_main)
+        records = []
+        for record in self.steps(epoch, into=epoch_sums):
+            self._log_step(record, bar)
+            records.append(record)
+        bar.close()
+        means = epoch_sums.reduced_means()
+        if len(records) < self.steps_per_epoch:
+            return None
+        self._epoch_timing = _timing(records, self.plan.global_batch)
+        return means
+
+    def _log_step(self, record: StepRecord, bar) -> None:
+        for name, value in record.losses.items():
+            self.writer.add_scalar(f"train/{name}", value, record.step)
+        self.writer.add_scalar("train/lr", record.lr, record.step)
+        self.step_log.write(record.row(self.plan.global_batch))
+        bar.set_postfix(loss=f"{record.losses['loss']:.4f}",
+                        samples_per_s=f"{self.plan.global_batch / record.seconds:.1f}",
+                        data=f"{100 * record.data_seconds / record.seconds:.0f}%")
         bar.update(1)
 
     @torch.no_grad()
@@ -254,7 +315,7 @@ class Trainer:
             line += " | val " + " ".join(f"{k}={v:.4f}" for k, v in val.items())
             for name, value in val.items():
                 self.writer.add_scalar(f"val/{name}", value, epoch)
-        self.log.info(line + f" | lr {self.optimizer.param_groups[0]['lr']:g}")
+        self.log.info(line + f" | lr {self.optimizer.param_groups[0]['lr']:g} | {self._epoch_timing}")
 
     def training_state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),
@@ -271,6 +332,8 @@ class Trainer:
         improved = val is not None and val["loss"] < self.progress.best_val
         if improved:
             self.progress.best_val, self.progress.best_epoch = val["loss"], epoch
+        if due:
+            self.last_weights = self.run_dir / ckpt.weights_name(epoch)
         if self.env.is_main:
             if due:
                 path = ckpt.save_epoch(self.run_dir, epoch, self.model_without_ddp,
@@ -280,6 +343,22 @@ class Trainer:
                 self.log.info(f"new best validation loss {val['loss']:.4f}: saved "
                               f"{ckpt.save_bestval(self.run_dir, epoch, self.model_without_ddp)}")
         comm.barrier()  # no rank may start the next epoch (or exit) while rank 0 still writes
+
+    def _save_step_weights(self) -> None:
+        step = self.progress.global_step
+        self.last_weights = self.run_dir / ckpt.step_weights_name(step)
+        if self.env.is_main:
+            path = ckpt.save_step_weights(self.run_dir, step, self.model_without_ddp)
+            self.log.info(f"stopped after {step} optimizer steps (--max_steps): saved {path}")
+        comm.barrier()
+
+
+def _timing(records: list[StepRecord], global_batch: int) -> str:
+    """Throughput of an epoch over all ranks, and how much of rank 0's step time went into waiting for data."""
+    seconds = sum(r.seconds for r in records)
+    waited = sum(r.data_seconds for r in records)
+    return (f"{global_batch * len(records) / seconds:.1f} samples/s, {seconds:.1f} s, "
+            f"data wait {100 * waited / seconds:.0f}%")
 
 
 def _merge(into: _Sums, other: _Sums) -> None:

@@ -1,0 +1,268 @@
+#!/usr/bin/env python
+"""Is an N-process run the same training as the 1-process baseline? Train K steps at each world size and compare.
+
+    python tools/parity_check.py --hypes_yaml hypes_yaml/x.yaml --world_sizes 1,2,4 --steps 20
+
+Each world size runs the user-facing `tools/train_ddp.py --max_steps K` (plain `python` for 1, torchrun for
+more; on CUDA one GPU per process, else gloo on CPU) in its own folder under --work_dir. Against world size 1
+it compares the loss curve (`train_steps.csv`: the loss all-reduced over ranks, per step) and the weights after
+K steps (`net_step{K}.pth`, ||a - b|| / ||b|| over all parameters).
+
+Training is chaotic: a change of float summation order alone makes two runs drift apart, and an N-rank run
+sums in another order. So a second world-size-1 run feeds each batch in reverse order (the same training in
+exact arithmetic) and measures that drift: the noise floor. A world size passes when, at every step, its loss
+gap stays within --noise_factor times the noise floor so far (or under --loss_tolerance), and its weight gap
+within --noise_factor times the noise run's (or under --tolerance). A wrong batch split, a missing SyncBN or
+unsynchronised gradients show from the first steps, orders of magnitude above the floor.
+Run it on a small subset before a long job. Exit status: 0 when every world size passes, 1 when one does
+not, 2 on a bad input or a failed run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed.batch_plan import make_batch_plan
+from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
+from opencood_ddp.errors import ConfigError, OpencoodDdpError
+
+TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
+# Launcher variables of the shell that runs this tool (say, inside an salloc) must not reach the runs,
+# whose launcher is plain python or torchrun.
+NOISE_RUN = "world1_reversed"
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hypes_yaml", required=True)
+    parser.add_argument("--world_sizes", default="1,2", help="comma-separated; world size 1 is added as reference")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
+                        help="hypes override passed to every run; repeatable")
+    parser.add_argument("--per_gpu_batch", type=int, help="passed to every run (accumulation instead of batch)")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--num_workers", type=int, default=0)
+    parser.add_argument("--half", action="store_true", help="mixed precision in every run (expect larger gaps)")
+    parser.add_argument("--train_args", default="", metavar="'FLAGS'",
+                        help="more tools/train_ddp.py flags for every run, e.g. --train_args='--no_sync_bn' to see the gap "
+                             "that per-rank BatchNorm makes")
+    parser.add_argument("--tolerance", type=float, default=1e-4,
+                        help="a weight gap below this passes whatever the noise (default 1e-4)")
+    parser.add_argument("--loss_tolerance", type=float, default=1e-4,
+                        help="a per-step relative loss gap below this passes whatever the noise (default 1e-4)")
+    parser.add_argument("--noise_factor", type=float, default=5.0,
+                        help="how many times the measured noise floor a gap may reach (default 5)")
+    parser.add_argument("--work_dir", help="keep the runs here (default: a temporary folder, removed at the end)")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    return parser
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    try:
+        sizes = sorted({int(part) for part in text.split(",") if part.strip()} | {1})
+    except ValueError:
+        raise ConfigError(f"--world_sizes {text!r}: give comma-separated integers, e.g. 1,2,4") from None
+    if sizes[0] < 1:
+        raise ConfigError(f"--world_sizes {text!r}: world sizes must be positive")
+    return sizes
+
+
+def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
+    """Fail before any training when the hypes' batch cannot be split over one of the world sizes."""
+    hypes = hypes_lib.apply_overrides(hypes_lib.load_hypes(args.hypes_yaml), args.overrides)
+    batch = hypes_lib.get_key(hypes, "train_params.batch_size", None)
+    lr = float(hypes_lib.get_key(hypes, "optimizer.lr", 0.0))
+    for world in world_sizes:
+        try:
+            make_batch_plan(batch, world, lr, per_gpu_batch=args.per_gpu_batch)
+        except ConfigError as exc:
+            raise ConfigError(f"{args.hypes_yaml}: {exc} (or pick --world_sizes that divide it, or pass "
+                              f"--set train_params.batch_size=B)") from None
+    return batch
+
+
+def command(world: int, args: argparse.Namespace, run_dir: Path, reverse: bool = False) -> list[str]:
+    launcher = [sys.executable] if world == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+    cmd = launcher + [str(TRAIN), "--hypes_yaml", args.hypes_yaml, "--model_dir", str(run_dir),
+                      "--max_steps", str(args.steps), "--num_workers", str(args.num_workers)]
+    for override in args.overrides:
+        cmd += ["--set", override]
+    if args.per_gpu_batch is not None:
+        cmd += ["--per_gpu_batch", str(args.per_gpu_batch)]
+    if args.seed is not None:
+        cmd += ["--seed", str(args.seed)]
+    if args.half:
+        cmd.append("--half")
+    if reverse:
+        cmd.append("--reverse_batch_order")
+    return cmd + shlex.split(args.train_args)
+
+
+def child_environment() -> dict:
+    return {key: value for key, value in os.environ.items()
+            if key not in LAUNCHER_VARIABLES and not key.startswith(("SLURM_", "TORCHELASTIC_"))}
+
+
+def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, reverse: bool = False) -> Path:
+    run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
+    cmd = command(world, args, run_dir, reverse)
+    shown = " ".join(cmd[1:] if world > 1 else ["python"] + cmd[1:])
+    print(f"{name}: {shown}", flush=True)
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
+                                timeout=args.timeout)
+    if result.returncode != 0:
+        raise ConfigError(f"the {name} run failed (exit {result.returncode}): "
+                          f"{last_error_line(log_path)}; its output is in {log_path}")
+    print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
+    return run_dir
+
+
+def last_error_line(log_path: Path) -> str:
+    lines = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:") or "Error" in line]
+    return (errors or lines or ["no output"])[-1]
+
+
+@dataclass
+class RunResult:
+    name: str
+    losses: list[float]  # all-reduced loss per optimizer step
+    samples_per_s: float  # median over the steps after the first
+    weights: dict
+
+
+def read_run(name: str, run_dir: Path, steps: int) -> RunResult:
+    rows = read_step_log(run_dir / STEP_LOG_NAME)
+    path = run_dir / ckpt.step_weights_name(steps)
+    if not path.is_file():  # the hypes' epochs ended the run first: compare the last epoch's weights
+        done = ckpt.epochs_on_disk(run_dir)
+        if not done:
+            raise ConfigError(f"the {name} run in {run_dir} saved no weights")
+        path = run_dir / ckpt.weights_name(done[-1])
+    rates = sorted(row["samples_per_s"] for row in rows[1:]) or [rows[0]["samples_per_s"]]
+    return RunResult(name, [row["loss"] for row in rows], rates[len(rates) // 2], ckpt.load_file(path))
+
+
+def loss_gaps(losses: list[float], reference: list[float]) -> list[float]:
+    """|loss - reference| / |reference| per step (inf where a loss is not finite)."""
+    gaps = []
+    for value, ref in zip(losses, reference):
+        gap = abs(value - ref) / max(abs(ref), 1e-12)
+        gaps.append(gap if math.isfinite(gap) else math.inf)
+    return gaps
+
+
+def running_max(values: list[float]) -> list[float]:
+    out, top = [], 0.0
+    for value in values:
+        top = max(top, value)
+        out.append(top)
+    return out
+
+
+@dataclass
+class Verdict:
+    loss_gap: float  # the largest per-step loss gap
+    loss_step: int  # where it occurs (1-based)
+    weight_gap: float
+    worst_tensor: tuple  # (per-tensor max relative difference, its name), to find what diverged
+    passed: bool
+    reason: str
+
+
+def judge(result: RunResult, reference: RunResult, noise: RunResult, args: argparse.Namespace) -> Verdict:
+    gaps = loss_gaps(result.losses, reference.losses)
+    floor = running_max(loss_gaps(noise.losses, reference.losses))
+    weight_gap = ckpt.global_relative_difference(result.weights, reference.weights)
+    weight_floor = ckpt.global_relative_difference(noise.weights, reference.weights)
+    worst = ckpt.relative_differences(result.weights, reference.weights)["parameters"]
+    loss_gap = max(gaps, default=0.0)
+    at = gaps.index(loss_gap) + 1 if gaps else 0
+    reason = ""
+    if len(result.losses) != len(reference.losses):
+        reason = f"ran {len(result.losses)} steps, the reference {len(reference.losses)}"
+    else:
+        for step, (gap, noise_gap) in enumerate(zip(gaps, floor), start=1):
+            if gap > max(args.loss_tolerance, args.noise_factor * noise_gap):
+                reason = (f"loss gap {gap:.2e} at step {step} is above {args.noise_factor:g} x the noise floor "
+                          f"{noise_gap:.2e}")
+                break
+        else:
+            if weight_gap > max(args.tolerance, args.noise_factor * weight_floor):
+                reason = (f"weight gap {weight_gap:.2e} is above {args.noise_factor:g} x the noise run's "
+                          f"{weight_floor:.2e}")
+    return Verdict(loss_gap, at, weight_gap, worst, not reason, reason)
+
+
+def report(results: list[RunResult], noise: RunResult, args: argparse.Namespace, batch: int) -> bool:
+    reference = results[0]
+    print(f"\nparity against world size 1: {args.hypes_yaml}, effective batch {batch}, "
+          f"{len(reference.losses)} steps")
+    print(f"{'run':>16} | {'samples/s':>9} | {'max loss gap':>20} | {'weight gap':>10} | verdict")
+    passed = True
+    for result in [noise] + results[1:]:
+        verdict = judge(result, reference, noise, args)
+        is_noise = result is noise
+        passed &= verdict.passed or is_noise
+        label = "noise floor" if is_noise else ("same training" if verdict.passed else "DIFFERENT")
+        where = f"{verdict.loss_gap:.2e} @ step {verdict.loss_step}" if verdict.loss_step else "-"
+        print(f"{result.name:>16} | {result.samples_per_s:>9.1f} | {where:>20} | {verdict.weight_gap:>10.2e} | "
+              f"{label}")
+        if not verdict.passed and not is_noise:
+            print(f"{'':>16}   {verdict.reason}; largest per-tensor gap {verdict.worst_tensor[0]:.2e} in "
+                  f"{verdict.worst_tensor[1]}")
+    print(f"gaps are relative to world size 1; the noise floor is world size 1 with reversed batches (the same "
+          f"training in exact arithmetic).\npass: gap <= max({args.noise_factor:g} x noise floor, tolerance "
+          f"{args.loss_tolerance:g} loss / {args.tolerance:g} weights). "
+          + ("PASS: every world size follows the 1-process run." if passed else
+             "FAIL: see docs/ddp_semantics.md for what must be identical."))
+    return passed
+
+
+def parity_check(args: argparse.Namespace) -> int:
+    world_sizes = parse_world_sizes(args.world_sizes)
+    if args.steps < 1:
+        raise ConfigError(f"--steps {args.steps}: give a positive number of optimizer steps")
+    batch = check_batch_splits(args, world_sizes)
+    with tempfile.TemporaryDirectory(prefix="parity_") as scratch:
+        work_dir = Path(args.work_dir or scratch)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        names = [f"world{world}" for world in world_sizes] + [NOISE_RUN]
+        taken = [name for name in names if (work_dir / name).exists()]
+        if taken:
+            raise ConfigError(f"--work_dir {work_dir} already holds {', '.join(taken)}; pick an empty folder")
+        results = [read_run(f"world{world}", run_world(f"world{world}", world, args, work_dir), args.steps)
+                   for world in world_sizes]
+        noise = read_run(NOISE_RUN, run_world(NOISE_RUN, 1, args, work_dir, reverse=True), args.steps)
+        passed = report(results, noise, args, batch)
+        if args.work_dir:
+            print(f"runs kept in {work_dir}")
+    return 0 if passed else 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return parity_check(args)
+    except OpencoodDdpError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
