@@ -46,19 +46,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------- one config
-def _read_status(field: str) -> int:
-    """A /proc/self/status memory field in bytes (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> None:
-    # Writing 5 to clear_refs resets VmHWM to the current RSS (Linux >= 4.0).
-    Path("/proc/self/clear_refs").write_text("5")
-
-
 def _load_batch(config: str, data: Path, batch_size: int):
     from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
     from opencood_ddp.tasks.opencood import build_task
@@ -73,6 +60,7 @@ def _load_batch(config: str, data: Path, batch_size: int):
 
 
 def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
+    from opencood_ddp.engine.memory import PeakMemory
     from opencood_ddp.engine.task import move_tensors
 
     torch.manual_seed(0)
@@ -95,15 +83,11 @@ def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
         return time.perf_counter() - started
 
     step()  # warm-up: allocator, kernels, lazy inits
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-    else:
-        model.zero_grad(set_to_none=True)
-        before = _read_status("VmRSS")
-        _reset_peak_rss()
+    model.zero_grad(set_to_none=True)
+    memory = PeakMemory(device)
+    memory.start()
     times = [step() for _ in range(args.repeats)]
-    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda" else _read_status("VmHWM")) - before
+    peak = memory.growth()
     grid = task.model.scatter.nx, task.model.scatter.ny
     return {"config": config, "device": str(device), "half": args.half, "batch_size": args.batch_size,
             "grid": f"{grid[0]} x {grid[1]}",

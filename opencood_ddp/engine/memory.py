@@ -1,0 +1,43 @@
+"""Peak memory of this process over a stretch of work, for the benchmarks.
+
+CUDA: torch's allocator statistics (bytes allocated by tensors). CPU: Linux's peak resident set (VmHWM),
+which `/proc/self/clear_refs` resets to the current resident set, so the peak is of the measured stretch only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _read_status(field: str) -> int:
+    """A /proc/self/status memory field in bytes (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+class PeakMemory:
+    """`start()` before the work, then `peak()` (bytes at the high-water mark) and `growth()` (over start)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.at_start = 0
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.at_start = torch.cuda.memory_allocated(self.device)
+        else:
+            self.at_start = _read_status("VmRSS")
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        return _read_status("VmHWM")
+
+    def growth(self) -> int:
+        return self.peak() - self.at_start
