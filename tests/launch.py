@@ -42,5 +42,11 @@ def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedP
     return torchrun(nproc, TRAIN, *args, timeout=timeout)
 
 
+def split_overrides(toy_root: Path) -> list[str]:
+    """--set flags that point a toy hypes at the splits of the toy world in `toy_root`."""
+    return ["--set", f"root_dir={toy_root / 'train'}", "--set", f"validate_dir={toy_root / 'validate'}",
+            "--set", f"test_dir={toy_root / 'test'}"]
+
+
 def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"

@@ -18,15 +18,10 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, explain, python, torchrun, train
+from launch import REPO, explain, python, split_overrides, torchrun, train
 
 INFERENCE = REPO / "tools" / "inference_ddp.py"
 EPOCHS = 4
-
-
-def split_overrides(toy_root: Path) -> list[str]:
-    return ["--set", f"root_dir={toy_root / 'train'}", "--set", f"validate_dir={toy_root / 'validate'}",
-            "--set", f"test_dir={toy_root / 'test'}"]
 
 
 @pytest.fixture(scope="module")

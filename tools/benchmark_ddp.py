@@ -192,16 +192,29 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(rows: list[dict]) -> list[str]:
+def bottleneck(row: dict, workers: int) -> str:
+    """Is the loader the bottleneck? The loader alone against what the model consumes, and the wait."""
+    headroom = row["loader_samples_per_s"] / row["model_samples_per_s"]
+    wait = f"{100 * row['data_wait']:.0f}% of the step waits for data"
+    if headroom < 1:
+        return f"loader-bound: {wait}; the loader alone is {headroom:.1f}x the model's pace, add --num_workers"
+    if row["data_wait"] > 0.1 and workers == 0:
+        return (f"model-bound, but {wait}: with 0 workers loading runs inline; the loader alone is "
+                f"{headroom:.1f}x the model's pace, so workers would hide it")
+    if row["data_wait"] > 0.1:
+        return f"partly loader-bound: {wait} although the loader alone is {headroom:.1f}x the model's pace"
+    return f"model-bound: {wait}"
+
+
+def verdicts(rows: list[dict], workers: int) -> list[str]:
     plain, wrapped = rows[0], rows[1]
     out = [f"DDP overhead at world size 1: {100 * (wrapped['step_s'] / plain['step_s'] - 1):+.1f}% step time "
-           f"({plain['step_s']:.3f} s plain, {wrapped['step_s']:.3f} s DDP-wrapped)"]
+           f"({plain['step_s']:.3f} s plain, {wrapped['step_s']:.3f} s DDP-wrapped)",
+           f"world size 1: {bottleneck(plain, workers)}"]
     for r in rows[2:]:
-        bound = "loader-bound" if r["data_wait"] > 0.1 else "model-bound"
         out.append(f"world size {r['world_size']}: {r['speedup']:.2f}x the baseline ({100 * r['efficiency']:.0f}% "
-                   f"efficiency), {bound} (data wait {100 * r['data_wait']:.0f}%); peak memory per rank "
-                   f"{r['peak_mib']:.0f} MiB at batch {r['per_rank']} vs {plain['peak_mib']:.0f} MiB at 1 x "
-                   f"{plain['per_rank']}")
+                   f"efficiency); {bottleneck(r, workers)}; peak memory per rank {r['peak_mib']:.0f} MiB at "
+                   f"batch {r['per_rank']} vs {plain['peak_mib']:.0f} MiB at 1 x {plain['per_rank']}")
     return out
 
 
@@ -218,7 +231,7 @@ def driver(args: argparse.Namespace) -> int:
           f"{args.warmup}, {args.num_workers} loader workers and {args.threads} thread(s) per process; "
           f"device {plain['device']}, {os.cpu_count()} CPU cores")
     print(table(rows))
-    print("\n".join(verdicts(rows)))
+    print("\n".join(verdicts(rows, args.num_workers)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0

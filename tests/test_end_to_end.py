@@ -1,0 +1,169 @@
+"""What users type, run for real: the 1-vs-N parity of tools/train_ddp.py on the toy AttFuse config (through
+tools/parity_check.py), two torchrun launchers as two nodes, --max_steps and train_steps.csv, the scaling
+benchmark, and `make demo`'s script on the small toy world."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from launch import REPO, clean_env, explain, python, split_overrides, train
+
+from opencood_ddp.distributed.checkpoint import global_relative_difference, load_file, relative_differences
+from opencood_ddp.engine.logging import read_step_log
+
+TOY_ATTFUSE = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
+SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
+PARITY = REPO / "tools" / "parity_check.py"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def parity_runs(toy_small, tmp_path_factory):
+    """tools/parity_check.py at world sizes 1 and 2 on the toy AttFuse config: its output and kept runs."""
+    work = tmp_path_factory.mktemp("parity") / "runs"
+    result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1,2", "--steps", str(STEPS),
+                    *split_overrides(toy_small), "--work_dir", work, timeout=600)
+    return result, work
+
+
+def test_parity_check_passes_for_one_and_two_processes(parity_runs):
+    result, work = parity_runs
+    assert result.returncode == 0, explain(result)
+    assert "PASS: every world size follows the 1-process run." in result.stdout
+    rows = {line.split("|")[0].strip(): line for line in result.stdout.splitlines() if "|" in line}
+    assert "same training" in rows["world2"] and "noise floor" in rows["world1_reversed"]
+
+
+def test_train_ddp_on_one_and_two_processes_saves_the_same_weights(parity_runs):
+    """The parity promise through the user-facing script, SyncBN included: 2 ranks x 1 sample, 1 rank x 2."""
+    _, work = parity_runs
+    log = (work / "world2" / "logs" / "rank0.log").read_text()
+    assert "sync batch norm: GlooSyncBatchNorm" in log and "world size 2" in log
+    one, two, noise = (load_file(work / run / f"net_step{STEPS}.pth")
+                       for run in ("world1", "world2", "world1_reversed"))
+    assert one.keys() == two.keys()
+    # Adam with upstream's eps 1e-10 turns rounding-level gradient differences into full lr steps, so after 3
+    # steps the weights of ANY two runs that sum in another order are ~2e-2 apart: the 1-process run with
+    # reversed batches (the same training in exact arithmetic) measures it. The 2-process run must stay there;
+    # per-rank BatchNorm or a wrong batch split are far above it from step 1 (next test).
+    assert global_relative_difference(two, one) <= 2 * global_relative_difference(noise, one)
+    losses = {w: [row["loss"] for row in read_step_log(work / f"world{w}" / "train_steps.csv")] for w in (1, 2)}
+    assert len(losses[1]) == len(losses[2]) == STEPS
+    # Step 1 is before any update: same weights, same samples, SyncBN over the global batch -> the same loss.
+    assert losses[2][0] == pytest.approx(losses[1][0], rel=1e-4)
+
+
+def test_parity_check_catches_per_rank_batchnorm(toy_small, tmp_path):
+    """--no_sync_bn changes nothing on 1 rank and the statistics on 2: the check must say DIFFERENT."""
+    result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "2", "--steps", "2",
+                    *split_overrides(toy_small), "--train_args=--no_sync_bn", timeout=600)
+    assert result.returncode == 1, explain(result)
+    world2 = next(line for line in result.stdout.splitlines() if line.strip().startswith("world2 |"))
+    assert "DIFFERENT" in world2
+    assert "at step 1 is above" in result.stdout  # visible from the first step, not after drift
+
+
+def test_parity_check_refuses_a_batch_that_does_not_split(toy_small):
+    result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1,4", "--steps", "2",
+                    *split_overrides(toy_small), timeout=120)
+    assert result.returncode == 2, explain(result)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "train_params.batch_size" in errors[0] and "--world_sizes" in errors[0]
+
+
+# ------------------------------------------------------------------------------------------------ multi-node
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_torchrun_nodes_equal_two_processes(parity_runs, toy_small, tmp_path):
+    """Two launchers, one process each, meet through c10d rendezvous on loopback as a 2-node job."""
+    _, work = parity_runs
+    run_dir = tmp_path / "two_nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=e2e_two_nodes",
+           str(REPO / "tools" / "train_ddp.py"), "--hypes_yaml", str(TOY_ATTFUSE), "--model_dir", str(run_dir),
+           "--max_steps", str(STEPS), "--num_workers", "0", *map(str, split_overrides(toy_small))]
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for _ in range(2)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(o[-3000:] for o in outputs)
+    assert sum("launcher torchrun: world size 2" in o for o in outputs) == 1  # rank 0's console only
+    two_nodes = load_file(run_dir / f"net_step{STEPS}.pth")
+    two_processes = load_file(work / "world2" / f"net_step{STEPS}.pth")
+    worst = relative_differences(two_nodes, two_processes)
+    assert max(diff for diff, _ in worst.values()) <= 1e-6, worst
+    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+
+
+# ------------------------------------------------------------------------------------------------ max_steps
+def test_max_steps_saves_net_step_and_resume_rewinds_the_step_log(tmp_path):
+    run_dir = tmp_path / "run"
+    cut = train(0, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, "--num_workers", "0", "--max_steps", "13")
+    assert cut.returncode == 0, explain(cut)
+    assert "stopped after 13 optimizer steps (--max_steps)" in cut.stdout
+    assert (run_dir / "net_step13.pth").is_file() and not (run_dir / "net_epoch2.pth").exists()
+    assert [row["step"] for row in read_step_log(run_dir / "train_steps.csv")] == list(range(1, 14))
+    resumed = train(0, "--model_dir", run_dir, "--num_workers", "0")
+    assert resumed.returncode == 0, explain(resumed)
+    rows = read_step_log(run_dir / "train_steps.csv")
+    # steps 11-13 of the cut run are trained again from epoch 1's checkpoint: each step appears once
+    assert [row["step"] for row in rows] == list(range(1, 21))
+    assert {"loss", "lr", "seconds", "data_seconds", "samples_per_s"} <= rows[0].keys()
+
+
+def test_max_steps_must_be_positive(tmp_path):
+    result = train(0, "--hypes_yaml", SYNTHETIC, "--model_dir", tmp_path / "run", "--max_steps", "0")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("error: --max_steps 0")
+    assert not (tmp_path / "run").exists()
+
+
+def test_start_plan_names_what_the_issue_lists(synthetic_runs):
+    log = (synthetic_runs(2) / "logs" / "rank0.log").read_text()
+    for words in ("world size 2", "backend gloo", "devices:", "2 process(es) x 4 per rank",
+                  "effective batch 8", "lr 0.05", "train 80 samples, validate 37", "optimizer steps per epoch",
+                  "run folder:", "samples/s", "data wait"):
+        assert words in log, words
+
+
+# ------------------------------------------------------------------------------------------------ benchmark
+def test_benchmark_ddp_measures_every_world_size(tmp_path):
+    out = tmp_path / "bench.json"
+    result = python(REPO / "tools" / "benchmark_ddp.py", "--hypes_yaml", SYNTHETIC, "--world_sizes", "2",
+                    "--steps", "4", "--warmup", "1", "--json", out, timeout=300)
+    assert result.returncode == 0, explain(result)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["world_size"], r["ddp"], r["per_rank"]) for r in rows] == [(1, False, 8), (1, True, 8), (2, True, 4)]
+    for row in rows:
+        assert row["step_s"] > 0 and row["samples_per_s"] > 0 and row["peak_mib"] > 0
+        assert 0 <= row["data_wait"] < 1 and row["loader_samples_per_s"] > 0
+    assert "DDP overhead at world size 1" in result.stdout and "world size 2:" in result.stdout
+
+
+# ------------------------------------------------------------------------------------------------ demo
+def test_demo_runs_end_to_end(toy_small, tmp_path):
+    """tools/demo.py (what `make demo` runs) on the small world and 1 epoch: every phase and the summary.
+    The full demo's time and AP are measured by running `make demo` (README states them)."""
+    result = python(REPO / "tools" / "demo.py", "--data", toy_small, "--log_root", tmp_path, "--epochs", "1",
+                    "--min_ap", "0", timeout=600)
+    assert result.returncode == 0, explain(result)
+    runs = list(tmp_path.glob("demo_attfuse_*"))
+    assert len(runs) == 1
+    run = runs[0]
+    assert (run / "eval.yaml").is_file() and (run / "net_epoch1.pth").is_file()
+    frames = yaml.safe_load((run / "eval.yaml").read_text())["frames"]
+    assert frames > 0 and len(list((run / "vis").glob("bev_*.png"))) == frames
+    for words in ("== demo summary", "BEV views:", "AP@0.5", "torchrun --standalone --nproc_per_node=2"):
+        assert words in result.stdout, words
+    assert torch.load(run / "net_epoch1.pth", weights_only=True)
