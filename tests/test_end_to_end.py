@@ -7,7 +7,6 @@ import json
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import yaml
 
 from launch import REPO, clean_env, explain, python, split_overrides, train
 
+from opencood_ddp.data.toy import read_toy_manifest
 from opencood_ddp.distributed.checkpoint import global_relative_difference, load_file, relative_differences
 from opencood_ddp.engine.logging import read_step_log
 
@@ -158,6 +158,8 @@ def test_demo_runs_end_to_end(toy_small, tmp_path):
     result = python(REPO / "tools" / "demo.py", "--data", toy_small, "--log_root", tmp_path, "--epochs", "1",
                     "--min_ap", "0", timeout=600)
     assert result.returncode == 0, explain(result)
+    assert "reusing the complete toy world already there (scale small)" in result.stdout
+    assert read_toy_manifest(toy_small)["scale"] == "small"  # a world already there is never replaced
     runs = list(tmp_path.glob("demo_attfuse_*"))
     assert len(runs) == 1
     run = runs[0]

@@ -33,7 +33,6 @@ from typing import Optional
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,9 +149,9 @@ def worker_command(world: int, ddp: bool, args: argparse.Namespace, out: Path) -
 
 def run(world: int, ddp: bool, args: argparse.Namespace, scratch: Path) -> list[dict]:
     out = scratch / f"world{world}_{'ddp' if ddp else 'plain'}.json"
-    env = {key: value for key, value in os.environ.items()
-           if key not in LAUNCHER_VARIABLES and not key.startswith(("SLURM_", "TORCHELASTIC_"))}
-    env["OMP_NUM_THREADS"] = str(args.threads)
+    from opencood_ddp.distributed.env import environ_without_launcher
+
+    env = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
     label = f"world size {world}" + (" (DDP)" if ddp else " (no DDP)")
     print(f"{label}: running {args.warmup} + {args.steps} steps ...", flush=True)
     result = subprocess.run(worker_command(world, ddp, args, out), env=env, cwd=REPO, capture_output=True,

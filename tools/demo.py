@@ -53,12 +53,17 @@ def step(title: str, cmd: list[str]) -> float:
 
 
 def generate_world(data: Path) -> float:
-    from opencood_ddp.data.toy import format_summary, generate_toy_opv2v
+    """The demo world in `data`, generated unless a complete toy world is there already (of any scale or
+    format: one made with tools/make_toy_opv2v.py --binary, or a smaller one for a quick try, is kept)."""
+    from opencood_ddp.data.toy import format_summary, generate_toy_opv2v, read_toy_manifest
 
     print(f"== toy world: {data}", flush=True)
     started = time.perf_counter()
-    summary = generate_toy_opv2v(data, seed=0, scale="demo")
-    print("reusing the complete demo world already there" if summary["skipped"] else format_summary(summary))
+    manifest = read_toy_manifest(data)
+    if manifest is not None and manifest.get("complete"):
+        print(f"reusing the complete toy world already there (scale {manifest.get('scale')})")
+    else:
+        print(format_summary(generate_toy_opv2v(data, seed=0, scale="demo")))
     return time.perf_counter() - started
 
 

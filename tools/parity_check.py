@@ -34,14 +34,12 @@ from typing import Optional
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
+from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 
 TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
-# Launcher variables of the shell that runs this tool (say, inside an salloc) must not reach the runs,
-# whose launcher is plain python or torchrun.
 NOISE_RUN = "world1_reversed"
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,11 +109,6 @@ def command(world: int, args: argparse.Namespace, run_dir: Path, reverse: bool =
     return cmd + shlex.split(args.train_args)
 
 
-def child_environment() -> dict:
-    return {key: value for key, value in os.environ.items()
-            if key not in LAUNCHER_VARIABLES and not key.startswith(("SLURM_", "TORCHELASTIC_"))}
-
-
 def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, reverse: bool = False) -> Path:
     run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
     cmd = command(world, args, run_dir, reverse)
@@ -123,8 +116,9 @@ def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, r
     print(f"{name}: {shown}", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_environment(),
-                                timeout=args.timeout)
+        # Launcher variables of the shell running this tool (say, inside an salloc) must not reach the runs.
+        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                env=environ_without_launcher(os.environ), timeout=args.timeout)
     if result.returncode != 0:
         raise ConfigError(f"the {name} run failed (exit {result.returncode}): "
                           f"{last_error_line(log_path)}; its output is in {log_path}")

@@ -187,5 +187,15 @@ def distributed_session(env: DistEnv, timeout_minutes: float = 30.0) -> Iterator
     teardown()
 
 
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def environ_without_launcher(environ: Mapping[str, str]) -> dict:
+    """`environ` minus what a launcher set (torchrun's, SLURM's), for a tool that starts its own launcher:
+    run from inside an srun step or a torchrun worker, its children must not take those for their own."""
+    return {key: value for key, value in environ.items()
+            if key not in LAUNCHER_VARIABLES and not key.startswith(("SLURM_", "TORCHELASTIC_"))}
+
+
 def detect_from_process(local_rank_arg: Optional[int] = None, backend: Optional[str] = None) -> DistEnv:
     return detect_dist_env(os.environ, local_rank_arg, backend=backend)
