@@ -133,7 +133,6 @@ class Trainer:
         self.steps_per_epoch = steps_per_epoch(self.batch_sampler, plan.accumulation)
         self.progress = Progress()
         self.step_log = StepLog(self.run_dir, env.is_main)
-        self._epoch_timing = ""
         self.last_weights: Optional[Path] = None  # the newest weights this run wrote (same value on every rank)
 
     # ------------------------------------------------------------------------------------------------ set-up
@@ -180,15 +179,16 @@ class Trainer:
             self.log.info(f"nothing to do: {self.progress.epoch} of {self.settings.epochs} epochs already trained")
         first_step = self.progress.global_step
         for epoch in range(self.progress.epoch, self.settings.epochs):
-            train_means = self.train_one_epoch(epoch)
-            if train_means is None:  # --max_steps ended the epoch early
+            trained = self.train_one_epoch(epoch)
+            if trained is None:  # --max_steps ended the epoch early
                 break
+            train_means, timing = trained
             if self.scheduler is not None:
                 self.scheduler.step()
             val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
             self.progress.epoch = epoch + 1
             self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
-            self._log_epoch(epoch + 1, train_means, val_means)
+            self._log_epoch(epoch + 1, train_means, val_means, timing)
             self._save(epoch + 1, val_means)
         if self._max_steps_reached() and self.progress.global_step > first_step:
             self._save_step_weights()
@@ -259,8 +259,8 @@ class Trainer:
                 _merge(into, step_sums)
             yield StepRecord(self.progress.global_step, epoch, means, lr, time.perf_counter() - started, waited)
 
-    def train_one_epoch(self, epoch: int) -> Optional[dict]:
-        """All-reduced mean losses of the epoch, or None when --max_steps stopped it before its end."""
+    def train_one_epoch(self, epoch: int) -> Optional[tuple[dict, str]]:
+        """(all-reduced mean losses, throughput text) of the epoch; None when --max_steps stopped it early."""
         epoch_sums = _Sums()
         bar = progress(self.steps_per_epoch, f"epoch {epoch + 1}/{self.settings.epochs}", self.env.is_main)
         records = []
@@ -271,8 +271,7 @@ class Trainer:
         means = epoch_sums.reduced_means()
         if len(records) < self.steps_per_epoch:
             return None
-        self._epoch_timing = _timing(records, self.plan.global_batch)
-        return means
+        return means, _timing(records, self.plan.global_batch)
 
     def _log_step(self, record: StepRecord, bar) -> None:
         for name, value in record.losses.items():
@@ -308,14 +307,14 @@ class Trainer:
         return comm.broadcast_object(sums.names or None) or ["loss"]
 
     # ----------------------------------------------------------------------------------------------- output
-    def _log_epoch(self, epoch: int, train: dict, val: Optional[dict]) -> None:
+    def _log_epoch(self, epoch: int, train: dict, val: Optional[dict], timing: str) -> None:
         text = " ".join(f"{k}={v:.4f}" for k, v in train.items())
         line = f"epoch {epoch}/{self.settings.epochs} train {text}"
         if val is not None:
             line += " | val " + " ".join(f"{k}={v:.4f}" for k, v in val.items())
             for name, value in val.items():
                 self.writer.add_scalar(f"val/{name}", value, epoch)
-        self.log.info(line + f" | lr {self.optimizer.param_groups[0]['lr']:g} | {self._epoch_timing}")
+        self.log.info(line + f" | lr {self.optimizer.param_groups[0]['lr']:g} | {timing}")
 
     def training_state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),
