@@ -32,6 +32,10 @@ from typing import Optional
 
 import torch
 
+from opencood_ddp.distributed.env import environ_without_launcher
+from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
+from opencood_ddp.errors import OpencoodDdpError
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -134,23 +138,14 @@ def device_name(device: str) -> str:
 
 # --------------------------------------------------------------------------------------------- driver side
 def worker_command(world: int, ddp: bool, args: argparse.Namespace, out: Path) -> list[str]:
-    launcher = [sys.executable] if not ddp else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    cmd = launcher + [str(Path(__file__).resolve()), "--hypes_yaml", args.hypes_yaml, "--steps", str(args.steps),
-                      "--warmup", str(args.warmup), "--num_workers", str(args.num_workers),
-                      "--worker_out", str(out)]
-    for override in args.overrides:
-        cmd += ["--set", override]
-    for flag in ("per_gpu_batch", "seed"):
-        if getattr(args, flag) is not None:
-            cmd += [f"--{flag}", str(getattr(args, flag))]
-    return cmd + (["--half"] if args.half else [])
+    return launcher_prefix(world, torchrun=ddp) + [
+        str(Path(__file__).resolve()), "--hypes_yaml", args.hypes_yaml, "--steps", str(args.steps),
+        "--warmup", str(args.warmup), "--num_workers", str(args.num_workers), "--worker_out", str(out),
+        *forwarded_training_flags(args)]
 
 
 def run(world: int, ddp: bool, args: argparse.Namespace, scratch: Path) -> list[dict]:
     out = scratch / f"world{world}_{'ddp' if ddp else 'plain'}.json"
-    from opencood_ddp.distributed.env import environ_without_launcher
-
     env = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
     label = f"world size {world}" + (" (DDP)" if ddp else " (no DDP)")
     print(f"{label}: running {args.warmup} + {args.steps} steps ...", flush=True)
@@ -219,9 +214,10 @@ def verdicts(rows: list[dict], workers: int) -> list[str]:
 
 def driver(args: argparse.Namespace) -> int:
     try:
-        worlds = sorted({int(w) for w in args.world_sizes.split(",") if w.strip()} - {1})
-    except ValueError:
-        raise SystemExit(f"error: --world_sizes {args.world_sizes!r}: give comma-separated integers") from None
+        worlds = parse_world_sizes(args.world_sizes)[1:]  # world size 1 is measured twice, below
+    except OpencoodDdpError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
     with tempfile.TemporaryDirectory(prefix="benchmark_ddp_") as scratch:
         plain = summarise(run(1, False, args, Path(scratch)), None)
         rows = [plain] + [summarise(run(world, True, args, Path(scratch)), plain["step_s"])

@@ -21,6 +21,8 @@ from typing import Optional
 
 import yaml
 
+from opencood_ddp.distributed.launch import launcher_prefix
+
 REPO = Path(__file__).resolve().parents[1]
 HYPES = "hypes_yaml/toy/point_pillar_intermediate_fusion.yaml"
 TIME_BUDGET_S = 6 * 60  # after set-up, on 2 cores (README states the measured time)
@@ -37,8 +39,7 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            script, *args]
+    return launcher_prefix(nproc) + [script, *args]
 
 
 def step(title: str, cmd: list[str]) -> float:

@@ -35,6 +35,7 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import environ_without_launcher
+from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
 from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 
@@ -54,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num_workers", type=int, default=0)
     parser.add_argument("--half", action="store_true", help="mixed precision in every run (expect larger gaps)")
     parser.add_argument("--train_args", default="", metavar="'FLAGS'",
-                        help="more tools/train_ddp.py flags for every run, e.g. --train_args='--no_sync_bn' to see the gap "
-                             "that per-rank BatchNorm makes")
+                        help="more tools/train_ddp.py flags for every run, e.g. --train_args='--no_sync_bn' to "
+                             "see the gap that per-rank BatchNorm makes")
     parser.add_argument("--tolerance", type=float, default=1e-4,
                         help="a weight gap below this passes whatever the noise (default 1e-4)")
     parser.add_argument("--loss_tolerance", type=float, default=1e-4,
@@ -65,16 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--work_dir", help="keep the runs here (default: a temporary folder, removed at the end)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per run")
     return parser
-
-
-def parse_world_sizes(text: str) -> list[int]:
-    try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()} | {1})
-    except ValueError:
-        raise ConfigError(f"--world_sizes {text!r}: give comma-separated integers, e.g. 1,2,4") from None
-    if sizes[0] < 1:
-        raise ConfigError(f"--world_sizes {text!r}: world sizes must be positive")
-    return sizes
 
 
 def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
@@ -92,18 +83,9 @@ def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
 
 
 def command(world: int, args: argparse.Namespace, run_dir: Path, reverse: bool = False) -> list[str]:
-    launcher = [sys.executable] if world == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    cmd = launcher + [str(TRAIN), "--hypes_yaml", args.hypes_yaml, "--model_dir", str(run_dir),
-                      "--max_steps", str(args.steps), "--num_workers", str(args.num_workers)]
-    for override in args.overrides:
-        cmd += ["--set", override]
-    if args.per_gpu_batch is not None:
-        cmd += ["--per_gpu_batch", str(args.per_gpu_batch)]
-    if args.seed is not None:
-        cmd += ["--seed", str(args.seed)]
-    if args.half:
-        cmd.append("--half")
+    cmd = launcher_prefix(world, torchrun=world > 1) + [
+        str(TRAIN), "--hypes_yaml", args.hypes_yaml, "--model_dir", str(run_dir), "--max_steps", str(args.steps),
+        "--num_workers", str(args.num_workers), *forwarded_training_flags(args)]
     if reverse:
         cmd.append("--reverse_batch_order")
     return cmd + shlex.split(args.train_args)
