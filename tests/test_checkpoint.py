@@ -1,4 +1,5 @@
 """Checkpoints: upstream-compatible weights, sidecars, strict prefix-agnostic loading, atomic writes, RNG state."""
+import hashlib
 import os
 import random
 import stat
@@ -44,6 +45,9 @@ def test_save_epoch_writes_bare_state_dict_and_sidecar(tmp_path):
                             "bn.running_var", "bn.num_batches_tracked", "head.weight", "head.bias"}
     _assert_same_state(weights, model.state_dict())
     state = ckpt.load_training_state(tmp_path, 4)
+    recorded = state.pop("weights")  # the sidecar describes the weights file it belongs to
+    assert recorded == {"name": "net_epoch4.pth", "bytes": path.stat().st_size,
+                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     assert state == {"optimizer": {"lr": 0.1}, "global_step": 40, "format": ckpt.STATE_FORMAT, "epoch": 4}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["net_epoch4.pth", "training_state_epoch4.pt"]
 

@@ -2,15 +2,25 @@
 
 - `net_epoch{N}.pth`: a bare state_dict of the unwrapped model (no `module.` prefix), loadable by upstream.
 - `net_epoch_bestval_at{N}.pth`: the weights with the lowest all-reduced validation loss (one file).
-- `net_step{K}.pth`: the weights after K optimizer steps of a run cut short by `--max_steps` (no sidecar).
-- `training_state_epoch{N}.pt`: optimizer, lr scheduler, AMP scaler, epoch, global step, RNG states and the
-  BatchPlan. Its name does not match upstream's `*epoch*.pth` glob, so upstream tools ignore it.
+- `net_step{K}.pth` + `training_state_step{K}.pt`: a mid-epoch checkpoint after K optimizer steps, written when
+  a run stops early (SIGTERM/SIGINT, --max_steps, a non-finite loss under --on_nonfinite stop). Only the newest
+  is kept, and an epoch checkpoint written after it replaces it.
+- `training_state_epoch{N}.pt`: optimizer, lr scheduler, AMP scaler, epoch, global step, RNG states, the
+  BatchPlan, and the size and SHA-256 of the weights file it belongs to. Its name does not match upstream's
+  `*epoch*.pth` glob, so upstream tools ignore it.
+
+Every file goes to a temporary name, is fsynced and renamed over the target: a crash at any moment leaves the
+old file or the new one. A file truncated anyway (a full disk, a copy cut short) fails to load or to match the
+digest in its sidecar: `CorruptCheckpointError`, and resume falls back to the previous checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import pickle
 import random
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -25,7 +35,14 @@ from opencood_ddp.errors import CheckpointError
 WEIGHTS_RE = re.compile(r"^net_epoch(\d+)\.pth$")
 BESTVAL_RE = re.compile(r"^net_epoch_bestval_at(\d+)\.pth$")
 STATE_RE = re.compile(r"^training_state_epoch(\d+)\.pt$")
+STEP_WEIGHTS_RE = re.compile(r"^net_step(\d+)\.pth$")
+STEP_STATE_RE = re.compile(r"^training_state_step(\d+)\.pt$")
+UNFINISHED_RE = re.compile(r"^\..+\.tmp$")  # atomic_write's temporary files, left behind by a killed save
 STATE_FORMAT = 1
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file that is truncated, unreadable, or not the file its sidecar describes."""
 
 
 def weights_name(epoch: int) -> str:
@@ -42,6 +59,10 @@ def bestval_name(epoch: int) -> str:
 
 def state_name(epoch: int) -> str:
     return f"training_state_epoch{epoch}.pt"
+
+
+def step_state_name(step: int) -> str:
+    return f"training_state_step{step}.pt"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -68,8 +89,8 @@ def load_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line}); "
-                              f"delete it and resume from an earlier epoch") from None
+        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line}); "
+                                     f"delete it and resume from an earlier epoch") from None
 
 
 def strip_module_prefix(state_dict: Mapping[str, Any]) -> dict:
@@ -135,20 +156,58 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _serialized(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _describe_bytes(name: str, data: bytes) -> dict:
+    return {"name": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _save_pair(weights_path: Path, state_path: Path, model: nn.Module, training_state: Optional[dict],
+               **state_fields: Any) -> None:
+    """The sidecar first, holding the weights' size and digest, then the weights: a weights file on disk always
+    has its training state next to it, and a weights file that is not the one saved is recognised."""
+    weights = _serialized(unwrap(model).state_dict())
+    if training_state is not None:
+        atomic_save(dict(training_state, format=STATE_FORMAT, weights=_describe_bytes(weights_path.name, weights),
+                         **state_fields), state_path)
+    atomic_write(weights_path, lambda handle: handle.write(weights))
+
+
 def save_epoch(run_dir: Path, epoch: int, model: nn.Module, training_state: Optional[dict],
                keep_states: int = 2) -> Path:
-    """Write net_epoch{epoch}.pth and its sidecar; keeps the newest `keep_states` sidecars. Rank 0 only.
-
-    The sidecar is written first: a weights file on disk always has its training state next to it.
-    """
+    """Write net_epoch{epoch}.pth and its sidecar; keeps the newest `keep_states` sidecars and drops the
+    mid-epoch checkpoints this one supersedes. Rank 0 only."""
     run_dir = Path(run_dir)
-    if training_state is not None:
-        atomic_save(dict(training_state, format=STATE_FORMAT, epoch=epoch), run_dir / state_name(epoch))
     weights = run_dir / weights_name(epoch)
-    atomic_save(unwrap(model).state_dict(), weights)
+    _save_pair(weights, run_dir / state_name(epoch), model, training_state, epoch=epoch)
     for old in epochs_on_disk(run_dir, STATE_RE)[:-keep_states]:
         (run_dir / state_name(old)).unlink(missing_ok=True)
+    if training_state is not None and "global_step" in training_state:
+        remove_step_checkpoints(run_dir, up_to=training_state["global_step"])
     return weights
+
+
+def save_step(run_dir: Path, step: int, model: nn.Module, training_state: Optional[dict],
+              epoch: int, step_in_epoch: int) -> Path:
+    """Write net_step{step}.pth and training_state_step{step}.pt: `epoch` epochs done plus `step_in_epoch`
+    steps of the next one. Older mid-epoch checkpoints are removed once this one is on disk. Rank 0 only."""
+    run_dir = Path(run_dir)
+    weights = run_dir / step_weights_name(step)
+    _save_pair(weights, run_dir / step_state_name(step), model, training_state, epoch=epoch,
+               step_in_epoch=step_in_epoch)
+    remove_step_checkpoints(run_dir, up_to=step - 1)
+    return weights
+
+
+def remove_step_checkpoints(run_dir: Path, up_to: int) -> None:
+    for pattern, name in ((STEP_WEIGHTS_RE, step_weights_name), (STEP_STATE_RE, step_state_name)):
+        for step in epochs_on_disk(run_dir, pattern):
+            if step <= up_to:
+                (Path(run_dir) / name(step)).unlink(missing_ok=True)
 
 
 def save_bestval(run_dir: Path, epoch: int, model: nn.Module) -> Path:
@@ -162,23 +221,80 @@ def save_bestval(run_dir: Path, epoch: int, model: nn.Module) -> Path:
     return path
 
 
-def save_step_weights(run_dir: Path, step: int, model: nn.Module) -> Path:
-    """Write net_step{step}.pth (weights only). Rank 0 only."""
-    path = Path(run_dir) / step_weights_name(step)
-    atomic_save(unwrap(model).state_dict(), path)
-    return path
+def remove_unfinished_saves(run_dir: Path) -> list[str]:
+    """Delete the temporary files of saves that were killed before their rename. Rank 0, before training."""
+    removed = [p.name for p in Path(run_dir).iterdir() if UNFINISHED_RE.match(p.name) and p.is_file()]
+    for name in removed:
+        (Path(run_dir) / name).unlink(missing_ok=True)
+    return removed
+
+
+# ------------------------------------------------------------------------------------------------ resume
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """A weights file a run can resume from, with the sidecar it should have."""
+
+    kind: str  # "epoch" or "step"
+    number: int  # the epoch, or the global step
+    weights: Path
+    state: Path
+
+    def describe(self) -> str:
+        return f"{self.weights.name} ({'epoch ' if self.kind == 'epoch' else 'step '}{self.number})"
+
+
+def saved_checkpoints(run_dir: Path, steps_per_epoch: int) -> list[SavedCheckpoint]:
+    """Resumable checkpoints of a run, newest first. A mid-epoch checkpoint after step K counts as newer than an
+    epoch checkpoint N when K > N x steps_per_epoch (an epoch save removes the mid-epoch ones before it)."""
+    run_dir = Path(run_dir)
+    found = [SavedCheckpoint("epoch", n, run_dir / weights_name(n), run_dir / state_name(n))
+             for n in epochs_on_disk(run_dir)]
+    found += [SavedCheckpoint("step", k, run_dir / step_weights_name(k), run_dir / step_state_name(k))
+              for k in epochs_on_disk(run_dir, STEP_WEIGHTS_RE)]
+    return sorted(found, key=lambda c: (c.number * steps_per_epoch if c.kind == "epoch" else c.number,
+                                        c.kind == "epoch"), reverse=True)
+
+
+def verify_weights_file(path: Path, state: Mapping[str, Any]) -> None:
+    """The weights file must be the one the sidecar describes (size and SHA-256), when the sidecar says."""
+    expected = state.get("weights")
+    if not expected:
+        return
+    data = Path(path).read_bytes()
+    if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
+        raise CorruptCheckpointError(
+            f"checkpoint {path} is {len(data)} bytes and does not match the {expected['bytes']}-byte file its "
+            f"training state recorded (truncated or replaced after the save); delete it to resume from an "
+            f"earlier checkpoint")
+
+
+def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
+    """(weights state_dict, training state or None) of a checkpoint, verified against each other."""
+    state = load_state_file(saved.state) if saved.state.exists() else None
+    if state is None and saved.kind == "step":
+        raise CorruptCheckpointError(f"checkpoint {saved.weights} has no {saved.state.name} beside it; delete it "
+                                     f"to resume from an earlier checkpoint")
+    if state is not None:
+        verify_weights_file(saved.weights, state)
+    weights = load_file(saved.weights)
+    if not isinstance(weights, Mapping):
+        raise CheckpointError(f"checkpoint {saved.weights} holds a {type(weights).__name__}, not a state_dict; "
+                              f"pass a net_epoch<N>.pth file")
+    return dict(weights), state
+
+
+def load_state_file(path: Path) -> dict:
+    state = load_file(path)
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise CorruptCheckpointError(f"training state {path} has an unknown format; delete it to resume from "
+                                     f"the weights alone")
+    return state
 
 
 def load_training_state(run_dir: Path, epoch: int) -> Optional[dict]:
     """The sidecar of `epoch`, or None when the run came from upstream (weights only)."""
     path = Path(run_dir) / state_name(epoch)
-    if not path.exists():
-        return None
-    state = load_file(path)
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise CheckpointError(f"training state {path} has an unknown format; delete it to resume from the "
-                              f"weights alone")
-    return state
+    return load_state_file(path) if path.exists() else None
 
 
 def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any]) -> dict:

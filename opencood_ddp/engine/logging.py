@@ -6,6 +6,7 @@ builtins.print is never touched.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from tqdm import tqdm
+
+from opencood_ddp.atomic import atomic_write
 
 LOGGER_NAME = "opencood_ddp"
 _FORMAT = "%(asctime)s %(levelname)s [rank %(rank)d] %(message)s"
@@ -104,11 +107,12 @@ class StepLog:
             return
         rows = read_step_log(self.path)
         if rows and rows[-1]["step"] > step:
-            columns = list(rows[0])
-            with open(self.path, "w", newline="") as handle:
-                writer = csv.DictWriter(handle, columns)
-                writer.writeheader()
-                writer.writerows(row for row in rows if row["step"] <= step)
+            text = io.StringIO(newline="")
+            writer = csv.DictWriter(text, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(row for row in rows if row["step"] <= step)
+            # A kill during the rewrite must not lose the rows that stay.
+            atomic_write(self.path, lambda handle: handle.write(text.getvalue().encode()))
 
     def write(self, row: dict) -> None:
         if self.path is None:
