@@ -11,6 +11,7 @@ class OpencoodDdpError(Exception):
     """A bad input or an impossible request, explained in one line."""
 
     exit_code = 2
+    label = "error"  # the word before the message on rank 0's stderr
 
 
 class ConfigError(OpencoodDdpError):
@@ -23,6 +24,39 @@ class DataError(OpencoodDdpError):
 
 class CheckpointError(OpencoodDdpError):
     """A checkpoint or run folder is missing, truncated or belongs to another model."""
+
+
+class CollectiveError(OpencoodDdpError):
+    """A collective failed because a peer process died or stalled past --dist_timeout."""
+
+    exit_code = 4
+
+
+class NonFiniteError(OpencoodDdpError):
+    """A non-finite loss or gradient under --on_nonfinite stop."""
+
+    exit_code = 3
+
+
+class StopRequested(OpencoodDdpError):
+    """SIGTERM/SIGINT: the run stopped at a step boundary and saved a resumable checkpoint.
+
+    Exit code 75 is sysexits' EX_TEMPFAIL: nothing is wrong, run the same command with --model_dir again."""
+
+    exit_code = 75
+    label = "stopped"
+
+
+def unwrap_worker_error(exc: OpencoodDdpError) -> OpencoodDdpError:
+    """The same error without the DataLoader's wrapping: an error raised in a loader worker comes back to the
+    main process as 'Caught DataError in DataLoader worker process 0. Original Traceback ...' and ends with the
+    original 'module.DataError: message' line, which is the one line worth showing."""
+    text = str(exc)
+    if not text.startswith("Caught ") or "Original Traceback" not in text:
+        return exc
+    last = [line for line in text.strip().splitlines() if line.strip()][-1]
+    prefix = f"{type(exc).__module__}.{type(exc).__name__}: "
+    return type(exc)(last[len(prefix):] if last.startswith(prefix) else last)
 
 
 def run_tool(action: Callable[[], str]) -> int:

@@ -4,10 +4,15 @@ Every helper here is called by all ranks or by none: a rank that skips one hangs
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+import datetime
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from opencood_ddp.errors import CollectiveError
 
 
 def is_dist() -> bool:
@@ -105,3 +110,103 @@ def on_main_then_broadcast(fn: Callable[[], Any]) -> Any:
     if not ok:
         raise value
     return value
+
+
+def all_gather_objects(obj: Any) -> list:
+    """Every rank's object, in rank order, on every rank."""
+    if not is_dist():
+        return [obj]
+    gathered: list = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def first_error(local: Optional[BaseException]) -> Optional[BaseException]:
+    """Collective: the error of the lowest rank that has one, on every rank; None when no rank has one.
+
+    For work that can fail on one rank alone (reading a corrupt frame): each rank catches its own error,
+    then all meet here, so every rank raises the same error instead of leaving the others in a collective.
+    """
+    if not all_reduce_sum([0.0 if local is None else 1.0])[0].item():
+        return None
+    return next(error for error in all_gather_objects(local) if error is not None)
+
+
+# ------------------------------------------------------------------------------------------------ failures
+# Each rank publishes where it is in the rendezvous store (it outlives a dead peer's connections: torchrun's
+# agent hosts it). When a collective fails, the rank that sees the failure reads the others' entries and can
+# name the rank that is behind instead of printing a bare gloo/NCCL timeout.
+_PHASE_KEY = "opencood_ddp/phase/{rank}"
+
+
+def _store() -> Optional[Any]:
+    if not is_dist():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def mark_phase(text: str) -> None:
+    """Publish this rank's position ('epoch 2 step 7: data'); a no-op without a process group."""
+    store = _store()
+    if store is not None:
+        store.set(_PHASE_KEY.format(rank=get_rank()), f"{time.time():.3f} {text}")
+
+
+def peer_phases(timeout_seconds: float = 5.0) -> dict[int, str]:
+    """Where every other rank said it was, with the age of that entry; best effort on a failing group."""
+    store = _store()
+    if store is None:
+        return {}
+    seen: dict[int, str] = {}
+    try:
+        store.set_timeout(datetime.timedelta(seconds=timeout_seconds))
+        for rank in range(get_world_size()):
+            key = _PHASE_KEY.format(rank=rank)
+            if rank == get_rank():
+                continue
+            if not store.check([key]):
+                seen[rank] = "never reported a position"
+                continue
+            stamp, _, text = store.get(key).decode().partition(" ")
+            seen[rank] = f"last at '{text}' {time.time() - float(stamp):.1f} s ago"
+    except (RuntimeError, ValueError) as exc:  # the store's host (rank 0 or the agent) is gone too
+        seen[-1] = f"the rendezvous store is unreachable ({_first_line(exc)})"
+    return seen
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """A peer died or stalled: gloo's and NCCL's errors are RuntimeErrors that name the transport."""
+    if isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in (
+        "gloo/", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def describe_failure(where: str, exc: BaseException) -> str:
+    """One line: which rank failed where, why, and which peers are behind."""
+    behind = peer_phases()
+    peers = "; ".join(f"rank {rank}: {text}" if rank >= 0 else text for rank, text in sorted(behind.items()))
+    return (f"rank {get_rank()}: a collective failed during '{where}' ({_first_line(exc)}); {peers or 'no peer info'}"
+            f". A peer process died or stalled longer than --dist_timeout: its own log and exit code say why")
+
+
+@contextlib.contextmanager
+def collective_guard(where: Callable[[], str]) -> Iterator[None]:
+    """Turn a collective broken by a dead or stalled peer into one CollectiveError that names the ranks behind.
+
+    `where` is called only on failure (this rank's last published phase makes a good one)."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if not is_dist() or not is_collective_failure(exc):
+            raise
+        raise CollectiveError(describe_failure(where(), exc)) from None

@@ -1,7 +1,8 @@
 """What every entry point does around its recipe: find the launcher, open the process group, report errors.
 
 A user error (OpencoodDdpError) becomes one line on rank 0's stderr and the error's exit code; the other ranks
-stay silent (they raised the same error, or follow rank 0 through ``comm.on_main_then_broadcast``).
+stay silent (they raised the same error, or follow rank 0 through ``comm.on_main_then_broadcast``). A broken
+collective (CollectiveError) is told by every rank that saw it: rank 0 may be the process that died.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Callable, Optional
 
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
 from opencood_ddp.engine.logging import setup_logging
-from opencood_ddp.errors import OpencoodDdpError
+from opencood_ddp.errors import CollectiveError, OpencoodDdpError
 
 
 def run_distributed(args: argparse.Namespace, recipe: Callable[[argparse.Namespace, DistEnv], object]) -> int:
@@ -30,7 +31,7 @@ def run_distributed(args: argparse.Namespace, recipe: Callable[[argparse.Namespa
 
 
 def report_error(exc: OpencoodDdpError, env: Optional[DistEnv]) -> None:
-    """One line on rank 0's stderr; other ranks stay silent."""
+    """One line on rank 0's stderr (`error: ...`, `stopped: ...`); other ranks stay silent."""
     rank = env.rank if env is not None else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
-    if rank == 0:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+    if rank == 0 or isinstance(exc, CollectiveError):
+        print(f"{exc.label}: {exc}", file=sys.stderr, flush=True)
