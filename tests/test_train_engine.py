@@ -90,7 +90,7 @@ def resume_run(tmp_path, synthetic_runs, first_world, second_world):
     shutil.copytree(first, run_dir)
     result = train(second_world, "--model_dir", run_dir, "--num_workers", "0", "--set", "train_params.epoches=2")
     assert result.returncode == 0, explain(result)
-    assert "resumed after epoch 1" in result.stdout
+    assert "resumed from net_epoch1.pth (epoch 1): 1 epoch(s) and 0 step(s) of the next done" in result.stdout
     return run_dir
 
 

@@ -1,12 +1,15 @@
 """The training recipe behind tools/train_ddp.py, top to bottom.
 
-detect launcher -> process group -> hypes (rank 0, broadcast) -> batch plan -> task -> run folder and
-config.yaml (rank 0) -> trainer (SyncBN, DDP, optimizer) -> resume -> fit -> [evaluation of the last
-checkpoint on the test split, all ranks].
+detect launcher -> process group -> hypes (rank 0, broadcast) -> batch plan -> task -> run folder (rank 0;
+after an elastic restart, the first attempt's) -> trainer (SyncBN, DDP, optimizer) -> resume from the newest
+checkpoint that loads -> config.yaml, log file, TensorBoard (nothing of an existing run is written before its
+checkpoint loaded) -> fit, stopping cleanly on SIGTERM/SIGINT -> [evaluation of the last checkpoint on the test
+split, all ranks].
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import socket
 from pathlib import Path
@@ -19,13 +22,16 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, BatchPlan, make_batch_plan
+from opencood_ddp.distributed.elastic import elastic_attempt, find_run_of, record_run_id
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
 from opencood_ddp.engine.inference import EvalBuilder, evaluate_checkpoint
-from opencood_ddp.engine.logging import attach_log_file, get_logger, summary_writer
+from opencood_ddp.engine.logging import NullWriter, attach_log_file, get_logger, summary_writer
+from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import CONFIG_NAME, RunFolder, create_run_folder, resolve_run_folder
 from opencood_ddp.engine.task import Task, TaskBuilder
+from opencood_ddp.engine.step_guard import NONFINITE_POLICIES
 from opencood_ddp.engine.trainer import Trainer, TrainSettings
 from opencood_ddp.errors import ConfigError
 
@@ -47,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--half", action="store_true", help="mixed precision (fp16 + GradScaler on CUDA, bf16 on CPU)")
     parser.add_argument("--seed", type=int, help="default: train_params.seed of the hypes, else 0")
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers per process")
-    parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
+    parser.add_argument("--dist_timeout", type=float, default=30.0,
+                        help="minutes a collective waits for a stalled or dead peer before every waiting rank "
+                             "fails with a message naming the ranks behind")
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--no_sync_bn", action="store_true", help="keep per-rank BatchNorm statistics")
     parser.add_argument("--max_steps", type=int, help="end the run after this many optimizer steps and save "
@@ -55,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reverse_batch_order", action="store_true",
                         help="feed each batch's samples in reverse order: the same training in exact arithmetic, "
                              "another float summation order (the noise floor of tools/parity_check.py)")
+    parser.add_argument("--on_nonfinite", choices=NONFINITE_POLICIES, default="stop",
+                        help="a non-finite loss or gradient on any rank: stop (save the state before the step, "
+                             "exit 3) or skip the step on every rank")
     parser.add_argument("--log_root", default="logs", help="parent of new run folders without --model_dir")
     parser.add_argument("--eval_after_training", action="store_true",
                         help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
@@ -98,14 +109,48 @@ def seed_everything(seed: int) -> None:
 
 # ------------------------------------------------------------------------------------------------ run folder
 def open_run_folder(args: argparse.Namespace, hypes: dict, plan: BatchPlan) -> RunFolder:
-    """Rank 0 decides, creates and writes config.yaml; every rank gets the same folder (or the same error)."""
+    """Rank 0 decides; a new run's folder is created with its config.yaml, an existing run is only checked
+    (it is written to once its checkpoint has loaded). Every rank gets the same folder, or the same error."""
+    log = get_logger()
 
     def make() -> RunFolder:
-        folder = create_run_folder(resolve_run_folder(args.model_dir, hypes["name"], args.log_root))
-        hypes_lib.save_hypes(dict(hypes, batch_plan=plan.as_dict()), folder.config_path)
+        attempt = elastic_attempt(os.environ)
+        model_dir = args.model_dir or find_run_of(Path(args.log_root), attempt)
+        if attempt is not None and attempt.restart and not args.model_dir:
+            log.info(f"torchrun restart {attempt.restart} of {attempt.max_restarts}: "
+                     + (f"continuing {model_dir}" if model_dir else "no run folder of an earlier attempt found "
+                        "(pass --model_dir, or --rdzv-id to torchrun, so that restarts resume); starting anew"))
+        folder = resolve_run_folder(model_dir, hypes["name"], args.log_root)
+        if folder.resume:
+            return folder
+        folder = create_run_folder(folder)
+        write_config(folder, hypes, plan)
+        if not args.model_dir:  # a timestamped folder: how a restart of this torchrun job finds it again
+            record_run_id(folder.path, attempt)
         return folder
 
     return comm.on_main_then_broadcast(make)
+
+
+def write_config(folder: RunFolder, hypes: dict, plan: BatchPlan) -> None:
+    hypes_lib.save_hypes(dict(hypes, batch_plan=plan.as_dict()), folder.config_path)
+
+
+def resume_run(trainer: Trainer, folder: RunFolder, hypes: dict, plan: BatchPlan) -> list[str]:
+    """Load the newest checkpoint that loads (every rank); only then does rank 0 touch the run's files.
+    Returns what to log once the run's log file is attached."""
+    saved, rejected = trainer.resume()
+    notes = [f"{reason}: fell back to the checkpoint before it" for reason in rejected]
+    if trainer.env.is_main:
+        removed = ckpt.remove_unfinished_saves(folder.path)
+        if removed:
+            notes.append(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
+        write_config(folder, hypes, plan)
+    if saved is not None:
+        p = trainer.progress
+        notes.append(f"resumed from {saved.describe()}: {p.epoch} epoch(s) and {p.step_in_epoch} step(s) of the "
+                     f"next done, global step {p.global_step}")
+    return notes
 
 
 def describe_devices(entries: Sequence[tuple[str, str]]) -> str:
@@ -167,24 +212,25 @@ def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder,
     task = build_task(hypes, for_training=True)
     final = plan_final_evaluation(args, hypes, build_eval)
     folder = open_run_folder(args, hypes, plan)
-    attach_log_file(folder.path, env.rank)
-    log.info(f"hypes: {source}")
     settings = TrainSettings.from_hypes(hypes, hypes["train_params"]["seed"], args.num_workers, args.half,
                                         sync_bn=not args.no_sync_bn, max_steps=args.max_steps,
-                                        reverse_batch_order=args.reverse_batch_order)
-    writer = summary_writer(folder.path, env.is_main)
+                                        reverse_batch_order=args.reverse_batch_order,
+                                        on_nonfinite=args.on_nonfinite)
+    trainer = Trainer(task, plan, env, settings, hypes, folder.path, NullWriter())
+    notes = resume_run(trainer, folder, hypes, plan) if folder.resume else []
+    attach_log_file(folder.path, env.rank)
+    log.info(f"hypes: {source}")
+    for note in notes:
+        (log.warning if "fell back" in note else log.info)(note)
+    devices = comm.gather_objects((socket.gethostname(), env.device))
+    if env.is_main:
+        log.info(describe_start(env, plan, task, folder, trainer, devices))
+    trainer.writer = summary_writer(folder.path, env.is_main)
     try:
-        trainer = Trainer(task, plan, env, settings, hypes, folder.path, writer)
-        devices = comm.gather_objects((socket.gethostname(), env.device))
-        if env.is_main:
-            log.info(describe_start(env, plan, task, folder, trainer, devices))
-        done = ckpt.epochs_on_disk(folder.path)
-        if folder.resume and done:
-            trainer.restore(done[-1])
-            log.info(f"resumed after epoch {done[-1]} (global step {trainer.progress.global_step})")
-        trainer.fit()
+        with StopSignal() as trainer.stop_signal:
+            trainer.fit()
     finally:
-        writer.close()
+        trainer.writer.close()
     if final is not None:
         weights = trainer.last_weights or folder.path / ckpt.weights_name(settings.epochs)
         run_final_evaluation(final, folder.path, weights, env, args.num_workers)

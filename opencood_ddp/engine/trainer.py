@@ -6,7 +6,9 @@ Invariants that make an N-rank run follow the 1-rank run:
 - the loss is a mean over the local batch and DDP averages gradients over equal-sized rank batches, so the
   gradient is the global-batch mean; with accumulation the loss is divided by the number of micro-steps and
   DDP synchronises only on the last one (`no_sync`);
-- the optimizer, scheduler, checkpoints and validation use `model_without_ddp`.
+- the optimizer, scheduler, checkpoints and validation use `model_without_ddp`;
+- whatever can happen on one rank alone (a frame that fails to load, a stop signal, a non-finite loss) is
+  agreed on by all ranks at a step boundary, so they stop, skip or go on together (docs/reliability.md).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,7 +32,11 @@ from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
 from opencood_ddp.engine.logging import StepLog, get_logger, progress
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
+from opencood_ddp.engine.preemption import StopSignal, ignore_stop_signals_in_worker
+from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
 from opencood_ddp.engine.task import Task
+from opencood_ddp.errors import (CheckpointError, NonFiniteError, OpencoodDdpError, StopRequested,
+                                 unwrap_worker_error)
 from opencood_ddp.hypes import get_key
 
 
@@ -49,16 +55,18 @@ class TrainSettings:
     keep_states: int = 2
     max_steps: Optional[int] = None  # end the run after this many optimizer steps (smoke tests, parity checks)
     reverse_batch_order: bool = False  # same batches, samples reversed: a rounding-only change (parity noise floor)
+    on_nonfinite: str = "stop"  # a non-finite loss or gradient: "stop" (save, exit 3) or "skip" the step
 
     @classmethod
     def from_hypes(cls, hypes: dict, seed: int, num_workers: int, half: bool, sync_bn: bool,
-                   max_steps: Optional[int] = None, reverse_batch_order: bool = False) -> "TrainSettings":
+                   max_steps: Optional[int] = None, reverse_batch_order: bool = False,
+                   on_nonfinite: str = "stop") -> "TrainSettings":
         return cls(epochs=hypes["train_params"]["epoches"], seed=seed,
                    eval_freq=get_key(hypes, "train_params.eval_freq", 1),
                    save_freq=get_key(hypes, "train_params.save_freq", 1), num_workers=num_workers,
                    find_unused_parameters=bool(get_key(hypes, "train_params.find_unused_parameters", False)),
                    half=half, sync_bn=sync_bn, max_steps=max_steps,
-                   reverse_batch_order=reverse_batch_order)
+                   reverse_batch_order=reverse_batch_order, on_nonfinite=on_nonfinite)
 
 
 @dataclass
@@ -67,9 +75,11 @@ class Progress:
 
     epoch: int = 0  # epochs completed
     global_step: int = 0
+    step_in_epoch: int = 0  # steps of epoch `epoch` (the unfinished one) already taken: where a resume goes on
     best_val: float = math.inf
     best_epoch: Optional[int] = None
     history: list = field(default_factory=list)  # per epoch: {'epoch', 'train', 'val'}
+    skipped_steps: list = field(default_factory=list)  # global steps skipped under --on_nonfinite skip
 
 
 @dataclass
@@ -83,11 +93,12 @@ class StepRecord:
     lr: float
     seconds: float
     data_seconds: float
+    skipped: bool = False  # a non-finite step that every rank skipped (--on_nonfinite skip)
 
     def row(self, global_batch: int) -> dict:
         return {"step": self.step, "epoch": self.epoch + 1, **self.losses, "lr": self.lr,
                 "seconds": round(self.seconds, 6), "data_seconds": round(self.data_seconds, 6),
-                "samples_per_s": round(global_batch / self.seconds, 3)}
+                "samples_per_s": round(global_batch / self.seconds, 3), "skipped": int(self.skipped)}
 
 
 class _Sums:
@@ -108,11 +119,32 @@ class _Sums:
         self.count += n
 
     def reduced_means(self, names: Optional[list[str]] = None) -> dict:
+        return self.reduced_means_and_flags(names)[0]
+
+    def reduced_means_and_flags(self, names: Optional[list[str]] = None, flags: Sequence[float] = ()
+                                ) -> tuple[dict, list[float]]:
+        """The means over all ranks, and `flags` summed over ranks, in one all-reduce."""
         names = names or self.names
         values = self.values or [0.0] * len(names)
-        totals = comm.all_reduce_sum(values + [float(self.count)])
-        count = totals[-1].item()
-        return {name: (totals[i].item() / count if count else math.nan) for i, name in enumerate(names)}
+        totals = comm.all_reduce_sum(values + [float(self.count)] + list(flags))
+        count = totals[len(names)].item()
+        means = {name: (totals[i].item() / count if count else math.nan) for i, name in enumerate(names)}
+        return means, totals[len(names) + 1:].tolist()
+
+    def reduced_totals(self) -> dict:
+        """Collective: the sums over all ranks, for a checkpoint taken in the middle of an epoch."""
+        totals = comm.all_reduce_sum(self.values + [float(self.count)]).tolist()
+        return {"names": list(self.names), "values": totals[:-1], "count": totals[-1]}
+
+    @classmethod
+    def carried(cls, saved: Optional[dict], holder: bool) -> "_Sums":
+        """An epoch's sums resumed mid-epoch: rank 0 carries the saved totals, the others start at zero."""
+        sums = cls()
+        if saved and saved["names"]:
+            sums.names = list(saved["names"])
+            sums.values = list(saved["values"]) if holder else [0.0] * len(saved["names"])
+            sums.count = int(saved["count"]) if holder else 0
+        return sums
 
 
 class Trainer:
@@ -134,6 +166,10 @@ class Trainer:
         self.progress = Progress()
         self.step_log = StepLog(self.run_dir, env.is_main)
         self.last_weights: Optional[Path] = None  # the newest weights this run wrote (same value on every rank)
+        self.stop_signal: Optional[StopSignal] = None  # installed by the recipe; checked at every step boundary
+        self.phase = "start"  # where this rank is, published for peers that must explain a failed collective
+        self._epoch_carry: Optional[dict] = None  # loss sums of the epoch a mid-epoch checkpoint interrupted
+        self._epoch_sums = _Sums()  # this rank's loss sums of the epoch in progress
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -143,11 +179,33 @@ class Trainer:
         return DistributedDataParallel(model, device_ids=device_ids,
                                        find_unused_parameters=self.settings.find_unused_parameters)
 
-    def restore(self, epoch: int) -> None:
-        """Continue after `epoch`: weights, and the training state when the run left one."""
-        ckpt.load_weights(self.model_without_ddp, self.run_dir / ckpt.weights_name(epoch))
-        state = ckpt.load_training_state(self.run_dir, epoch)
-        if state is None:
+    def resume(self) -> tuple[Optional[ckpt.SavedCheckpoint], list[str]]:
+        """Continue from the newest checkpoint that loads: (that checkpoint or None, why newer ones were passed
+        over). A truncated or corrupt file is passed over for the one before it; when none loads, a
+        CheckpointError names them. Every rank reads the same files and so takes the same one."""
+        rejected: list[str] = []
+        for saved in ckpt.saved_checkpoints(self.run_dir, self.steps_per_epoch):
+            try:
+                weights, state = ckpt.load_saved(saved)
+            except ckpt.CorruptCheckpointError as exc:
+                rejected.append(str(exc))
+                continue
+            ckpt.load_weights(self.model_without_ddp, weights)  # a checkpoint of another model stops here
+            self._restore_training(saved, state)
+            if self.env.is_main:
+                self.step_log.keep_until(self.progress.global_step)
+            return saved, rejected
+        if rejected:
+            raise CheckpointError(f"no checkpoint of {self.run_dir} loads: {rejected[0]}" +
+                                  (f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else "") +
+                                  "; with none left, delete them to train this run from the start")
+        if self.env.is_main:
+            self.step_log.keep_until(0)  # a restarted run that died before its first checkpoint
+        return None, rejected
+
+    def _restore_training(self, saved: ckpt.SavedCheckpoint, state: Optional[dict]) -> None:
+        if state is None:  # an upstream run: weights only
+            epoch = saved.number
             self.log.warning(f"no {ckpt.state_name(epoch)} in {self.run_dir}: resuming from the weights alone "
                              f"(optimizer restarts, lr schedule advanced to epoch {epoch})")
             for _ in range(epoch):
@@ -162,11 +220,12 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         rng = state["rng"]
         ckpt.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world_size else rng[0])
-        self.progress = Progress(epoch=epoch, global_step=state["global_step"], best_val=state["best_val"],
-                                 best_epoch=state["best_epoch"], history=list(state.get("history", [])))
+        self.progress = Progress(epoch=state["epoch"], global_step=state["global_step"],
+                                 step_in_epoch=state.get("step_in_epoch", 0), best_val=state["best_val"],
+                                 best_epoch=state["best_epoch"], history=list(state.get("history", [])),
+                                 skipped_steps=list(state.get("skipped_steps", [])))
+        self._epoch_carry = state.get("epoch_sums")
         self._warn_plan_change(state.get("batch_plan", {}))
-        if self.env.is_main:
-            self.step_log.keep_until(self.progress.global_step)
 
     def _warn_plan_change(self, saved: dict) -> None:
         if saved and saved.get("global_batch") != self.plan.global_batch:
@@ -178,22 +237,26 @@ class Trainer:
         if self.progress.epoch >= self.settings.epochs:
             self.log.info(f"nothing to do: {self.progress.epoch} of {self.settings.epochs} epochs already trained")
         first_step = self.progress.global_step
-        for epoch in range(self.progress.epoch, self.settings.epochs):
-            trained = self.train_one_epoch(epoch)
-            if trained is None:  # --max_steps ended the epoch early
-                break
-            train_means, timing = trained
-            if self.scheduler is not None:
-                self.scheduler.step()
-            val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
-            self.progress.epoch = epoch + 1
-            self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
-            self._log_epoch(epoch + 1, train_means, val_means, timing)
-            self._save(epoch + 1, val_means)
-        if self._max_steps_reached() and self.progress.global_step > first_step:
-            self._save_step_weights()
+        with comm.collective_guard(lambda: self.phase):
+            for epoch in range(self.progress.epoch, self.settings.epochs):
+                trained = self.train_one_epoch(epoch)
+                if trained is None:  # --max_steps ended the epoch early
+                    break
+                self._finish_epoch(epoch, *trained)
+            if self._max_steps_reached() and self.progress.global_step > first_step:
+                path = self._save_mid_epoch()
+                self.log.info(f"stopped after {self.progress.global_step} optimizer steps (--max_steps): saved {path}")
         self.writer.flush()
         return self.progress
+
+    def _finish_epoch(self, epoch: int, train_means: dict, timing: str) -> None:
+        if self.scheduler is not None:
+            self.scheduler.step()
+        val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
+        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
+        self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
+        self._log_epoch(epoch + 1, train_means, val_means, timing)
+        self._save(epoch + 1, val_means)
 
     def _max_steps_reached(self) -> bool:
         return self.settings.max_steps is not None and self.progress.global_step >= self.settings.max_steps
@@ -202,13 +265,27 @@ class Trainer:
         # Upstream checks `epoch % freq == 0` on the 0-based epoch; the last epoch is always covered here.
         return epoch % freq == 0 or epoch + 1 == self.settings.epochs
 
-    def train_loader(self, epoch: int) -> DataLoader:
+    def _mark(self, phase: str) -> None:
+        self.phase = phase
+        comm.mark_phase(phase)
+
+    def _loader_options(self) -> dict:
+        workers = self.settings.num_workers
+        return {"num_workers": workers, "worker_init_fn": ignore_stop_signals_in_worker if workers else None}
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        """This rank's micro-batches of `epoch` (sample indices), the same list at every call."""
         self.batch_sampler.sampler.set_epoch(epoch)
+        return list(self.batch_sampler)
+
+    def train_loader(self, epoch: int, batches: Optional[list[list[int]]] = None) -> DataLoader:
+        """The loader over `batches` (default: the whole epoch), with the epoch's augmentation."""
         set_epoch = getattr(self.task.train_set, "set_epoch", None)
         if callable(set_epoch):  # per-sample augmentation keyed by (seed, epoch, index)
             set_epoch(epoch)
-        return DataLoader(self.task.train_set, batch_sampler=self.batch_sampler, collate_fn=self.task.collate_train,
-                          num_workers=self.settings.num_workers, pin_memory=self.device.type == "cuda")
+        return DataLoader(self.task.train_set, batch_sampler=batches if batches is not None else
+                          self.epoch_batches(epoch), collate_fn=self.task.collate_train,
+                          pin_memory=self.device.type == "cuda", **self._loader_options())
 
     def _autocast(self):
         if not self.settings.half:
@@ -216,7 +293,8 @@ class Trainer:
         dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def _micro_step(self, batch: Any, sync: bool, sums: _Sums) -> None:
+    def _micro_step(self, batch: Any, sync: bool, sums: _Sums) -> float:
+        """Forward and backward of one micro-batch; returns its loss (non-finite ones included)."""
         batch = self.task.move_to(batch, self.device)
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
         with no_sync() if no_sync else contextlib.nullcontext():
@@ -225,6 +303,7 @@ class Trainer:
             loss = out.total / self.plan.accumulation
             (self.scaler.scale(loss) if self.scaler else loss).backward()
         sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
+        return float(out.total.detach())
 
     def _optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -234,44 +313,102 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def steps(self, epoch: int, into: Optional[_Sums] = None) -> Iterator[StepRecord]:
-        """The optimizer steps of one epoch, one record each; stops early at settings.max_steps.
+    # ------------------------------------------------------------------------------------- one step, agreed
+    def _fetch(self, batches: Iterator) -> tuple[list, Optional[OpencoodDdpError]]:
+        """The step's micro-batches, or the error that reading one of them raised on this rank."""
+        fetched = []
+        try:
+            for _ in range(self.plan.accumulation):
+                fetched.append(next(batches))
+        except OpencoodDdpError as exc:
+            return fetched, unwrap_worker_error(exc)
+        return fetched, None
 
-        Every rank runs the same number of steps, so the all-reduce of each step's losses always matches.
-        """
+    def _agree_to_go_on(self, error: Optional[OpencoodDdpError], epoch: int) -> None:
+        """All ranks meet before the forward pass: a rank that could not read its batch, or got a stop signal,
+        makes every rank stop here, before any of them enters the step's gradient all-reduce."""
+        stop = self.stop_signal.received if self.stop_signal is not None else None
+        failed, stopping = comm.all_reduce_sum([error is not None, stop is not None]).tolist()
+        if failed:
+            raise next(e for e in comm.all_gather_objects(error) if e is not None)
+        if stopping:
+            signals = sorted({s for s in comm.all_gather_objects(stop) if s})
+            path = self._save_mid_epoch()
+            raise StopRequested(f"{'/'.join(signals)} received: stopped after global step "
+                                f"{self.progress.global_step} (epoch {epoch + 1}, {self.progress.step_in_epoch} of "
+                                f"{self.steps_per_epoch} steps); saved {path}; resume with --model_dir {self.run_dir}")
+
+    def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> tuple[dict, _Sums, bool]:
+        """Forward/backward of every micro-batch, then the step's one all-reduce of the losses and of the
+        non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
+        snapshot = BufferSnapshot(self.model_without_ddp)
+        step_sums, losses = _Sums(), []
+        for micro, batch in enumerate(micro_batches):
+            losses.append(self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums))
+        # With a GradScaler, overflowing fp16 gradients are its business: it skips the step and lowers the scale.
+        grads_ok = self.scaler is not None or gradients_finite(self.model_without_ddp)
+        finite = grads_ok and all(math.isfinite(loss) for loss in losses)
+        self._mark(f"{where}: loss all-reduce")
+        means, (bad_ranks,) = step_sums.reduced_means_and_flags(flags=[0.0 if finite else 1.0])
+        if not bad_ranks:
+            self._optimizer_step()
+            return means, step_sums, False
+        reports = comm.all_gather_objects(rank_report(self.env.rank, indices, losses, grads_ok))
+        message = describe_nonfinite(where, self.progress.global_step + 1, reports)
+        snapshot.restore()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.settings.on_nonfinite == "stop":
+            path = self._save_mid_epoch()
+            raise NonFiniteError(f"{message}; saved the state before this step: {path}; fix the data or the lr, "
+                                 f"or resume with --model_dir {self.run_dir} --on_nonfinite skip")
+        self.log.warning(f"{message}; every rank skipped this step (--on_nonfinite skip)")
+        self.progress.skipped_steps.append(self.progress.global_step + 1)
+        return means, step_sums, True
+
+    def steps(self, epoch: int, into: Optional[_Sums] = None) -> Iterator[StepRecord]:
+        """The optimizer steps of one epoch from progress.step_in_epoch on, one record each; stops early at
+        settings.max_steps. Every rank runs the same steps, so the collectives of each step always match."""
         self.model.train()
-        batches: Iterator = iter(self.train_loader(epoch))
-        for _ in range(self.steps_per_epoch):
+        first = self.progress.step_in_epoch
+        accumulation = self.plan.accumulation
+        batches = self.epoch_batches(epoch)[first * accumulation:self.steps_per_epoch * accumulation]
+        loaded: Iterator = iter(self.train_loader(epoch, batches))
+        for step in range(first, self.steps_per_epoch):
             if self._max_steps_reached():
                 return
-            started, waited = time.perf_counter(), 0.0
-            step_sums = _Sums()
-            for micro in range(self.plan.accumulation):
-                fetch = time.perf_counter()
-                batch = next(batches)
-                waited += time.perf_counter() - fetch
-                self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums)
-            self._optimizer_step()
+            where = f"epoch {epoch + 1} step {step + 1}"
+            started = time.perf_counter()
+            self._mark(f"{where}: loading data")
+            micro_batches, error = self._fetch(loaded)
+            waited = time.perf_counter() - started
+            self._mark(f"{where}: step agreement")
+            self._agree_to_go_on(error, epoch)
+            self._mark(f"{where}: forward/backward (SyncBN, DDP gradient all-reduce)")
+            offset = (step - first) * accumulation
+            means, step_sums, skipped = self._train_step(micro_batches, batches[offset:offset + accumulation], where)
             self.progress.global_step += 1
-            lr = self.optimizer.param_groups[0]["lr"]
-            means = step_sums.reduced_means()
-            if into is not None:
+            self.progress.step_in_epoch = step + 1
+            if into is not None and not skipped:
                 _merge(into, step_sums)
-            yield StepRecord(self.progress.global_step, epoch, means, lr, time.perf_counter() - started, waited)
+            yield StepRecord(self.progress.global_step, epoch, means, self.optimizer.param_groups[0]["lr"],
+                             time.perf_counter() - started, waited, skipped)
 
     def train_one_epoch(self, epoch: int) -> Optional[tuple[dict, str]]:
         """(all-reduced mean losses, throughput text) of the epoch; None when --max_steps stopped it early."""
-        epoch_sums = _Sums()
+        epoch_sums = _Sums.carried(self._epoch_carry, holder=self.env.is_main)
+        self._epoch_carry = None
+        self._epoch_sums = epoch_sums
         bar = progress(self.steps_per_epoch, f"epoch {epoch + 1}/{self.settings.epochs}", self.env.is_main)
+        bar.update(self.progress.step_in_epoch)
         records = []
         for record in self.steps(epoch, into=epoch_sums):
             self._log_step(record, bar)
             records.append(record)
         bar.close()
-        means = epoch_sums.reduced_means()
-        if len(records) < self.steps_per_epoch:
+        if self.progress.step_in_epoch < self.steps_per_epoch:
             return None
-        return means, _timing(records, self.plan.global_batch)
+        self._mark(f"epoch {epoch + 1}: train loss all-reduce")
+        return epoch_sums.reduced_means(), _timing(records, self.plan.global_batch)
 
     def _log_step(self, record: StepRecord, bar) -> None:
         for name, value in record.losses.items():
@@ -288,18 +425,26 @@ class Trainer:
         """Sample-weighted mean loss over the whole validation split, identical at every world size."""
         if self.task.val_set is None:
             return None
+        self._mark(f"epoch {self.progress.epoch + 1}: validation")
         sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
         loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
-                            collate_fn=self.task.collate_val, num_workers=self.settings.num_workers)
+                            collate_fn=self.task.collate_val, **self._loader_options())
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()
-        sums = _Sums()
-        for batch in loader:
-            batch = self.task.move_to(batch, self.device)
-            with self._autocast():
-                out = self.task.step(model, batch)
-            sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
+        sums, error = _Sums(), None
+        try:
+            for batch in loader:
+                batch = self.task.move_to(batch, self.device)
+                with self._autocast():
+                    out = self.task.step(model, batch)
+                sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
+        except OpencoodDdpError as exc:  # a frame one rank cannot read: every rank stops with its message
+            error = unwrap_worker_error(exc)
         model.train()
+        self._mark(f"epoch {self.progress.epoch + 1}: validation loss all-reduce")
+        error = comm.first_error(error)
+        if error is not None:
+            raise error
         return sums.reduced_means(names=self._loss_names(sums))
 
     def _loss_names(self, sums: _Sums) -> list[str]:
@@ -322,9 +467,11 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "global_step": self.progress.global_step, "best_val": self.progress.best_val,
                 "best_epoch": self.progress.best_epoch, "history": self.progress.history,
+                "skipped_steps": self.progress.skipped_steps,
                 "batch_plan": self.plan.as_dict(), "world_size": self.env.world_size, "seed": self.settings.seed}
 
     def _save(self, epoch: int, val: Optional[dict]) -> None:
+        self._mark(f"epoch {epoch}: checkpoint")
         due = self._due(epoch - 1, self.settings.save_freq)  # the same on every rank
         # Every rank's RNG, so a resume continues each stream; gathered only when a checkpoint is written.
         rng = comm.gather_objects(ckpt.rng_state()) if due else None
@@ -343,13 +490,20 @@ class Trainer:
                               f"{ckpt.save_bestval(self.run_dir, epoch, self.model_without_ddp)}")
         comm.barrier()  # no rank may start the next epoch (or exit) while rank 0 still writes
 
-    def _save_step_weights(self) -> None:
+    def _save_mid_epoch(self) -> Path:
+        """Collective: a resumable checkpoint at this step boundary (stop signal, --max_steps, non-finite stop):
+        weights, training state, every rank's RNG and the loss sums of the unfinished epoch."""
+        self._mark(f"global step {self.progress.global_step}: mid-epoch checkpoint")
         step = self.progress.global_step
+        epoch_sums = self._epoch_sums.reduced_totals() if self.progress.step_in_epoch else None
+        rng = comm.gather_objects(ckpt.rng_state())
         self.last_weights = self.run_dir / ckpt.step_weights_name(step)
         if self.env.is_main:
-            path = ckpt.save_step_weights(self.run_dir, step, self.model_without_ddp)
-            self.log.info(f"stopped after {step} optimizer steps (--max_steps): saved {path}")
+            state = dict(self.training_state(), rng=rng, epoch_sums=epoch_sums)
+            ckpt.save_step(self.run_dir, step, self.model_without_ddp, state, epoch=self.progress.epoch,
+                           step_in_epoch=self.progress.step_in_epoch)
         comm.barrier()
+        return self.last_weights
 
 
 def _timing(records: list[StepRecord], global_batch: int) -> str:

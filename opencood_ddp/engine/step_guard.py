@@ -1,0 +1,59 @@
+"""Non-finite losses and gradients: found on any rank, agreed by all, reported with the samples behind them.
+
+A NaN on one rank poisons every rank: DDP averages the gradients and SyncBN the batch statistics. So each rank
+checks its own losses and the (already averaged) gradients, the flag travels with the step's loss all-reduce,
+and every rank takes the same decision: stop (and save the state from before the step) or skip the step
+together. The forward pass has already folded the bad batch into the BatchNorm running statistics, so the
+buffers are put back as they were before the step in both cases.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+from torch import nn
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+def gradients_finite(model: nn.Module) -> bool:
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return True
+    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=2.0)).item())
+
+
+class BufferSnapshot:
+    """A copy of a module's buffers (BatchNorm running statistics), to undo one forward pass."""
+
+    def __init__(self, model: nn.Module):
+        self._saved = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for buffer, saved in self._saved:
+                buffer.copy_(saved)
+
+
+def rank_report(rank: int, samples: Sequence[Sequence[int]], losses: Sequence[float], grads_ok: bool) -> dict:
+    """What one rank saw in a step: its micro-batches' sample indices and losses, and its gradient check."""
+    return {"rank": rank, "samples": [list(map(int, s)) for s in samples], "losses": list(losses),
+            "grads_ok": grads_ok}
+
+
+def describe_nonfinite(where: str, global_step: int, reports: Sequence[dict]) -> str:
+    """One line: where, which ranks and samples gave a non-finite loss, which ranks saw non-finite gradients."""
+    bad_losses = []
+    for report in reports:
+        for samples, loss in zip(report["samples"], report["losses"]):
+            if not math.isfinite(loss):
+                bad_losses.append(f"rank {report['rank']} samples {samples} (loss {loss})")
+    bad_grads = [str(report["rank"]) for report in reports if not report["grads_ok"]]
+    parts = [f"non-finite values at {where} (global step {global_step})"]
+    if bad_losses:
+        parts.append("loss: " + ", ".join(bad_losses))
+    if bad_grads:
+        step_samples = ", ".join(f"rank {r['rank']} {sum(r['samples'], [])}" for r in reports)
+        parts.append(f"gradients on rank(s) {', '.join(bad_grads)} (samples of the step: {step_samples})")
+    return "; ".join(parts)
