@@ -63,7 +63,11 @@ def _global_moments(local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
         stacked = local[None]
     counts, means, variances = stacked[:, 0], stacked[:, 1], stacked[:, 2]
     count = counts[:, 0].sum()
-    if count.item() < 2:
+    if count.item() == 0:
+        # No rank has a value (a global batch of frames without a point in range): BatchNorm on a (0, C)
+        # input, what the 1-process run does, normalises nothing and leaves the running statistics alone.
+        return count, torch.zeros_like(means[0]), torch.ones_like(variances[0])
+    if count.item() == 1:  # BatchNorm raises on one value per channel in training, and so do we
         raise ValueError("synchronized batch norm needs more than one value per channel over all ranks")
     mean = (counts * means).sum(0) / count
     var = (counts * (variances + (means - mean) ** 2)).sum(0) / count
@@ -94,7 +98,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count, mean, var = _global_moments(_local_moments(x))
         invstd = torch.rsqrt(var + eps)
         with torch.no_grad():
-            if running_mean is not None:
+            if running_mean is not None and count.item() > 0:
                 running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
                 unbiased = var * count / (count - 1)
                 running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
@@ -118,8 +122,9 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sums = torch.cat([sum_dy, sum_dy_xhat]).double()
         if comm.is_dist():
             dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-        mean_dy = (sums[:channels] / ctx.count).to(mean.dtype)
-        mean_dy_xhat = (sums[channels:] / ctx.count).to(mean.dtype)
+        count = ctx.count.clamp(min=1)  # 0 when no rank had a value: the sums are 0 too
+        mean_dy = (sums[:channels] / count).to(mean.dtype)
+        mean_dy_xhat = (sums[channels:] / count).to(mean.dtype)
         # dx = (dy - mean(dy) - xhat * mean(dy xhat)) * invstd * w, regrouped as k1 * dy + k2 * x + k3.
         k1 = invstd if weight is None else invstd * weight.to(mean.dtype)
         k2 = -k1 * mean_dy_xhat * invstd
