@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -50,3 +51,62 @@ def split_overrides(toy_root: Path) -> list[str]:
 
 def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
+
+
+class Background:
+    """tools/train_ddp.py started without waiting (torchrun with `nproc` workers, or plain python for 0), its
+    output going to files, so that a test can signal it, or one of its workers, while it trains."""
+
+    def __init__(self, folder: Path, nproc: int, *args: str, torchrun_args: tuple = (),
+                 extra_env: Optional[dict] = None):
+        folder.mkdir(parents=True, exist_ok=True)
+        self.out_path, self.err_path = folder / "stdout.txt", folder / "stderr.txt"
+        if nproc:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   *torchrun_args, str(TRAIN), *map(str, args)]
+        else:
+            cmd = [sys.executable, str(TRAIN), *map(str, args)]
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=clean_env(extra_env),
+                                         start_new_session=True)
+
+    def worker_pids(self) -> dict[int, int]:
+        """{global rank: pid} of torchrun's worker processes, read from /proc."""
+        found = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == self.proc.pid:
+                for item in environ:
+                    if item.startswith(b"RANK="):
+                        found[int(item[5:])] = int(entry.name)
+        return found
+
+    def wait(self, timeout: float) -> subprocess.CompletedProcess:
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            self.kill()
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.out_path.read_text(),
+                                           self.err_path.read_text())
+
+    def kill(self) -> None:
+        """SIGKILL whatever is left of the process group (stopped workers included)."""
+        try:
+            os.killpg(self.proc.pid, 9)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def wait_until(condition, timeout: float, what: str, interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)

@@ -44,6 +44,10 @@ STATE_FORMAT = 1
 class CorruptCheckpointError(CheckpointError):
     """A checkpoint file that is truncated, unreadable, or not the file its sidecar describes."""
 
+    def __init__(self, problem: str, fix: str = "delete it to resume from an earlier checkpoint"):
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem  # without the fix, for a message that lists several files
+
 
 def weights_name(epoch: int) -> str:
     return f"net_epoch{epoch}.pth"
@@ -89,8 +93,7 @@ def load_file(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line}); "
-                                     f"delete it and resume from an earlier epoch") from None
+        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line})") from None
 
 
 def strip_module_prefix(state_dict: Mapping[str, Any]) -> dict:
@@ -263,17 +266,15 @@ def verify_weights_file(path: Path, state: Mapping[str, Any]) -> None:
     data = Path(path).read_bytes()
     if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CorruptCheckpointError(
-            f"checkpoint {path} is {len(data)} bytes and does not match the {expected['bytes']}-byte file its "
-            f"training state recorded (truncated or replaced after the save); delete it to resume from an "
-            f"earlier checkpoint")
+            f"checkpoint {path} is truncated or corrupt: {len(data)} bytes that do not match the "
+            f"{expected['bytes']}-byte file its training state recorded")
 
 
 def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
     """(weights state_dict, training state or None) of a checkpoint, verified against each other."""
     state = load_state_file(saved.state) if saved.state.exists() else None
     if state is None and saved.kind == "step":
-        raise CorruptCheckpointError(f"checkpoint {saved.weights} has no {saved.state.name} beside it; delete it "
-                                     f"to resume from an earlier checkpoint")
+        raise CorruptCheckpointError(f"checkpoint {saved.weights} has no {saved.state.name} beside it")
     if state is not None:
         verify_weights_file(saved.weights, state)
     weights = load_file(saved.weights)
@@ -286,8 +287,8 @@ def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
 def load_state_file(path: Path) -> dict:
     state = load_file(path)
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-        raise CorruptCheckpointError(f"training state {path} has an unknown format; delete it to resume from "
-                                     f"the weights alone")
+        raise CorruptCheckpointError(f"training state {path} has an unknown format",
+                                     "delete it to resume from the weights alone")
     return state
 
 

@@ -152,16 +152,30 @@ def init_distributed_mode(env: DistEnv, timeout_minutes: float = 30.0) -> None:
     if not env.distributed or dist.is_initialized():
         return
     timeout = datetime.timedelta(minutes=timeout_minutes)
+    kwargs: dict = {}
     if env.launcher == "slurm":
-        init_method = f"tcp://{env.master_addr}:{env.master_port}"
+        kwargs["init_method"] = f"tcp://{env.master_addr}:{env.master_port}"
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs["store"] = _agent_store_of_this_attempt(timeout)
     else:
-        init_method = "env://"
-    kwargs = {}
+        kwargs["init_method"] = "env://"
     if env.device.startswith("cuda"):
         # Binds NCCL to this rank's GPU eagerly, so a wrong local_rank fails here and not in a collective.
         kwargs["device_id"] = torch.device(env.device)
-    dist.init_process_group(backend=env.backend, init_method=init_method, rank=env.rank,
-                            world_size=env.world_size, timeout=timeout, **kwargs)
+    dist.init_process_group(backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            **kwargs)
+
+
+def _agent_store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's agent store, seen through a prefix per restart attempt.
+
+    The agent keeps one store for all attempts of a job. With env:// the restarted workers of
+    `torchrun --max-restarts` find the first attempt's process-group keys still there (the dead workers'
+    addresses) and wait in init_process_group forever; a prefix per TORCHELASTIC_RESTART_COUNT gives each
+    attempt clean keys."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"opencood_ddp/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown(synchronize: bool = True) -> None:

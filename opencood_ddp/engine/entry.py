@@ -23,9 +23,17 @@ def run_distributed(args: argparse.Namespace, recipe: Callable[[argparse.Namespa
         env = detect_from_process(args.local_rank, args.dist_backend)
         setup_logging(env.rank)
         with distributed_session(env, args.dist_timeout):
-            recipe(args, env)
+            try:
+                recipe(args, env)
+            except OpencoodDdpError as exc:
+                # Told before the process group is torn down: after a peer died, torchrun's agent may end
+                # this process with SIGTERM during the teardown, and the reason would be lost.
+                report_error(exc, env)
+                exc.reported = True
+                raise
     except OpencoodDdpError as exc:
-        report_error(exc, env)
+        if not getattr(exc, "reported", False):
+            report_error(exc, env)
         return exc.exit_code
     return 0
 

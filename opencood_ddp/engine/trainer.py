@@ -183,25 +183,25 @@ class Trainer:
         """Continue from the newest checkpoint that loads: (that checkpoint or None, why newer ones were passed
         over). A truncated or corrupt file is passed over for the one before it; when none loads, a
         CheckpointError names them. Every rank reads the same files and so takes the same one."""
-        rejected: list[str] = []
+        rejected: list[ckpt.CorruptCheckpointError] = []
         for saved in ckpt.saved_checkpoints(self.run_dir, self.steps_per_epoch):
             try:
                 weights, state = ckpt.load_saved(saved)
             except ckpt.CorruptCheckpointError as exc:
-                rejected.append(str(exc))
+                rejected.append(exc)
                 continue
             ckpt.load_weights(self.model_without_ddp, weights)  # a checkpoint of another model stops here
             self._restore_training(saved, state)
             if self.env.is_main:
                 self.step_log.keep_until(self.progress.global_step)
-            return saved, rejected
+            return saved, [exc.problem for exc in rejected]
         if rejected:
-            raise CheckpointError(f"no checkpoint of {self.run_dir} loads: {rejected[0]}" +
-                                  (f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else "") +
-                                  "; with none left, delete them to train this run from the start")
+            more = f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""
+            raise CheckpointError(f"{rejected[0].problem}{more}, and no earlier checkpoint of this run loads; delete "
+                                  f"the damaged files to train {self.run_dir} from the start")
         if self.env.is_main:
             self.step_log.keep_until(0)  # a restarted run that died before its first checkpoint
-        return None, rejected
+        return None, []
 
     def _restore_training(self, saved: ckpt.SavedCheckpoint, state: Optional[dict]) -> None:
         if state is None:  # an upstream run: weights only
@@ -401,10 +401,12 @@ class Trainer:
         bar = progress(self.steps_per_epoch, f"epoch {epoch + 1}/{self.settings.epochs}", self.env.is_main)
         bar.update(self.progress.step_in_epoch)
         records = []
-        for record in self.steps(epoch, into=epoch_sums):
-            self._log_step(record, bar)
-            records.append(record)
-        bar.close()
+        try:
+            for record in self.steps(epoch, into=epoch_sums):
+                self._log_step(record, bar)
+                records.append(record)
+        finally:
+            bar.close()  # also on a stop or an error, whose line must not run on from the bar's
         if self.progress.step_in_epoch < self.steps_per_epoch:
             return None
         self._mark(f"epoch {epoch + 1}: train loss all-reduce")

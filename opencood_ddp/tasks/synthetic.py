@@ -6,6 +6,9 @@ sample is a pure function of (seed, split, index), so any rank or worker reads t
 """
 from __future__ import annotations
 
+import math
+from typing import Sequence
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
@@ -21,8 +24,9 @@ class SyntheticRegression(Dataset):
     """x: (channels, size, size) gaussian images; y: a fixed nonlinear function of x's channel statistics."""
 
     def __init__(self, num_samples: int, split: str, seed: int, channels: int = 3, size: int = 8,
-                 outputs: int = 2, noise: float = 0.05):
+                 outputs: int = 2, noise: float = 0.05, nonfinite: Sequence[int] = ()):
         self.num_samples, self.split, self.seed = num_samples, split, seed
+        self.nonfinite = frozenset(int(i) for i in nonfinite)  # corrupt samples: an input of NaNs
         self.channels, self.size, self.noise = channels, size, noise
         teacher = torch.Generator().manual_seed(seed)
         self.weights = torch.randn(outputs, 2 * channels, generator=teacher)
@@ -37,6 +41,8 @@ class SyntheticRegression(Dataset):
         x = torch.randn(self.channels, self.size, self.size, generator=gen) * 2.0 + 0.5
         features = torch.cat([x.mean(dim=(1, 2)), (x * x).mean(dim=(1, 2)).sqrt()])
         y = torch.tanh(self.weights @ features / 4) + self.noise * torch.randn(self.weights.shape[0], generator=gen)
+        if index in self.nonfinite:
+            x = torch.full_like(x, math.nan)
         return {"x": x, "y": y, "index": torch.tensor(index)}
 
 
@@ -72,7 +78,9 @@ def build_task(hypes: dict, for_training: bool) -> Task:
     cfg = hypes["synthetic"]
     seed = int(cfg.get("data_seed", 0))
     shape = dict(channels=cfg.get("channels", 3), size=cfg.get("image_size", 8), outputs=cfg.get("outputs", 2))
-    train_set = SyntheticRegression(cfg["num_train"], "train", seed, **shape) if for_training else None
+    # synthetic.nonfinite_samples: training samples made of NaNs, the bench's corrupt data (--on_nonfinite)
+    train_set = (SyntheticRegression(cfg["num_train"], "train", seed, nonfinite=cfg.get("nonfinite_samples", ()),
+                                     **shape) if for_training else None)
     val_set = SyntheticRegression(cfg["num_validate"], "validate", seed, **shape)
     model = SmallBNNet(shape["channels"], cfg.get("width", 16), shape["outputs"], cfg.get("norm", "batch"))
     return Task(train_set=train_set, val_set=val_set, collate_train=default_collate, collate_val=default_collate,

@@ -1,0 +1,266 @@
+"""Faults with real processes: stop signals, a rank killed under elastic torchrun, a save killed half-way, torn
+checkpoints, non-finite steps, stalled and dead ranks (docs/reliability.md lists what each test shows)."""
+import math
+import os
+import signal
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from launch import REPO, WORKERS, Background, explain, train, wait_until
+from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed.samplers import make_train_batch_sampler
+from opencood_ddp.engine.logging import read_step_log
+
+SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
+STEPS_PER_EPOCH = 150
+# 150 steps of batch 8 per epoch: long enough to be interrupted in the middle, a few seconds per epoch.
+LONG = ("--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--set", f"synthetic.num_train={8 * STEPS_PER_EPOCH}")
+
+
+def steps_logged(run_dir) -> int:
+    path = run_dir / "train_steps.csv"
+    try:
+        return max(0, len(path.read_text().splitlines()) - 1)
+    except FileNotFoundError:
+        return 0
+
+
+def weights_gap(a, b) -> float:
+    return ckpt.global_relative_difference(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
+
+
+def history(run_dir, epoch):
+    return torch.load(run_dir / ckpt.state_name(epoch), weights_only=False)["history"]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """Uninterrupted 2-epoch runs, by launcher: what an interrupted-and-resumed run must equal."""
+    runs = {}
+
+    def get(nproc: int):
+        if nproc not in runs:
+            run_dir = tmp_path_factory.mktemp("straight") / "run"
+            result = train(nproc, *LONG, "--model_dir", run_dir, "--set", "train_params.epoches=2")
+            assert result.returncode == 0, explain(result)
+            runs[nproc] = run_dir
+        return runs[nproc]
+
+    return get
+
+
+# ------------------------------------------------------------------------------------------------ stop signals
+def _signal_rank1(job: Background) -> None:
+    job_pids = job.worker_pids()
+    assert 1 in job_pids, job_pids
+    os.kill(job_pids[1], signal.SIGTERM)
+
+
+def _signal_agent(job: Background) -> None:
+    job.proc.send_signal(signal.SIGTERM)
+
+
+def _interrupt_python(job: Background) -> None:
+    job.proc.send_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("nproc,deliver", [(2, _signal_rank1), (2, _signal_agent), (0, _interrupt_python)],
+                         ids=["sigterm-to-rank1-only", "sigterm-to-torchrun", "ctrl-c-plain-python"])
+def test_stop_signal_mid_epoch_then_resume_equals_the_uninterrupted_run(tmp_path, straight_runs, nproc, deliver):
+    run_dir = tmp_path / "run"
+    job = Background(tmp_path / "job", nproc, *LONG, "--model_dir", run_dir, "--set", "train_params.epoches=2")
+    wait_until(lambda: steps_logged(run_dir) >= 30, 180, "30 logged steps")
+    deliver(job)
+    result = job.wait(timeout=120)
+    stopped = [line for line in result.stderr.splitlines() if line.startswith("stopped:")]
+    assert len(stopped) == 1, explain(result)
+    if nproc == 0:
+        assert result.returncode == 75  # EX_TEMPFAIL; under torchrun the workers' 75 becomes torchrun's failure
+    else:
+        assert result.returncode != 0
+    step = ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)
+    assert len(step) == 1 and 30 <= step[0] < STEPS_PER_EPOCH, (step, stopped)
+    assert f"stopped after global step {step[0]} (epoch 1, {step[0]} of {STEPS_PER_EPOCH} steps)" in stopped[0]
+    assert steps_logged(run_dir) == step[0]  # every rank stopped after the same step
+
+    resumed = train(nproc, "--model_dir", run_dir, "--num_workers", "0")
+    assert resumed.returncode == 0, explain(resumed)
+    assert (f"resumed from net_step{step[0]}.pth (step {step[0]}): 0 epoch(s) and {step[0]} step(s) of the next "
+            f"done") in resumed.stdout
+    straight = straight_runs(nproc)
+    assert [row["step"] for row in read_step_log(run_dir / "train_steps.csv")] == list(range(1, 301))
+    assert weights_gap(run_dir / "net_epoch2.pth", straight / "net_epoch2.pth") <= 1e-6
+    # The interrupted epoch's mean loss counts the steps before the stop too.
+    got, want = history(run_dir, 2)[0]["train"]["loss"], history(straight, 2)[0]["train"]["loss"]
+    assert got == pytest.approx(want, rel=1e-6)
+    assert not ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)  # the epoch checkpoint superseded it
+
+
+# ------------------------------------------------------------------------------------------------ elastic
+def test_rank_killed_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
+    logs = tmp_path / "logs"
+    job = Background(tmp_path / "job", 2, *LONG, "--log_root", logs, "--set", "train_params.epoches=3",
+                     torchrun_args=("--max-restarts=1",))
+
+    def run_folder():
+        folders = [p for p in logs.iterdir() if p.is_dir()] if logs.is_dir() else []
+        return folders[0] if folders else None
+
+    wait_until(lambda: run_folder() is not None and (run_folder() / "net_epoch1.pth").is_file()
+               and steps_logged(run_folder()) >= STEPS_PER_EPOCH + 20, 240, "epoch 1 saved and epoch 2 begun")
+    os.kill(job.worker_pids()[1], signal.SIGKILL)
+    result = job.wait(timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert [p.name for p in logs.iterdir()] == [run_folder().name]  # the restart continued the same folder
+    run_dir = run_folder()
+    assert "torchrun restart 1 of 1: continuing" in result.stdout
+    assert "resumed from net_epoch1.pth (epoch 1)" in result.stdout
+    assert [h["epoch"] for h in history(run_dir, 3)] == [1, 2, 3]
+    assert torch.load(run_dir / ckpt.state_name(3), weights_only=False)["global_step"] == 3 * STEPS_PER_EPOCH
+    assert [row["step"] for row in read_step_log(run_dir / "train_steps.csv")] == list(range(1, 451))
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
+    worker = subprocess.Popen([sys.executable, str(WORKERS / "save_worker.py"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout.readline().strip() == "saved epoch 1"
+        unfinished = lambda: [p for p in tmp_path.iterdir() if ckpt.UNFINISHED_RE.match(p.name)  # noqa: E731
+                              and p.stat().st_size > 0]
+        wait_until(lambda: unfinished(), 60, "a save of epoch 2 in progress", interval=0.001)
+        worker.kill()
+    finally:
+        worker.kill()
+        worker.wait()
+    assert unfinished(), "the kill came after the rename; the race is meant to be lost by the save"
+    saved = ckpt.saved_checkpoints(tmp_path, steps_per_epoch=1)
+    loadable = []
+    for entry in saved:
+        try:
+            loadable.append((entry.number, ckpt.load_saved(entry)))
+        except ckpt.CorruptCheckpointError:
+            pass
+    numbers = [number for number, _ in loadable]
+    assert 1 in numbers  # epoch 1 is never touched by the saves of epoch 2
+    weights, state = dict(loadable)[1]
+    assert torch.equal(weights["weight"], torch.full_like(weights["weight"], 1.0)) and state["global_step"] == 1
+    for number, (weights, state) in loadable:
+        assert state["weights"]["name"] == f"net_epoch{number}.pth"  # a loaded pair is a matching pair
+    assert ckpt.remove_unfinished_saves(tmp_path) and not unfinished()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "replaced"])
+def test_resume_falls_back_from_a_damaged_newest_checkpoint(tmp_path, damage):
+    run_dir = tmp_path / "run"
+    first = train(2, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--model_dir", run_dir)
+    assert first.returncode == 0, explain(first)
+    newest, previous = run_dir / "net_epoch2.pth", run_dir / "net_epoch1.pth"
+    if damage == "truncated":
+        newest.write_bytes(newest.read_bytes()[:newest.stat().st_size // 2])
+    else:  # a valid file, but not the one the sidecar describes
+        shutil.copy(previous, newest)
+    result = train(2, "--model_dir", run_dir, "--num_workers", "0", "--set", "train_params.epoches=3")
+    assert result.returncode == 0, explain(result)
+    warnings = [line for line in result.stdout.splitlines() + result.stderr.splitlines() if "fell back" in line]
+    assert warnings and str(newest) in warnings[0], explain(result)
+    assert "resumed from net_epoch1.pth (epoch 1)" in result.stdout
+    state = ckpt.load_saved(ckpt.saved_checkpoints(run_dir, 10)[0])[1]
+    assert state["epoch"] == 3 and [h["epoch"] for h in state["history"]] == [1, 2, 3]
+    ckpt.load_saved(ckpt.SavedCheckpoint("epoch", 2, newest, run_dir / ckpt.state_name(2)))  # rewritten whole
+
+
+def test_resume_with_no_loadable_checkpoint_is_one_error_and_changes_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    first = train(1, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--model_dir", run_dir,
+                  "--set", "train_params.epoches=1")
+    assert first.returncode == 0, explain(first)
+    only = run_dir / "net_epoch1.pth"
+    only.write_bytes(only.read_bytes()[:100])
+    before = {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    result = train(2, "--model_dir", run_dir, "--num_workers", "0", "--set", "train_params.epoches=2")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, explain(result)
+    assert str(only) in errors[0] and "truncated or corrupt" in errors[0]
+    assert {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+# ------------------------------------------------------------------------------------------------ non-finite
+def _nan_sample_at(rank: int, step: int, world: int = 2, per_rank: int = 4) -> int:
+    """The sample index that `rank` reads first in `step` (1-based) of epoch 0 of synthetic_bn.yaml."""
+    sampler = make_train_batch_sampler(range(80), per_rank, world, rank, seed=0)
+    sampler.sampler.set_epoch(0)
+    return list(sampler)[step - 1][0]
+
+
+def test_nonfinite_loss_on_one_rank_stops_every_rank_and_skip_resumes_past_it(tmp_path):
+    sample = _nan_sample_at(rank=1, step=4)
+    run_dir = tmp_path / "run"
+    args = ("--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--set", "synthetic.norm=none",
+            "--set", f"synthetic.nonfinite_samples=[{sample}]", "--set", "train_params.epoches=1")
+    result = train(2, *args, "--model_dir", run_dir)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, explain(result)  # workers exit 3; torchrun 1
+    assert "non-finite values at epoch 1 step 4 (global step 4)" in errors[0]
+    assert f"loss: rank 1 samples [{sample}," in errors[0] and "rank 0 samples" not in errors[0].split("gradients")[0]
+    assert "--on_nonfinite skip" in errors[0]
+    assert ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE) == [3]  # the state from before the bad step
+
+    resumed = train(2, "--model_dir", run_dir, "--num_workers", "0", "--on_nonfinite", "skip")
+    assert resumed.returncode == 0, explain(resumed)
+    assert "every rank skipped this step" in resumed.stdout + resumed.stderr
+    rows = read_step_log(run_dir / "train_steps.csv")
+    assert [row["step"] for row in rows] == list(range(1, 11))
+    assert [row["step"] for row in rows if row["skipped"]] == [4]
+    assert all(math.isfinite(row["loss"]) for row in rows if not row["skipped"])
+    state = torch.load(run_dir / ckpt.state_name(1), weights_only=False)
+    assert state["skipped_steps"] == [4] and math.isfinite(state["history"][0]["train"]["loss"])
+
+
+def test_skip_keeps_batchnorm_statistics_finite_across_ranks(tmp_path):
+    sample = _nan_sample_at(rank=0, step=2)
+    run_dir = tmp_path / "run"
+    result = train(2, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--model_dir", run_dir,
+                   "--on_nonfinite", "skip", "--set", f"synthetic.nonfinite_samples=[{sample}]",
+                   "--set", "train_params.epoches=1")
+    assert result.returncode == 0, explain(result)
+    weights = torch.load(run_dir / "net_epoch1.pth", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in weights.values() if v.is_floating_point())
+    assert any("running_mean" in k for k in weights)  # SyncBN's statistics were put back, not poisoned
+    state = torch.load(run_dir / ckpt.state_name(1), weights_only=False)
+    assert state["skipped_steps"] == [2] and math.isfinite(state["history"][0]["val"]["loss"])
+
+
+# ------------------------------------------------------------------------------------------------ timeouts
+def test_stalled_rank_fails_the_others_within_dist_timeout_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Background(tmp_path / "job", 2, *LONG, "--model_dir", run_dir, "--dist_timeout", "0.1",
+                     extra_env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
+    wait_until(lambda: steps_logged(run_dir) >= 10, 180, "10 logged steps")
+    os.kill(job.worker_pids()[1], signal.SIGSTOP)  # a rank hung in I/O: alive, silent
+    started = time.monotonic()
+    result = job.wait(timeout=120)
+    assert time.monotonic() - started < 60  # --dist_timeout 0.1 min, not 30 minutes
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0:")]
+    assert len(lines) == 1, explain(result)
+    assert "a collective failed during 'epoch 1 step" in lines[0] and "Timed out" in lines[0]
+    assert "rank 1: last at 'epoch 1 step" in lines[0]
+
+
+def test_dead_rank_fails_the_others_at_once_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    job = Background(tmp_path / "job", 2, *LONG, "--model_dir", run_dir)  # default --dist_timeout: 30 minutes
+    wait_until(lambda: steps_logged(run_dir) >= 10, 180, "10 logged steps")
+    os.kill(job.worker_pids()[1], signal.SIGKILL)
+    started = time.monotonic()
+    result = job.wait(timeout=120)
+    assert time.monotonic() - started < 60
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0:")]
+    assert result.returncode != 0 and len(lines) == 1, explain(result)
+    assert "rank 1: last at 'epoch 1 step" in lines[0]
