@@ -22,6 +22,7 @@ from torch import nn
 
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.datasets.base import evaluation_gt_range
+from opencood_ddp.data.opv2v import split_root
 from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
 from opencood_ddp.engine.inference import pr_plot_name
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
@@ -167,10 +168,11 @@ def eval_dataset_hypes(hypes: dict, options: EvalRequest, fusion_method: str) ->
         raise ConfigError(f"--batch_size {options.batch_size}: late fusion evaluates one frame per batch (each CAV "
                           f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
     hypes = copy.deepcopy(hypes)
+    # The split is checked here, under the name the user gave it, before it stands in for validate_dir.
     if options.dataset_dir is not None:
-        hypes["validate_dir"] = str(options.dataset_dir)
+        hypes["validate_dir"] = str(split_root(options.dataset_dir, "--dataset_dir"))
     elif options.test_split and hypes.get("test_dir"):
-        hypes["validate_dir"] = hypes["test_dir"]
+        hypes["validate_dir"] = str(split_root(str(hypes["test_dir"]), "test_dir"))
     return hypes
 
 

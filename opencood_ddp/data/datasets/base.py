@@ -139,8 +139,8 @@ class OpencoodDataset(Dataset):
         self.voxelizer = Voxelizer.from_hypes(hypes["preprocess"], self.train)
         augments = self.train and self.augments(hypes) and bool(hypes["data_augment"])  # [] means none
         self.augmentor = WorldAugmentor(hypes["data_augment"]) if augments else None
-        # The scan raises DataError for a missing folder or an empty split.
-        self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav)
+        # The scan raises DataError naming split_key for a missing folder or an empty split.
+        self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav, key=split_key)
 
     # ----------------------------------------------------------------------------------- protocol
 
