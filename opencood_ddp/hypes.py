@@ -56,7 +56,7 @@ def load_hypes(path: str | os.PathLike) -> dict:
     hypes = parse_yaml_text(path.read_text(), str(path))
     if not isinstance(hypes, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys (name, train_params, ...), "
-                          f"got {type(hypes).__name__}")
+                          f"got {type(hypes).__name__}; fix the file")
     return hypes
 
 
@@ -77,7 +77,8 @@ def _child(node: Any, part: str, path: str, create: bool) -> Any:
         return node[part]
     if isinstance(node, list) and part.isdigit() and int(part) < len(node):
         return node[int(part)]
-    raise ConfigError(f"--set {path}: cannot descend into {part!r} (parent is a {type(node).__name__})")
+    raise ConfigError(f"--set {path}: cannot descend into {part!r} (parent is a {type(node).__name__}); "
+                      f"check the key path")
 
 
 def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
@@ -97,7 +98,7 @@ def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
         elif isinstance(node, dict):
             node[last] = value
         else:
-            raise ConfigError(f"--set {text}: cannot set {last!r} inside a {type(node).__name__}")
+            raise ConfigError(f"--set {text}: cannot set {last!r} inside a {type(node).__name__}; check the key path")
     return hypes
 
 

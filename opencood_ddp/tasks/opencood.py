@@ -163,7 +163,7 @@ def eval_dataset_hypes(hypes: dict, options: EvalRequest, fusion_method: str) ->
         raise ConfigError(f"{source}: --fusion_method {fusion_method} needs fusion.core_method {wanted}, "
                           f"the model was trained with {found}; pass the matching --fusion_method")
     if options.batch_size < 1:
-        raise ConfigError(f"--batch_size must be at least 1, got {options.batch_size}")
+        raise ConfigError(f"--batch_size must be at least 1, got {options.batch_size}; pass 1 or more")
     if fusion_method == "late" and options.batch_size != 1:
         raise ConfigError(f"--batch_size {options.batch_size}: late fusion evaluates one frame per batch (each CAV "
                           f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
@@ -182,7 +182,7 @@ def fusion_method_of(hypes: Mapping) -> str:
     methods = [method for method, dataset in FUSION_DATASETS.items() if dataset == found]
     if not methods:
         raise ConfigError(f"{hypes_source(hypes)}: fusion.core_method {found!r} is not one of "
-                          f"{', '.join(FUSION_DATASETS.values())}; it cannot be evaluated")
+                          f"{', '.join(FUSION_DATASETS.values())}; it cannot be evaluated: fix the hypes")
     return methods[0]
 
 
