@@ -38,14 +38,14 @@ for _cls in (HypesLoader, HypesDumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
 
 
-def parse_yaml_text(text: str, source: str) -> Any:
+def parse_yaml_text(text: str, source: str, fix: str = "fix the file") -> Any:
     try:
         return yaml.load(text, Loader=HypesLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{source}: malformed YAML{where} ({problem}); fix the file") from None
+        raise ConfigError(f"{source}: malformed YAML{where} ({problem}); {fix}") from None
 
 
 def load_hypes(path: str | os.PathLike) -> dict:
@@ -56,7 +56,7 @@ def load_hypes(path: str | os.PathLike) -> dict:
     hypes = parse_yaml_text(path.read_text(), str(path))
     if not isinstance(hypes, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys (name, train_params, ...), "
-                          f"got {type(hypes).__name__}")
+                          f"got {type(hypes).__name__}; fix the file")
     return hypes
 
 
@@ -64,7 +64,8 @@ def _split_override(text: str) -> tuple[list[str], Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r} is not of the form key.sub=value")
-    return key.strip().split("."), parse_yaml_text(value, f"--set {text!r}")
+    return key.strip().split("."), parse_yaml_text(value, f"--set {text!r}",
+                                                   "fix the value (it is read as YAML: key=[1, 2], key='text')")
 
 
 def _child(node: Any, part: str, path: str, create: bool) -> Any:
@@ -76,7 +77,8 @@ def _child(node: Any, part: str, path: str, create: bool) -> Any:
         return node[part]
     if isinstance(node, list) and part.isdigit() and int(part) < len(node):
         return node[int(part)]
-    raise ConfigError(f"--set {path}: cannot descend into {part!r} (parent is a {type(node).__name__})")
+    raise ConfigError(f"--set {path}: cannot descend into {part!r} (parent is a {type(node).__name__}); "
+                      f"check the key path")
 
 
 def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
@@ -96,7 +98,7 @@ def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
         elif isinstance(node, dict):
             node[last] = value
         else:
-            raise ConfigError(f"--set {text}: cannot set {last!r} inside a {type(node).__name__}")
+            raise ConfigError(f"--set {text}: cannot set {last!r} inside a {type(node).__name__}; check the key path")
     return hypes
 
 
@@ -124,6 +126,10 @@ def load_point_pillar_params(hypes: dict) -> dict:
 
 
 YAML_PARSERS: dict[str, Callable[[dict], dict]] = {"load_point_pillar_params": load_point_pillar_params}
+# The keys each parser reads, checked first so that a missing one is named on its own.
+YAML_PARSER_KEYS: dict[str, Sequence[tuple[str, str]]] = {"load_point_pillar_params": (
+    ("preprocess.cav_lidar_range", "list"), ("preprocess.args.voxel_size", "list"),
+    ("model.args.point_pillar_scatter", "dict"), ("postprocess.anchor_args", "dict"))}
 
 
 def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
@@ -131,13 +137,15 @@ def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
     if name is None:
         return hypes
     if name not in YAML_PARSERS:
-        raise ConfigError(f"{source}: yaml_parser {name!r} is not supported; use one of {sorted(YAML_PARSERS)}")
+        raise ConfigError(f"{source}: yaml_parser {name!r} is not supported; use one of {sorted(YAML_PARSERS)} "
+                          f"or remove the key")
+    validate(hypes, YAML_PARSER_KEYS[name], source)
     try:
         return YAML_PARSERS[name](hypes)
     except (KeyError, TypeError, IndexError, ValueError) as exc:
-        raise ConfigError(f"{source}: yaml_parser {name} needs preprocess.cav_lidar_range, "
-                          f"preprocess.args.voxel_size, model.args.point_pillar_scatter and "
-                          f"postprocess.anchor_args ({type(exc).__name__}: {exc}); fix the hypes") from None
+        keys = ", ".join(key for key, _ in YAML_PARSER_KEYS[name])
+        raise ConfigError(f"{source}: yaml_parser {name} cannot compute the grid from {keys} "
+                          f"({type(exc).__name__}: {exc}); fix the hypes") from None
 
 
 # ---------------------------------------------------------------------------------------------- validation

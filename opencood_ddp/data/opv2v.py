@@ -244,22 +244,38 @@ def _scan_scenario(folder: Path, max_cav: int) -> Scenario:
     return Scenario(folder.name, folder, cavs)
 
 
-def scan_split(root_dir: PathLike, max_cav: int = DEFAULT_MAX_CAV, comm_range: float = COMM_RANGE) -> Opv2vIndex:
-    """Index an OPV2V split folder (file names only: no yaml is parsed). See the module docstring."""
+def _split_fix(key: str) -> str:
+    """How to point ``key`` (a hypes key such as root_dir, or a flag such as --dataset_dir) at another split."""
+    if key.startswith("--"):
+        return f"pass {key} an OPV2V split folder"
+    return f"set {key} in the hypes (or --set {key}=PATH) to an OPV2V split folder"
+
+
+def split_root(root_dir: PathLike, key: str = "root_dir") -> Path:
+    """``root_dir`` as a Path, checked to be a folder holding scenario sub-folders; ``key`` (the hypes key or flag
+    the path came from) names it in the error."""
+    root = Path(root_dir)
+    layout = "holding <scenario>/<cav_id>/<timestamp>.yaml"
+    if not root.is_dir():
+        problem = "is a file, not a split folder" if root.exists() else "split folder not found"
+        raise DataError(f"{key} {root}: {problem}; {_split_fix(key)} {layout}")
+    if not _subdirectories(root):
+        raise DataError(f"{key} {root}: no scenario folder in this split (empty split); {_split_fix(key)} {layout}")
+    return root
+
+
+def scan_split(root_dir: PathLike, max_cav: int = DEFAULT_MAX_CAV, comm_range: float = COMM_RANGE,
+               key: str = "root_dir") -> Opv2vIndex:
+    """Index an OPV2V split folder (file names only: no yaml is parsed). See the module docstring.
+
+    ``key`` is where the folder came from (root_dir, validate_dir, test_dir, --dataset_dir): errors name it."""
     if max_cav < 1:
         raise ConfigError(f"train_params.max_cav must be >= 1, got {max_cav}; fix the hypes YAML")
-    root = Path(root_dir)
-    if not root.is_dir():
-        raise DataError(f"{root}: OPV2V split folder not found; set root_dir / validate_dir in the hypes "
-                        f"YAML to an existing split (e.g. .../opv2v/train)")
-    scenario_names = _subdirectories(root)
-    if not scenario_names:
-        raise DataError(f"{root}: no scenario folder in this split (empty split); point root_dir / "
-                        f"validate_dir at a folder holding <scenario>/<cav_id>/<timestamp>.yaml")
-    index = Opv2vIndex(root, tuple(_scan_scenario(root / n, max_cav) for n in scenario_names),
+    root = split_root(root_dir, key)
+    index = Opv2vIndex(root, tuple(_scan_scenario(root / n, max_cav) for n in _subdirectories(root)),
                        max_cav, float(comm_range))
     if len(index) == 0:
-        raise DataError(f"{root}: no timestamp yaml in any ego CAV folder (empty split); check that the "
+        raise DataError(f"{key} {root}: no timestamp yaml in any ego CAV folder (empty split); check that the "
                         f"split was fully extracted")
     return index
 

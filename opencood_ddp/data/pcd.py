@@ -566,10 +566,20 @@ def _row_count_error(tokens: _Tokens, header: PcdHeader, path: PathLike) -> Data
     counts = [len(row.split()) for row in rows if row.strip()]
     for number, count in enumerate(counts, start=1):
         if count != per_row:
+            if number == len(counts) < header.points and count < per_row:  # cut off inside its last row
+                return DataError(
+                    f"{path}: ascii data ends inside row {number} of the header's POINTS {header.points}: the file "
+                    "is truncated; re-download or re-export it"
+                )
             return DataError(
                 f"{path}: ascii data row {number} has {count} values, the header's FIELDS/COUNT need {per_row}; "
                 "fix the row or re-export the file"
             )
+    if len(counts) < header.points:
+        return DataError(
+            f"{path}: ascii data has {len(counts)} rows but the header says POINTS {header.points}: the file is "
+            "truncated; re-download or re-export it (or fix POINTS/WIDTH if the header is wrong)"
+        )
     return DataError(
         f"{path}: ascii data has {len(counts)} rows but the header says POINTS {header.points}; "
         "fix POINTS/WIDTH or re-export the file"

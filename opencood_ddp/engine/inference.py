@@ -21,7 +21,7 @@ from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.logging import get_logger
-from opencood_ddp.engine.run_dir import CONFIG_NAME
+from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
 from opencood_ddp.errors import CheckpointError, ConfigError
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
@@ -56,6 +56,8 @@ def load_run_config(model_dir: Path) -> dict:
     path = model_dir / CONFIG_NAME
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass --model_dir of a training run (it holds config.yaml)")
+    # eval.yaml (and --save_npy / --save_vis / --pr_plot files) go into the run: refuse before evaluating.
+    require_writable(model_dir, "write eval.yaml into it (or evaluate a copy of the run)")
     hypes = hypes_lib.load_hypes(path)
     hypes.pop("batch_plan", None)
     return hypes_lib.run_yaml_parser(hypes, str(path))

@@ -27,12 +27,17 @@ class RunFolder:
         return self.path / CONFIG_NAME
 
 
+def require_writable(path: Path, purpose: str) -> None:
+    """A ConfigError naming the run folder when this process cannot write into it (`purpose`: 'resume it')."""
+    if not os.access(path, os.W_OK):
+        raise ConfigError(f"run folder {path} is not writable; fix its permissions to {purpose}")
+
+
 def _existing_model_dir(path: Path) -> RunFolder:
     if not path.is_dir():
         raise ConfigError(f"--model_dir {path} is a file, not a folder; pass a run folder or a new path")
     if (path / CONFIG_NAME).is_file():
-        if not os.access(path, os.W_OK):
-            raise ConfigError(f"run folder {path} is not writable; fix its permissions to resume it")
+        require_writable(path, "resume it")
         return RunFolder(path, resume=True)
     if any(path.iterdir()):
         raise ConfigError(f"--model_dir {path} is not a run (no {CONFIG_NAME}) and is not empty; pass a run folder "

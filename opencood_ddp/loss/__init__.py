@@ -35,8 +35,7 @@ def create_loss(hypes: Mapping) -> nn.Module:
     validate(hypes, (("loss.core_method", "str"), ("loss.args", "dict")), source)
     name = get_key(hypes, "loss.core_method")
     if name not in LOSSES:
-        raise ConfigError(f"{source}: key loss.core_method {name!r} is not supported; "
-                          f"use one of {sorted(LOSSES)}")
+        raise ConfigError(f"{source}: loss.core_method {name!r} is not one of {', '.join(LOSSES)}; fix the hypes")
     return LOSSES[name](hypes, source)
 
 

@@ -27,7 +27,7 @@ def build_eval(hypes: dict, options: Any) -> Any:
     module = importlib.import_module(builder.__module__)
     if not hasattr(module, "build_eval"):
         raise ConfigError(f"task {hypes.get('task', 'opencood')!r} has no build_eval in {module.__name__}; "
-                          f"it cannot be evaluated")
+                          f"it cannot be evaluated: add one there, or drop --eval_after_training")
     return module.build_eval(hypes, options)
 
 

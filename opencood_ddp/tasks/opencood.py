@@ -22,6 +22,7 @@ from torch import nn
 
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.datasets.base import evaluation_gt_range
+from opencood_ddp.data.opv2v import split_root
 from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
 from opencood_ddp.engine.inference import pr_plot_name
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
@@ -162,15 +163,16 @@ def eval_dataset_hypes(hypes: dict, options: EvalRequest, fusion_method: str) ->
         raise ConfigError(f"{source}: --fusion_method {fusion_method} needs fusion.core_method {wanted}, "
                           f"the model was trained with {found}; pass the matching --fusion_method")
     if options.batch_size < 1:
-        raise ConfigError(f"--batch_size must be at least 1, got {options.batch_size}")
+        raise ConfigError(f"--batch_size must be at least 1, got {options.batch_size}; pass 1 or more")
     if fusion_method == "late" and options.batch_size != 1:
         raise ConfigError(f"--batch_size {options.batch_size}: late fusion evaluates one frame per batch (each CAV "
                           f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
     hypes = copy.deepcopy(hypes)
+    # The split is checked here, under the name the user gave it, before it stands in for validate_dir.
     if options.dataset_dir is not None:
-        hypes["validate_dir"] = str(options.dataset_dir)
+        hypes["validate_dir"] = str(split_root(options.dataset_dir, "--dataset_dir"))
     elif options.test_split and hypes.get("test_dir"):
-        hypes["validate_dir"] = hypes["test_dir"]
+        hypes["validate_dir"] = str(split_root(str(hypes["test_dir"]), "test_dir"))
     return hypes
 
 
@@ -180,7 +182,7 @@ def fusion_method_of(hypes: Mapping) -> str:
     methods = [method for method, dataset in FUSION_DATASETS.items() if dataset == found]
     if not methods:
         raise ConfigError(f"{hypes_source(hypes)}: fusion.core_method {found!r} is not one of "
-                          f"{', '.join(FUSION_DATASETS.values())}; it cannot be evaluated")
+                          f"{', '.join(FUSION_DATASETS.values())}; it cannot be evaluated: fix the hypes")
     return methods[0]
 
 

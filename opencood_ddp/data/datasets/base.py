@@ -133,14 +133,15 @@ class OpencoodDataset(Dataset):
         self.gt_range = self._gt_range(hypes, source)
         self.order = hypes["postprocess"]["order"]
         if self.order not in ("hwl", "lwh"):
-            raise ConfigError(f"{source}: key postprocess.order must be 'hwl' or 'lwh', got {self.order!r}")
+            raise ConfigError(f"{source}: key postprocess.order must be 'hwl' or 'lwh', got {self.order!r}; "
+                              f"fix the hypes")
         self.max_num = int(hypes["postprocess"]["max_num"])
         self.max_cav = int(get_key(hypes, "train_params.max_cav", DEFAULT_MAX_CAV))
         self.voxelizer = Voxelizer.from_hypes(hypes["preprocess"], self.train)
         augments = self.train and self.augments(hypes) and bool(hypes["data_augment"])  # [] means none
         self.augmentor = WorldAugmentor(hypes["data_augment"]) if augments else None
-        # The scan raises DataError for a missing folder or an empty split.
-        self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav)
+        # The scan raises DataError naming split_key for a missing folder or an empty split.
+        self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav, key=split_key)
 
     # ----------------------------------------------------------------------------------- protocol
 

@@ -1,0 +1,372 @@
+"""The bad-input table (issue 7, point 7), row by row, on 1 process (plain python) and on 2 (torchrun).
+
+Every bad input must end the same way: exactly one `error: ...` line on stderr, from rank 0, naming the file or
+the hypes key at fault and the fix; a non-zero exit within seconds (a hang would be a 30-minute collective
+timeout); and, where the bad input comes with the --model_dir of an existing run, not one file of that run
+changed. docs/bad_inputs_table.md is this file as a table; the test ids read as its rows.
+
+Two tiny real runs serve as "existing runs" (copied before each use): a synthetic one for the rows that have
+nothing to do with OPV2V, and a 1-epoch F-Cooper run on the toy world for the checkpoint and inference rows.
+
+Known defects in files being rewritten elsewhere (engine/trainer.py, engine/train.py, engine/entry.py) are
+xfailed, never skipped: by mark where the error line cannot come out at all yet (a frame read by one rank of
+two), and imperatively, after every other assertion passed, where only a detail is wrong (the line glued to an
+open progress bar; a resume writing logs into the run before it reads the checkpoint). Once fixed, they pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+import yaml
+
+from launch import REPO, TRAIN, explain, python, split_overrides, torchrun
+
+INFERENCE = REPO / "tools" / "inference_ddp.py"
+TOY = REPO / "hypes_yaml" / "toy"
+FCOOPER = TOY / "point_pillar_fcooper.yaml"
+EARLY = TOY / "point_pillar_early_fusion.yaml"
+SYNTHETIC = TOY / "synthetic_bn.yaml"
+WALL_LIMIT_S = 60  # generous on a loaded 2-core machine; the point is "seconds, not a 30-minute timeout"
+WORLDS = {0: "1rank", 2: "2ranks", 3: "3ranks"}  # 0: plain `python`, no launcher
+
+
+def root_ignores_modes() -> bool:
+    """True when running as root with the capability to write into a chmod 0o555 folder (the usual root; not a
+    root whose CAP_DAC_OVERRIDE was dropped, e.g. `setpriv --bounding-set=-dac_override,-dac_read_search`)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "read_only"
+        folder.mkdir(mode=0o555)
+        try:
+            return os.access(folder, os.W_OK)
+        finally:
+            folder.chmod(0o755)
+
+
+NEEDS_AGREEMENT = pytest.mark.xfail(
+    reason="needs the per-step agreement: on 2 ranks only the rank that reads the frame raises, the other one "
+           "dies in a collective without a message (engine/trainer.py, being rewritten)", strict=False)
+# What engine/train.py writes into a run it resumes before Trainer.restore has read the checkpoint.
+WRITTEN_BEFORE_RESTORE = ("config.yaml", "logs/", "events.out.tfevents.")
+
+
+# ------------------------------------------------------------------------------------------------ existing runs
+@pytest.fixture(scope="module")
+def synthetic_run(synthetic_runs) -> Path:
+    """A finished 1-epoch run of the synthetic task (config.yaml, net_epoch1.pth, training state, logs)."""
+    return synthetic_runs(0, "--set", "train_params.epoches=1")
+
+
+@pytest.fixture(scope="module")
+def toy_run(toy_small, tmp_path_factory) -> Path:
+    """A finished 1-epoch F-Cooper run on the small toy world: 4 steps of 2 frames, validated on 4 frames."""
+    run_dir = tmp_path_factory.mktemp("bad_inputs") / "fcooper"
+    result = python(TRAIN, "--hypes_yaml", FCOOPER, "--model_dir", run_dir, "--num_workers", "0",
+                    *split_overrides(toy_small), "--set", "train_params.epoches=1", timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert (run_dir / "net_epoch1.pth").is_file()
+    return run_dir
+
+
+def snapshot(folder: Path) -> dict:
+    """relative path -> (size, sha256) of every file under `folder`."""
+    return {str(p.relative_to(folder)): (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def changed_files(before: dict, after: dict) -> list[str]:
+    return sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+
+
+# ------------------------------------------------------------------------------------------------ the table
+@dataclass
+class Call:
+    """One bad invocation and what its error line must contain."""
+
+    script: Path
+    args: list
+    needles: list  # substrings of the one error line: the file or key at fault, and the fix
+    existing_run: Optional[Path] = None  # a folder that must come out byte for byte as it went in
+    not_created: Optional[Path] = None  # a new --model_dir that a refused run must not leave behind
+    resumes: bool = False  # train_ddp.py resuming existing_run (see WRITTEN_BEFORE_RESTORE)
+
+
+@dataclass
+class World:
+    """What a row's setup may use: a private tmp folder, the toy world and the two existing runs."""
+
+    tmp: Path
+    toy_root: Path
+    runs: dict = field(default_factory=dict)  # name -> fixture run (never modified: copy_run first)
+
+    def copy_run(self, name: str) -> Path:
+        target = self.tmp / f"existing_{name}"
+        shutil.copytree(self.runs[name], target)
+        return target
+
+    def toy_args(self, *extra: str) -> list:
+        return ["--hypes_yaml", FCOOPER, "--model_dir", self.tmp / "new_run", *split_overrides(self.toy_root),
+                "--num_workers", "0", "--set", "train_params.epoches=1", *extra]
+
+    def copy_train_split(self) -> Path:
+        target = self.tmp / "train"
+        shutil.copytree(self.toy_root / "train", target)
+        return target
+
+
+def first_frame_of_last_rank(split: Path, world: int, seed: int = 0) -> tuple[Path, Path]:
+    """(yaml, pcd) of the ego CAV in the first training sample the last rank reads (the only rank at world 1).
+
+    The trainer deals samples with torch's DistributedSampler(shuffle=True, seed=train_params.seed, drop_last);
+    the frame rank 0 does not read is the case the per-step agreement exists for."""
+    from torch.utils.data import DistributedSampler
+
+    from opencood_ddp.data.opv2v import scan_split
+
+    index = scan_split(split)
+    replicas = max(world, 1)
+    sample = list(DistributedSampler(range(len(index)), num_replicas=replicas, rank=replicas - 1, shuffle=True,
+                                     seed=seed, drop_last=True))[0]
+    scenario, timestamp = index.locate(sample)
+    return scenario.ego.yaml_path(timestamp), scenario.ego.pcd_path(timestamp)
+
+
+def early_fusion_weights(path: Path) -> None:
+    """A state_dict of the early-fusion PointPillar (no shrink header, other head widths) written at `path`."""
+    from opencood_ddp import hypes as hypes_lib
+    from opencood_ddp.models import create_model
+
+    hypes = hypes_lib.run_yaml_parser(hypes_lib.load_hypes(EARLY))
+    torch.save(create_model(hypes).state_dict(), path)
+
+
+# One function per row (variant): World, world size -> Call.
+def malformed_yaml(w: World, world: int) -> Call:
+    bad = w.tmp / "bad.yaml"
+    bad.write_text("name: x\ntrain_params: {batch_size: 2\noptimizer: {lr: 0.1}\n")
+    return Call(TRAIN, ["--hypes_yaml", bad, "--model_dir", w.tmp / "new_run"],
+                [str(bad), "malformed YAML at line", "fix the file"], not_created=w.tmp / "new_run")
+
+
+def unknown_name(key: str, value: str) -> Callable[[World, int], Call]:
+    def setup(w: World, world: int) -> Call:
+        return Call(TRAIN, w.toy_args("--set", f"{key}={value}"), [key, repr(value), "one of", "fix the hypes"],
+                    not_created=w.tmp / "new_run")
+    return setup
+
+
+def missing_key(w: World, world: int) -> Call:
+    hypes = yaml.safe_load(FCOOPER.read_text())
+    del hypes["preprocess"]["args"]["voxel_size"]
+    path = w.tmp / "no_voxel_size.yaml"
+    path.write_text(yaml.safe_dump(hypes, sort_keys=False))
+    return Call(TRAIN, ["--hypes_yaml", path, *w.toy_args()[2:]],
+                [str(path), "missing key preprocess.args.voxel_size", "--set"], not_created=w.tmp / "new_run")
+
+
+def impossible_batch_split(w: World, world: int) -> Call:
+    run = w.copy_run("synthetic")  # batch_size 8: resumed on 3 ranks, or with 3 per process on 1 and 2
+    flags = [] if world == 3 else ["--per_gpu_batch", "3"]
+    fix = "world size in [1, 2, 4, 8]"
+    return Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2", *flags],
+                ["train_params.batch_size 8 cannot be split", fix], existing_run=run, resumes=True)
+
+
+def missing_data_folder_train(w: World, world: int) -> Call:
+    missing = w.tmp / "no_such_split"
+    return Call(TRAIN, w.toy_args("--set", f"root_dir={missing}"), [f"root_dir {missing}", "not found", "set root_dir"],
+                not_created=w.tmp / "new_run")
+
+
+def missing_data_folder_inference(w: World, world: int) -> Call:
+    run, missing = w.copy_run("fcooper"), w.tmp / "no_such_split"
+    return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--dataset_dir", missing,
+                            "--num_workers", "0"], [f"--dataset_dir {missing}", "not found", "pass --dataset_dir"],
+                existing_run=run)
+
+
+def empty_split(w: World, world: int) -> Call:
+    empty = w.tmp / "empty_split"
+    empty.mkdir()
+    return Call(TRAIN, w.toy_args("--set", f"validate_dir={empty}"),
+                [f"validate_dir {empty}", "empty split", "set validate_dir"], not_created=w.tmp / "new_run")
+
+
+def corrupt_pcd(workers: int) -> Callable[[World, int], Call]:
+    def setup(w: World, world: int) -> Call:
+        split = w.copy_train_split()
+        _, pcd = first_frame_of_last_rank(split, world)
+        data = pcd.read_bytes()
+        pcd.write_bytes(data[: len(data) // 2])  # an interrupted copy: the header is whole, the body ends mid-line
+        return Call(TRAIN, w.toy_args("--set", f"root_dir={split}", "--num_workers", str(workers)),
+                    [str(pcd), "re-download or re-export"])
+    return setup
+
+
+def no_lidar_pose(w: World, world: int) -> Call:
+    split = w.copy_train_split()
+    frame_yaml, _ = first_frame_of_last_rank(split, world)
+    params = yaml.safe_load(frame_yaml.read_text())
+    del params["lidar_pose"]
+    frame_yaml.write_text(yaml.safe_dump(params))
+    return Call(TRAIN, w.toy_args("--set", f"root_dir={split}"), [str(frame_yaml), "lidar_pose", "re-export"])
+
+
+def truncated_checkpoint(tool: str) -> Callable[[World, int], Call]:
+    def setup(w: World, world: int) -> Call:
+        run = w.copy_run("fcooper")
+        weights = run / "net_epoch1.pth"  # the run's only epoch checkpoint
+        data = weights.read_bytes()
+        weights.write_bytes(data[: len(data) // 2])
+        return _checkpoint_call(tool, run, [str(weights), "truncated or corrupt", "delete it"])
+    return setup
+
+
+def foreign_checkpoint(tool: str) -> Callable[[World, int], Call]:
+    def setup(w: World, world: int) -> Call:
+        run = w.copy_run("fcooper")  # config.yaml: point_pillar_fcooper; weights: the early-fusion model's
+        early_fusion_weights(run / "net_epoch1.pth")
+        return _checkpoint_call(tool, run, [str(run / "net_epoch1.pth"), "does not match the model",
+                                            "model.core_method"])
+    return setup
+
+
+def _checkpoint_call(tool: str, run: Path, needles: list) -> Call:
+    if tool == "inference":
+        return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--num_workers", "0"],
+                    needles, existing_run=run)
+    return Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2"], needles,
+                existing_run=run, resumes=True)
+
+
+def unwritable_run(tool: str) -> Callable[[World, int], Call]:
+    def setup(w: World, world: int) -> Call:
+        if tool == "inference":
+            run = w.copy_run("fcooper")
+            call = Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--num_workers", "0"],
+                        [str(run), "not writable", "permissions"], existing_run=run)
+        else:
+            run = w.copy_run("synthetic")
+            call = Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2"],
+                        [str(run), "not writable", "permissions"], existing_run=run, resumes=True)
+        run.chmod(0o555)
+        return call
+    return setup
+
+
+def not_a_run(tool: str) -> Callable[[World, int], Call]:
+    def setup(w: World, world: int) -> Call:
+        folder = w.tmp / "someone_elses"
+        folder.mkdir()
+        (folder / "notes.txt").write_text("keep me\n")
+        (folder / "net_epoch1.pth").write_bytes(b"not a checkpoint either")
+        if tool == "inference":
+            return Call(INFERENCE, ["--model_dir", folder, "--fusion_method", "intermediate", "--num_workers", "0"],
+                        [str(folder / "config.yaml"), "does not exist", "pass --model_dir of a training run"],
+                        existing_run=folder)
+        return Call(TRAIN, ["--hypes_yaml", SYNTHETIC, "--model_dir", folder, "--num_workers", "0"],
+                    [str(folder), "is not a run", "pass a run folder"], existing_run=folder)
+    return setup
+
+
+WORKER_RERAISE = pytest.mark.xfail(
+    reason="a DataError raised in a DataLoader worker process reaches the entry point as torch's re-raise "
+           "'Caught DataError in DataLoader worker process 0.' followed by the worker's traceback: the error line "
+           "loses the file (errors.py / engine/entry.py should report the original message)", strict=False)
+UNWRITABLE = pytest.mark.skipif(root_ignores_modes(), reason="running as root, which ignores permission bits: a "
+                                                              "chmod 0o555 folder stays writable, so this row cannot "
+                                                              "be produced")
+
+# (row id, setup, world sizes, marks by world size)
+ROWS = [
+    ("malformed-yaml", malformed_yaml, (0, 2), {}),
+    ("unknown-model", unknown_name("model.core_method", "point_pilar"), (0, 2), {}),
+    ("unknown-loss", unknown_name("loss.core_method", "focal_loss"), (0, 2), {}),
+    ("unknown-fusion", unknown_name("fusion.core_method", "IntermediateFusion"), (0, 2), {}),
+    ("missing-key", missing_key, (0, 2), {}),
+    ("impossible-batch-split", impossible_batch_split, (0, 2, 3), {}),
+    ("missing-data-folder", missing_data_folder_train, (0, 2), {}),
+    ("missing-data-folder-inference", missing_data_folder_inference, (0, 2), {}),
+    ("empty-split", empty_split, (0, 2), {}),
+    ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {2: NEEDS_AGREEMENT}),
+    ("corrupt-pcd-loader-worker", corrupt_pcd(workers=1), (0,), {0: WORKER_RERAISE}),
+    ("no-lidar-pose", no_lidar_pose, (0, 2), {2: NEEDS_AGREEMENT}),
+    ("truncated-checkpoint-inference", truncated_checkpoint("inference"), (0, 2), {}),
+    ("truncated-checkpoint-resume", truncated_checkpoint("train"), (0, 2), {}),
+    ("foreign-checkpoint-inference", foreign_checkpoint("inference"), (0, 2), {}),
+    ("foreign-checkpoint-resume", foreign_checkpoint("train"), (0, 2), {}),
+    ("unwritable-run-resume", unwritable_run("train"), (0, 2), {0: UNWRITABLE, 2: UNWRITABLE}),
+    ("unwritable-run-inference", unwritable_run("inference"), (0, 2), {0: UNWRITABLE, 2: UNWRITABLE}),
+    ("not-a-run-train", not_a_run("train"), (0, 2), {}),
+    ("not-a-run-inference", not_a_run("inference"), (0, 2), {}),
+]
+
+CASES = [pytest.param(setup, world, id=f"{row}-{WORLDS[world]}", marks=marks.get(world, ()))
+         for row, setup, worlds, marks in ROWS for world in worlds]
+
+
+# An error line, alone or glued to the end of a progress bar that the failing loop left open ("... 0/4 [00:00<?,
+# ?it/s]error: ..."): the second is a known defect, reported apart from the message itself.
+ERROR_LINE = re.compile(r"^(?P<bar>.*\d+/\d+ \[[^\]]*\])?(?P<line>error: .*)$")
+
+
+def error_lines(stderr: str) -> list[tuple[str, bool]]:
+    """(the `error:` line, whether a progress bar precedes it on the same line) for every error line."""
+    found = (ERROR_LINE.match(line) for line in stderr.splitlines())
+    return [(match["line"], bool(match["bar"])) for match in found if match]
+
+
+def restore_modes(folder: Path) -> None:
+    """Undo a chmod 0o555 so that pytest can remove the tmp folder."""
+    if folder.exists():
+        folder.chmod(0o755)
+
+
+@pytest.mark.parametrize("setup, world", CASES)
+def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run):
+    w = World(tmp_path, toy_small, {"synthetic": synthetic_run, "fcooper": toy_run})
+    call = setup(w, world)
+    before = snapshot(call.existing_run) if call.existing_run is not None else None
+    started = time.monotonic()
+    try:
+        run = python if world == 0 else (lambda script, *args, **kw: torchrun(world, script, *args, **kw))
+        result = run(call.script, *call.args, timeout=3 * WALL_LIMIT_S)
+    finally:
+        if call.existing_run is not None:
+            restore_modes(call.existing_run)
+    seconds = time.monotonic() - started
+
+    assert result.returncode != 0, explain(result)
+    assert seconds < WALL_LIMIT_S, f"took {seconds:.0f} s\n{explain(result)}"
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, explain(result)
+    line, glued = lines[0]
+    missing = [needle for needle in call.needles if needle not in line]
+    assert not missing, f"{missing} not in {line!r}"
+    assert f'File "{REPO / "opencood_ddp"}' not in result.stderr, f"a traceback from the project\n{explain(result)}"
+    if call.not_created is not None:
+        assert not call.not_created.exists(), "a refused run left its folder behind"
+    known_defects = []
+    if before is not None:
+        changed = changed_files(before, snapshot(call.existing_run))
+        if call.resumes and changed and all(name.startswith(WRITTEN_BEFORE_RESTORE) for name in changed):
+            known_defects.append(f"engine/train.py writes {changed} into the resumed run before Trainer.restore "
+                                 f"reads its checkpoint")
+        else:
+            assert not changed, f"files of the existing run changed: {changed}"
+    if glued:
+        known_defects.append("the error line is glued to the progress bar the training loop left open (the bar "
+                             "is not closed, or the report does not start a new line: engine/trainer.py, entry.py)")
+    if known_defects:
+        pytest.xfail("; ".join(known_defects) + " (files being rewritten)")
