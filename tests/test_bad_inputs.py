@@ -8,10 +8,6 @@ changed. docs/bad_inputs_table.md is this file as a table; the test ids read as 
 Two tiny real runs serve as "existing runs" (copied before each use): a synthetic one for the rows that have
 nothing to do with OPV2V, and a 1-epoch F-Cooper run on the toy world for the checkpoint and inference rows.
 
-Known defects in files being rewritten elsewhere (engine/trainer.py, engine/train.py, engine/entry.py) are
-xfailed, never skipped: by mark where the error line cannot come out at all yet (a frame read by one rank of
-two), and imperatively, after every other assertion passed, where only a detail is wrong (the line glued to an
-open progress bar; a resume writing logs into the run before it reads the checkpoint). Once fixed, they pass.
 """
 from __future__ import annotations
 
@@ -54,11 +50,6 @@ def root_ignores_modes() -> bool:
             folder.chmod(0o755)
 
 
-NEEDS_AGREEMENT = pytest.mark.xfail(
-    reason="needs the per-step agreement: on 2 ranks only the rank that reads the frame raises, the other one "
-           "dies in a collective without a message (engine/trainer.py, being rewritten)", strict=False)
-# What engine/train.py writes into a run it resumes before Trainer.restore has read the checkpoint.
-WRITTEN_BEFORE_RESTORE = ("config.yaml", "logs/", "events.out.tfevents.")
 
 
 # ------------------------------------------------------------------------------------------------ existing runs
@@ -229,7 +220,7 @@ def truncated_checkpoint(tool: str) -> Callable[[World, int], Call]:
         weights = run / "net_epoch1.pth"  # the run's only epoch checkpoint
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) // 2])
-        return _checkpoint_call(tool, run, [str(weights), "truncated or corrupt", "delete it"])
+        return _checkpoint_call(tool, run, [str(weights), "truncated or corrupt", "delete"])
     return setup
 
 
@@ -280,10 +271,6 @@ def not_a_run(tool: str) -> Callable[[World, int], Call]:
     return setup
 
 
-WORKER_RERAISE = pytest.mark.xfail(
-    reason="a DataError raised in a DataLoader worker process reaches the entry point as torch's re-raise "
-           "'Caught DataError in DataLoader worker process 0.' followed by the worker's traceback: the error line "
-           "loses the file (errors.py / engine/entry.py should report the original message)", strict=False)
 UNWRITABLE = pytest.mark.skipif(root_ignores_modes(), reason="running as root, which ignores permission bits: a "
                                                               "chmod 0o555 folder stays writable, so this row cannot "
                                                               "be produced")
@@ -299,9 +286,9 @@ ROWS = [
     ("missing-data-folder", missing_data_folder_train, (0, 2), {}),
     ("missing-data-folder-inference", missing_data_folder_inference, (0, 2), {}),
     ("empty-split", empty_split, (0, 2), {}),
-    ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {2: NEEDS_AGREEMENT}),
-    ("corrupt-pcd-loader-worker", corrupt_pcd(workers=1), (0,), {0: WORKER_RERAISE}),
-    ("no-lidar-pose", no_lidar_pose, (0, 2), {2: NEEDS_AGREEMENT}),
+    ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {}),
+    ("corrupt-pcd-loader-worker", corrupt_pcd(workers=1), (0,), {}),
+    ("no-lidar-pose", no_lidar_pose, (0, 2), {}),
     ("truncated-checkpoint-inference", truncated_checkpoint("inference"), (0, 2), {}),
     ("truncated-checkpoint-resume", truncated_checkpoint("train"), (0, 2), {}),
     ("foreign-checkpoint-inference", foreign_checkpoint("inference"), (0, 2), {}),
@@ -357,16 +344,7 @@ def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run):
     assert f'File "{REPO / "opencood_ddp"}' not in result.stderr, f"a traceback from the project\n{explain(result)}"
     if call.not_created is not None:
         assert not call.not_created.exists(), "a refused run left its folder behind"
-    known_defects = []
     if before is not None:
         changed = changed_files(before, snapshot(call.existing_run))
-        if call.resumes and changed and all(name.startswith(WRITTEN_BEFORE_RESTORE) for name in changed):
-            known_defects.append(f"engine/train.py writes {changed} into the resumed run before Trainer.restore "
-                                 f"reads its checkpoint")
-        else:
-            assert not changed, f"files of the existing run changed: {changed}"
-    if glued:
-        known_defects.append("the error line is glued to the progress bar the training loop left open (the bar "
-                             "is not closed, or the report does not start a new line: engine/trainer.py, entry.py)")
-    if known_defects:
-        pytest.xfail("; ".join(known_defects) + " (files being rewritten)")
+        assert not changed, f"files of the existing run changed: {changed}"
+    assert not glued, f"the error line does not start a line of its own\n{explain(result)}"

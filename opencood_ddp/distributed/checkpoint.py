@@ -121,9 +121,11 @@ def describe_mismatch(model_state: Mapping[str, Any], loaded: Mapping[str, Any],
     return "; ".join(parts)
 
 
-def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: bool = True) -> None:
-    """Load a state dict (file or mapping) into the unwrapped model, prefix-agnostic and strict by default."""
-    label = str(source) if isinstance(source, (str, Path)) else "the given state dict"
+def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: bool = True,
+                 label: Optional[str] = None) -> None:
+    """Load a state dict (file or mapping) into the unwrapped model, prefix-agnostic and strict by default;
+    `label` names a mapping's file in errors."""
+    label = str(source) if isinstance(source, (str, Path)) else (label or "the given state dict")
     state = load_file(Path(source)) if isinstance(source, (str, Path)) else source
     if not isinstance(state, Mapping):
         raise CheckpointError(f"checkpoint {label} holds a {type(state).__name__}, not a state_dict; "
@@ -275,12 +277,16 @@ def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
     state = load_state_file(saved.state) if saved.state.exists() else None
     if state is None and saved.kind == "step":
         raise CorruptCheckpointError(f"checkpoint {saved.weights} has no {saved.state.name} beside it")
-    if state is not None:
-        verify_weights_file(saved.weights, state)
     weights = load_file(saved.weights)
     if not isinstance(weights, Mapping):
         raise CheckpointError(f"checkpoint {saved.weights} holds a {type(weights).__name__}, not a state_dict; "
                               f"pass a net_epoch<N>.pth file")
+    if state is not None:
+        try:
+            verify_weights_file(saved.weights, state)
+        except CorruptCheckpointError as exc:
+            exc.weights = dict(weights)  # readable, but not the file saved: the caller may say what it is
+            raise
     return dict(weights), state
 
 

@@ -43,9 +43,10 @@ class StopSignal:
         self.received = self.received or name
 
 
-def ignore_stop_signals_in_worker(worker_id: int) -> None:
-    """DataLoader worker_init_fn: SLURM signals every process of the step and Ctrl-C the whole process group;
-    a loader worker that died of it would break the main process's next fetch before the step boundary.
-    The main process stops its workers itself when it leaves the loop."""
-    for sig in HANDLED:
-        signal.signal(sig, signal.SIG_IGN)
+def ignore_interrupts_in_worker(worker_id: int) -> None:
+    """DataLoader worker_init_fn: Ctrl-C reaches every process of the foreground group, and a loader worker
+    that died of it would break the main process's next fetch before the step boundary. SIGTERM keeps its
+    default: the main process ends its workers with it when it leaves the loop (a worker ignoring it would
+    hang the exit). When SLURM's SIGTERM kills the workers too, the trainer's fetch sees the stop request and
+    stops at that step boundary all the same."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -32,7 +32,7 @@ from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
 from opencood_ddp.engine.logging import StepLog, get_logger, progress
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
-from opencood_ddp.engine.preemption import StopSignal, ignore_stop_signals_in_worker
+from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import (CheckpointError, NonFiniteError, OpencoodDdpError, StopRequested,
@@ -188,9 +188,12 @@ class Trainer:
             try:
                 weights, state = ckpt.load_saved(saved)
             except ckpt.CorruptCheckpointError as exc:
+                if getattr(exc, "weights", None) is not None:  # a whole file put in its place: whose weights?
+                    ckpt.load_weights(self.model_without_ddp, exc.weights, label=str(saved.weights))  # another
+                    # model's weights stop the resume here; this model's fall back like a torn file
                 rejected.append(exc)
                 continue
-            ckpt.load_weights(self.model_without_ddp, weights)  # a checkpoint of another model stops here
+            ckpt.load_weights(self.model_without_ddp, weights, label=str(saved.weights))  # another model's: stop
             self._restore_training(saved, state)
             if self.env.is_main:
                 self.step_log.keep_until(self.progress.global_step)
@@ -271,7 +274,7 @@ class Trainer:
 
     def _loader_options(self) -> dict:
         workers = self.settings.num_workers
-        return {"num_workers": workers, "worker_init_fn": ignore_stop_signals_in_worker if workers else None}
+        return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None}
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches of `epoch` (sample indices), the same list at every call."""
@@ -322,12 +325,20 @@ class Trainer:
                 fetched.append(next(batches))
         except OpencoodDdpError as exc:
             return fetched, unwrap_worker_error(exc)
+        except RuntimeError:
+            if self._stop_requested() is None:
+                raise
+            # The signal that asks this rank to stop (SLURM signals every process of the step) also ended the
+            # loader's workers; the step agreement that follows stops every rank here.
         return fetched, None
+
+    def _stop_requested(self) -> Optional[str]:
+        return self.stop_signal.received if self.stop_signal is not None else None
 
     def _agree_to_go_on(self, error: Optional[OpencoodDdpError], epoch: int) -> None:
         """All ranks meet before the forward pass: a rank that could not read its batch, or got a stop signal,
         makes every rank stop here, before any of them enters the step's gradient all-reduce."""
-        stop = self.stop_signal.received if self.stop_signal is not None else None
+        stop = self._stop_requested()
         failed, stopping = comm.all_reduce_sum([error is not None, stop is not None]).tolist()
         if failed:
             raise next(e for e in comm.all_gather_objects(error) if e is not None)
