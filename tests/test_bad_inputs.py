@@ -3,7 +3,7 @@
 Every bad input must end the same way: exactly one `error: ...` line on stderr, from rank 0, naming the file or
 the hypes key at fault and the fix; a non-zero exit within seconds (a hang would be a 30-minute collective
 timeout); and, where the bad input comes with the --model_dir of an existing run, not one file of that run
-changed. docs/bad_inputs_table.md is this file as a table; the test ids read as its rows.
+changed. docs/reliability.md ("Bad inputs") is this file as a table; the test ids read as its rows.
 
 Two tiny real runs serve as "existing runs" (copied before each use): a synthetic one for the rows that have
 nothing to do with OPV2V, and a 1-epoch F-Cooper run on the toy world for the checkpoint and inference rows.
@@ -205,6 +205,20 @@ def corrupt_pcd(workers: int) -> Callable[[World, int], Call]:
     return setup
 
 
+def corrupt_pcd_inference(w: World, world: int) -> Call:
+    """A truncated .pcd in the split being evaluated, in the last rank's shard (its first frame)."""
+    from opencood_ddp.data.opv2v import scan_split
+    from opencood_ddp.distributed.samplers import shard_bounds
+
+    run, split = w.copy_run("fcooper"), w.copy_train_split()
+    index = scan_split(split)
+    scenario, timestamp = index.locate(shard_bounds(len(index), max(world, 1), max(world, 1) - 1)[0])
+    pcd = scenario.ego.pcd_path(timestamp)
+    pcd.write_bytes(pcd.read_bytes()[: pcd.stat().st_size // 2])
+    return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--dataset_dir", split,
+                            "--num_workers", "0"], [str(pcd), "re-download or re-export"], existing_run=run)
+
+
 def no_lidar_pose(w: World, world: int) -> Call:
     split = w.copy_train_split()
     frame_yaml, _ = first_frame_of_last_rank(split, world)
@@ -287,6 +301,7 @@ ROWS = [
     ("missing-data-folder-inference", missing_data_folder_inference, (0, 2), {}),
     ("empty-split", empty_split, (0, 2), {}),
     ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {}),
+    ("corrupt-pcd-inference", corrupt_pcd_inference, (0, 2), {}),
     ("corrupt-pcd-loader-worker", corrupt_pcd(workers=1), (0,), {}),
     ("no-lidar-pose", no_lidar_pose, (0, 2), {}),
     ("truncated-checkpoint-inference", truncated_checkpoint("inference"), (0, 2), {}),

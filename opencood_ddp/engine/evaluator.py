@@ -22,6 +22,7 @@ from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.samplers import EvalShardSampler
 from opencood_ddp.engine.logging import progress
+from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
 
 
 @dataclass
@@ -67,18 +68,20 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
     device = torch.device(env.device)
     bar = progress(len(spec.dataset), "evaluating", env.is_main)
     started, records = time.perf_counter(), []
-    for number, batch in enumerate(loader):
-        batch_indices = indices[number * batch_size:(number + 1) * batch_size]
-        batch_records = spec.evaluate_batch(spec.model, spec.move_to(batch, device), batch_indices)
-        if len(batch_records) != len(batch_indices):
-            raise RuntimeError(f"rank {env.rank}: evaluate_batch returned {len(batch_records)} records for "
-                               f"{len(batch_indices)} frames; it must return one record per sample")
-        records.extend(zip(batch_indices, batch_records))
-        # Rank 0 sees only its own shard; shards differ by at most one frame, so its pace x world size is
-        # the whole job's pace.
-        bar.update(min(len(batch_records) * env.world_size, bar.total - bar.n))
-        bar.set_postfix(frames_per_s=f"{len(records) * env.world_size / (time.perf_counter() - started):.1f}")
-    bar.close()
+    try:
+        for number, batch in enumerate(loader):
+            batch_indices = indices[number * batch_size:(number + 1) * batch_size]
+            batch_records = spec.evaluate_batch(spec.model, spec.move_to(batch, device), batch_indices)
+            if len(batch_records) != len(batch_indices):
+                raise RuntimeError(f"rank {env.rank}: evaluate_batch returned {len(batch_records)} records for "
+                                   f"{len(batch_indices)} frames; it must return one record per sample")
+            records.extend(zip(batch_indices, batch_records))
+            # Rank 0 sees only its own shard; shards differ by at most one frame, so its pace x world size is
+            # the whole job's pace.
+            bar.update(min(len(batch_records) * env.world_size, bar.total - bar.n))
+            bar.set_postfix(frames_per_s=f"{len(records) * env.world_size / (time.perf_counter() - started):.1f}")
+    finally:
+        bar.close()  # an error's line must not run on from the bar's
     return records
 
 
@@ -96,7 +99,15 @@ def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int
     """Evaluate on every rank; rank 0 returns the result, the others None."""
     spec.model.eval()
     started = time.perf_counter()
-    records = _shard_records(spec, env, batch_size, num_workers)
+    records: List[Tuple[int, Any]] = []
+    error: Optional[OpencoodDdpError] = None
+    try:
+        records = _shard_records(spec, env, batch_size, num_workers)
+    except OpencoodDdpError as exc:  # a frame this rank cannot read: every rank stops with its message
+        error = unwrap_worker_error(exc)
+    error = comm.first_error(error)
+    if error is not None:
+        raise error
     gathered = comm.gather_objects(records)
     comm.barrier()
     if not env.is_main:
