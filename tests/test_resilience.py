@@ -250,7 +250,7 @@ def test_stalled_rank_fails_the_others_within_dist_timeout_naming_it(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert len(lines) == 1, explain(result)
     assert "a collective failed during 'epoch 1 step" in lines[0] and "Timed out" in lines[0]
-    assert "rank 1: last at 'epoch 1 step" in lines[0]
+    assert "rank 1: last at 'epoch 1 step" in lines[0] and "is alive but silent (stalled)" in lines[0]
 
 
 def test_dead_rank_fails_the_others_at_once_naming_it(tmp_path):
@@ -263,4 +263,4 @@ def test_dead_rank_fails_the_others_at_once_naming_it(tmp_path):
     assert time.monotonic() - started < 60
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert result.returncode != 0 and len(lines) == 1, explain(result)
-    assert "rank 1: last at 'epoch 1 step" in lines[0]
+    assert "rank 1: last at 'epoch 1 step" in lines[0] and "has exited" in lines[0]

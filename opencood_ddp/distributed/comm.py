@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
+import socket
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -149,10 +152,24 @@ def _store() -> Optional[Any]:
 
 
 def mark_phase(text: str) -> None:
-    """Publish this rank's position ('epoch 2 step 7: data'); a no-op without a process group."""
+    """Publish this rank's position ('epoch 2 step 7: data') with its host and pid, so that a peer on the same
+    host can tell a dead process from a stalled one; a no-op without a process group."""
     store = _store()
     if store is not None:
-        store.set(_PHASE_KEY.format(rank=get_rank()), f"{time.time():.3f} {text}")
+        store.set(_PHASE_KEY.format(rank=get_rank()),
+                  f"{time.time():.3f} {socket.gethostname()} {os.getpid()} {text}")
+
+
+def _process_state(host: str, pid: int) -> str:
+    if host != socket.gethostname():
+        return f"on {host}"
+    try:  # Linux: the state letter after the command; a killed child stays a zombie until its launcher reaps it
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        state = "X"
+    if state in ("Z", "X"):
+        return f"its process {pid} has exited"
+    return f"its process {pid} is alive but silent (stalled)"
 
 
 def peer_phases(timeout_seconds: float = 5.0) -> dict[int, str]:
@@ -170,8 +187,9 @@ def peer_phases(timeout_seconds: float = 5.0) -> dict[int, str]:
             if not store.check([key]):
                 seen[rank] = "never reported a position"
                 continue
-            stamp, _, text = store.get(key).decode().partition(" ")
-            seen[rank] = f"last at '{text}' {time.time() - float(stamp):.1f} s ago"
+            stamp, host, pid, text = store.get(key).decode().split(" ", 3)
+            seen[rank] = (f"last at '{text}' {time.time() - float(stamp):.1f} s ago, "
+                          f"{_process_state(host, int(pid))}")
     except (RuntimeError, ValueError) as exc:  # the store's host (rank 0 or the agent) is gone too
         seen[-1] = f"the rendezvous store is unreachable ({_first_line(exc)})"
     return seen
