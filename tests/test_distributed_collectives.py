@@ -23,6 +23,8 @@ def test_comm_helpers_on_three_ranks(tmp_path):
         assert s["on_main"] == "made by rank 0"
         # rank 0's failure reaches every rank as the same exception, instead of a hang
         assert s["on_main_error"] == "rank 0 could not create the run folder"
+        assert s["agree"] == ["frame of rank 1", [1.0, 3.0]]
+        assert s["agree_none"] == [None, [6.0]]
 
 
 @pytest.mark.parametrize("counts", ["4,4", "1,6,2", "0,5,3"], ids=["even", "uneven", "empty-rank"])

@@ -124,15 +124,22 @@ def all_gather_objects(obj: Any) -> list:
     return gathered
 
 
-def first_error(local: Optional[BaseException]) -> Optional[BaseException]:
-    """Collective: the error of the lowest rank that has one, on every rank; None when no rank has one.
+def agree(local: Optional[BaseException], flags: Sequence[float] = ()) -> tuple[Optional[BaseException], list]:
+    """Collective: (the error of the lowest rank that has one, or None; `flags` summed over ranks), the same on
+    every rank, in one all-reduce unless some rank has an error.
 
-    For work that can fail on one rank alone (reading a corrupt frame): each rank catches its own error,
-    then all meet here, so every rank raises the same error instead of leaving the others in a collective.
+    For work that can fail on one rank alone (reading a corrupt frame): each rank catches its own error, then
+    all meet here, so every rank raises the same error instead of leaving the others in a collective.
     """
-    if not all_reduce_sum([0.0 if local is None else 1.0])[0].item():
-        return None
-    return next(error for error in all_gather_objects(local) if error is not None)
+    totals = all_reduce_sum([0.0 if local is None else 1.0, *flags]).tolist()
+    if not totals[0]:
+        return None, totals[1:]
+    return next(error for error in all_gather_objects(local) if error is not None), totals[1:]
+
+
+def first_error(local: Optional[BaseException]) -> Optional[BaseException]:
+    """Collective: `agree` without flags."""
+    return agree(local)[0]
 
 
 # ------------------------------------------------------------------------------------------------ failures

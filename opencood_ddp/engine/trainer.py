@@ -339,9 +339,9 @@ class Trainer:
         """All ranks meet before the forward pass: a rank that could not read its batch, or got a stop signal,
         makes every rank stop here, before any of them enters the step's gradient all-reduce."""
         stop = self._stop_requested()
-        failed, stopping = comm.all_reduce_sum([error is not None, stop is not None]).tolist()
-        if failed:
-            raise next(e for e in comm.all_gather_objects(error) if e is not None)
+        error, (stopping,) = comm.agree(error, flags=[stop is not None])
+        if error is not None:
+            raise error
         if stopping:
             signals = sorted({s for s in comm.all_gather_objects(stop) if s})
             path = self._save_mid_epoch()

@@ -28,6 +28,10 @@ def observations(rank: int, world: int) -> dict:
         seen["on_main_error"] = None
     except ConfigError as exc:
         seen["on_main_error"] = str(exc)
+    # Ranks 1.. fail on their own; every rank must get rank 1's error, and the flags summed over ranks.
+    error, flags = comm.agree(ConfigError(f"frame of rank {rank}") if rank >= 1 else None, flags=[rank == 0, 1])
+    seen["agree"] = [str(error), flags]
+    seen["agree_none"] = [comm.first_error(None), comm.agree(None, flags=[2.0])[1]]
     comm.barrier()
     return seen
 
