@@ -380,7 +380,8 @@ class Trainer:
         """The optimizer steps of one epoch from progress.step_in_epoch on, one record each; stops early at
         settings.max_steps. Every rank runs the same steps, so the collectives of each step always match."""
         self.model.train()
-        first = self.progress.step_in_epoch
+        # A resumed epoch goes on where its checkpoint left it; any other epoch starts at its first step.
+        first = self.progress.step_in_epoch if epoch == self.progress.epoch else 0
         accumulation = self.plan.accumulation
         batches = self.epoch_batches(epoch)[first * accumulation:self.steps_per_epoch * accumulation]
         loaded: Iterator = iter(self.train_loader(epoch, batches))
