@@ -47,6 +47,12 @@ class StopRequested(OpencoodDdpError):
     label = "stopped"
 
 
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's text (library errors append paragraphs), else its type."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def unwrap_worker_error(exc: OpencoodDdpError) -> OpencoodDdpError:
     """The same error without the DataLoader's wrapping: an error raised in a loader worker comes back to the
     main process as 'Caught DataError in DataLoader worker process 0. Original Traceback ...' and ends with the

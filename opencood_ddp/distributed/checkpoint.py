@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from opencood_ddp.atomic import atomic_write
-from opencood_ddp.errors import CheckpointError
+from opencood_ddp.errors import CheckpointError, first_line
 
 WEIGHTS_RE = re.compile(r"^net_epoch(\d+)\.pth$")
 BESTVAL_RE = re.compile(r"^net_epoch_bestval_at(\d+)\.pth$")
@@ -84,16 +84,22 @@ def atomic_save(obj: Any, path: Path) -> None:
     atomic_write(path, lambda handle: torch.save(obj, handle))
 
 
-def load_file(path: Path) -> Any:
-    """torch.load on CPU, turning a missing or truncated file into one CheckpointError naming it."""
+def read_bytes(path: Path) -> bytes:
+    """A checkpoint file's bytes; a missing file is one CheckpointError naming it."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist; check --model_dir / --epoch")
+    return path.read_bytes()
+
+
+def load_file(path: Path, data: Optional[bytes] = None) -> Any:
+    """torch.load on CPU of the file (or of `data`, its bytes already read), turning a missing or truncated file
+    into one CheckpointError naming it."""
+    data = read_bytes(path) if data is None else data
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line})") from None
+        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line(exc)})") from None
 
 
 def strip_module_prefix(state_dict: Mapping[str, Any]) -> dict:
@@ -260,12 +266,12 @@ def saved_checkpoints(run_dir: Path, steps_per_epoch: int) -> list[SavedCheckpoi
                                         c.kind == "epoch"), reverse=True)
 
 
-def verify_weights_file(path: Path, state: Mapping[str, Any]) -> None:
-    """The weights file must be the one the sidecar describes (size and SHA-256), when the sidecar says."""
+def verify_weights_file(path: Path, data: bytes, state: Mapping[str, Any]) -> None:
+    """The weights file (its bytes, `data`) must be the one the sidecar describes (size and SHA-256), when the
+    sidecar says."""
     expected = state.get("weights")
     if not expected:
         return
-    data = Path(path).read_bytes()
     if len(data) != expected["bytes"] or hashlib.sha256(data).hexdigest() != expected["sha256"]:
         raise CorruptCheckpointError(
             f"checkpoint {path} is truncated or corrupt: {len(data)} bytes that do not match the "
@@ -277,13 +283,14 @@ def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
     state = load_state_file(saved.state) if saved.state.exists() else None
     if state is None and saved.kind == "step":
         raise CorruptCheckpointError(f"checkpoint {saved.weights} has no {saved.state.name} beside it")
-    weights = load_file(saved.weights)
+    data = read_bytes(saved.weights)  # read once: loaded and hashed from memory
+    weights = load_file(saved.weights, data)
     if not isinstance(weights, Mapping):
         raise CheckpointError(f"checkpoint {saved.weights} holds a {type(weights).__name__}, not a state_dict; "
                               f"pass a net_epoch<N>.pth file")
     if state is not None:
         try:
-            verify_weights_file(saved.weights, state)
+            verify_weights_file(saved.weights, data, state)
         except CorruptCheckpointError as exc:
             exc.weights = dict(weights)  # readable, but not the file saved: the caller may say what it is
             raise

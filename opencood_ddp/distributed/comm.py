@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from opencood_ddp.errors import CollectiveError
+from opencood_ddp.errors import CollectiveError, first_line
 
 
 def is_dist() -> bool:
@@ -198,7 +198,7 @@ def peer_phases(timeout_seconds: float = 5.0) -> dict[int, str]:
             seen[rank] = (f"last at '{text}' {time.time() - float(stamp):.1f} s ago, "
                           f"{_process_state(host, int(pid))}")
     except (RuntimeError, ValueError) as exc:  # the store's host (rank 0 or the agent) is gone too
-        seen[-1] = f"the rendezvous store is unreachable ({_first_line(exc)})"
+        seen[-1] = f"the rendezvous store is unreachable ({first_line(exc)[:300]})"
     return seen
 
 
@@ -211,16 +211,11 @@ def is_collective_failure(exc: BaseException) -> bool:
         "gloo/", "NCCL", "Connection closed by peer", "Connection reset by peer", "Timed out waiting"))
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
-
-
 def describe_failure(where: str, exc: BaseException) -> str:
     """One line: which rank failed where, why, and which peers are behind."""
     behind = peer_phases()
     peers = "; ".join(f"rank {rank}: {text}" if rank >= 0 else text for rank, text in sorted(behind.items()))
-    return (f"rank {get_rank()}: a collective failed during '{where}' ({_first_line(exc)}); {peers or 'no peer info'}"
+    return (f"rank {get_rank()}: a collective failed during '{where}' ({first_line(exc)[:300]}); {peers or 'no peer info'}"
             f". A peer process died or stalled longer than --dist_timeout: its own log and exit code say why")
 
 
