@@ -9,6 +9,7 @@ split, all ranks].
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import random
 import socket
@@ -136,20 +137,21 @@ def write_config(folder: RunFolder, hypes: dict, plan: BatchPlan) -> None:
     hypes_lib.save_hypes(dict(hypes, batch_plan=plan.as_dict()), folder.config_path)
 
 
-def resume_run(trainer: Trainer, folder: RunFolder, hypes: dict, plan: BatchPlan) -> list[str]:
+def resume_run(trainer: Trainer, folder: RunFolder, hypes: dict, plan: BatchPlan) -> list[tuple[int, str]]:
     """Load the newest checkpoint that loads (every rank); only then does rank 0 touch the run's files.
-    Returns what to log once the run's log file is attached."""
+    Returns the (logging level, message) pairs to log once the run's log file is attached."""
     saved, rejected = trainer.resume()
-    notes = [f"{reason}: fell back to the checkpoint before it" for reason in rejected]
+    notes = [(logging.WARNING, f"{reason}: fell back to the checkpoint before it") for reason in rejected]
     if trainer.env.is_main:
         removed = ckpt.remove_unfinished_saves(folder.path)
         if removed:
-            notes.append(f"removed {len(removed)} unfinished save(s) of a killed run: {', '.join(removed)}")
+            notes.append((logging.INFO, f"removed {len(removed)} unfinished save(s) of a killed run: "
+                                        f"{', '.join(removed)}"))
         write_config(folder, hypes, plan)
     if saved is not None:
         p = trainer.progress
-        notes.append(f"resumed from {saved.describe()}: {p.epoch} epoch(s) and {p.step_in_epoch} step(s) of the "
-                     f"next done, global step {p.global_step}")
+        notes.append((logging.INFO, f"resumed from {saved.describe()}: {p.epoch} epoch(s) and {p.step_in_epoch} "
+                                    f"step(s) of the next done, global step {p.global_step}"))
     return notes
 
 
@@ -220,8 +222,8 @@ def train(args: argparse.Namespace, env: DistEnv, build_task: TaskBuilder,
     notes = resume_run(trainer, folder, hypes, plan) if folder.resume else []
     attach_log_file(folder.path, env.rank)
     log.info(f"hypes: {source}")
-    for note in notes:
-        (log.warning if "fell back" in note else log.info)(note)
+    for level, note in notes:
+        log.log(level, note)
     devices = comm.gather_objects((socket.gethostname(), env.device))
     if env.is_main:
         log.info(describe_start(env, plan, task, folder, trainer, devices))
