@@ -6,7 +6,8 @@ loader does. Validation reports every missing or ill-typed key of a run in one l
 from __future__ import annotations
 
 import copy
-import math
+import hashlib
+import json
 import os
 import re
 from numbers import Real
@@ -50,10 +51,18 @@ def parse_yaml_text(text: str, source: str, fix: str = "fix the file") -> Any:
 
 def load_hypes(path: str | os.PathLike) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"hypes file {path} is a folder; pass --hypes_yaml a YAML file in it (e.g. "
+                          f"{path}/point_pillar_intermediate_fusion.yaml)")
     if not path.is_file():
         raise ConfigError(f"hypes file {path} does not exist; pass --hypes_yaml with an existing file "
                           f"(e.g. hypes_yaml/toy/...)")
-    hypes = parse_yaml_text(path.read_text(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                          f"pass a hypes YAML file, or save it as UTF-8") from None
+    hypes = parse_yaml_text(text, str(path))
     if not isinstance(hypes, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys (name, train_params, ...), "
                           f"got {type(hypes).__name__}; fix the file")
@@ -111,43 +120,6 @@ def get_key(hypes: Mapping, dotted: str, default: Any = None) -> Any:
     return node
 
 
-# ---------------------------------------------------------------------------------------------- yaml_parser
-def load_point_pillar_params(hypes: dict) -> dict:
-    """Upstream's load_point_pillar_params: BEV grid size for the scatter, voxel and grid sizes for anchors."""
-    lidar_range = hypes["preprocess"]["cav_lidar_range"]
-    voxel_size = hypes["preprocess"]["args"]["voxel_size"]
-    grid = [int(round((lidar_range[i + 3] - lidar_range[i]) / voxel_size[i])) for i in range(3)]
-    hypes["model"]["args"]["point_pillar_scatter"]["grid_size"] = grid
-    anchor_args = hypes["postprocess"]["anchor_args"]
-    anchor_args["vw"], anchor_args["vh"], anchor_args["vd"] = voxel_size
-    for name, axis in (("W", 0), ("H", 1), ("D", 2)):
-        anchor_args[name] = int(math.ceil((lidar_range[axis + 3] - lidar_range[axis]) / voxel_size[axis]))
-    return hypes
-
-
-YAML_PARSERS: dict[str, Callable[[dict], dict]] = {"load_point_pillar_params": load_point_pillar_params}
-# The keys each parser reads, checked first so that a missing one is named on its own.
-YAML_PARSER_KEYS: dict[str, Sequence[tuple[str, str]]] = {"load_point_pillar_params": (
-    ("preprocess.cav_lidar_range", "list"), ("preprocess.args.voxel_size", "list"),
-    ("model.args.point_pillar_scatter", "dict"), ("postprocess.anchor_args", "dict"))}
-
-
-def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
-    name = hypes.get("yaml_parser")
-    if name is None:
-        return hypes
-    if name not in YAML_PARSERS:
-        raise ConfigError(f"{source}: yaml_parser {name!r} is not supported; use one of {sorted(YAML_PARSERS)} "
-                          f"or remove the key")
-    validate(hypes, YAML_PARSER_KEYS[name], source)
-    try:
-        return YAML_PARSERS[name](hypes)
-    except (KeyError, TypeError, IndexError, ValueError) as exc:
-        keys = ", ".join(key for key, _ in YAML_PARSER_KEYS[name])
-        raise ConfigError(f"{source}: yaml_parser {name} cannot compute the grid from {keys} "
-                          f"({type(exc).__name__}: {exc}); fix the hypes") from None
-
-
 # ---------------------------------------------------------------------------------------------- validation
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -165,6 +137,7 @@ KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "list": (lambda v: isinstance(v, list), "a list"),
     "dict": (lambda v: isinstance(v, dict), "a mapping"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "any": (lambda v: True, "any value"),  # declared for the schema; the entry's check judges the value
 }
 
 _MISSING = object()
@@ -238,3 +211,22 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return value
+
+
+# Sections a resumed run may change on purpose: more epochs, another lr or schedule, data moved elsewhere, the
+# run's own records. Every other top-level section (the model, the data pipeline, the loss, a task's own) is
+# what the checkpoint's weights were trained as.
+RESUMABLE_SECTIONS = ("name", "root_dir", "validate_dir", "test_dir", "train_params", "optimizer", "lr_scheduler",
+                      "batch_plan", "imports")
+
+
+def section_digests(hypes: Mapping) -> dict:
+    """{top-level section: short SHA-256 of its canonical JSON} for every section outside RESUMABLE_SECTIONS."""
+    return {key: hashlib.sha256(json.dumps(_plain(value), sort_keys=True, default=str).encode()).hexdigest()[:16]
+            for key, value in hypes.items() if key not in RESUMABLE_SECTIONS}
+
+
+def changed_sections(saved: Mapping, current: Mapping) -> list:
+    """The sections whose digest differs, or that only one side has."""
+    return sorted(key for key in set(saved) | set(current) if saved.get(key) != current.get(key))
+

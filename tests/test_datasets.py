@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from opencood_ddp.data.augment import Flip, Rotation, Scaling, WorldAugmentor, WorldTransform, sample_rng
 from opencood_ddp.data.datasets import GT_RANGE, build_dataset
-from opencood_ddp.data.datasets.base import upstream_unique_indices
+from opencood_ddp.data.ground_truth import upstream_unique_indices
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, ego_points_mask, mask_ego_points,
                                         mask_points_by_range, project_world_objects, transform_points, x1_to_x2)
 from opencood_ddp.data.opv2v import read_frame
@@ -25,7 +25,8 @@ from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.yaml_parsers import run_yaml_parser
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("early", "intermediate", "late")

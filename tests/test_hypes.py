@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from opencood_ddp import hypes as H
+from opencood_ddp import yaml_parsers as YP
 from opencood_ddp.errors import ConfigError
 
 
@@ -57,7 +58,7 @@ def test_load_missing_file(tmp_path):
 
 
 def test_load_directory_is_not_a_file(tmp_path):
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="is a folder; pass --hypes_yaml a YAML file in it"):
         H.load_hypes(tmp_path)
 
 
@@ -161,7 +162,7 @@ def _point_pillar_hypes():
 
 
 def test_point_pillar_parser_opv2v_values():
-    hypes = H.run_yaml_parser(_point_pillar_hypes())
+    hypes = YP.run_yaml_parser(_point_pillar_hypes())
     assert hypes["model"]["args"]["point_pillar_scatter"] == {"num_features": 64, "grid_size": [704, 200, 1]}
     assert all(type(v) is int for v in hypes["model"]["args"]["point_pillar_scatter"]["grid_size"])
     anchor = hypes["postprocess"]["anchor_args"]
@@ -172,9 +173,9 @@ def test_point_pillar_parser_opv2v_values():
 
 
 def test_point_pillar_parser_is_idempotent():
-    once = H.run_yaml_parser(_point_pillar_hypes())
+    once = YP.run_yaml_parser(_point_pillar_hypes())
     snapshot = copy.deepcopy(once)
-    twice = H.run_yaml_parser(copy.deepcopy(once))
+    twice = YP.run_yaml_parser(copy.deepcopy(once))
     assert twice == snapshot
 
 
@@ -192,28 +193,29 @@ model:
 postprocess:
   anchor_args: {l: 3.9}
 """)
-    hypes = H.run_yaml_parser(H.load_hypes(path), str(path))
+    hypes = YP.run_yaml_parser(H.load_hypes(path), str(path))
     assert hypes["model"]["args"]["point_pillar_scatter"]["grid_size"] == [704, 200, 1]
     assert hypes["postprocess"]["anchor_args"]["W"] == 704
 
 
 def test_no_yaml_parser_is_a_no_op():
     hypes = {"name": "x"}
-    assert H.run_yaml_parser(hypes) == {"name": "x"}
+    assert YP.run_yaml_parser(hypes) == {"name": "x"}
 
 
 def test_unknown_yaml_parser():
     with pytest.raises(ConfigError) as info:
-        H.run_yaml_parser({"yaml_parser": "load_voxel_params"}, "my.yaml")
+        YP.run_yaml_parser({"yaml_parser": "load_voxl_params"}, "my.yaml")
     msg = str(info.value)
-    assert "my.yaml" in msg and "'load_voxel_params'" in msg and "load_point_pillar_params" in msg
+    assert "my.yaml" in msg and "'load_voxl_params'" in msg and "load_point_pillar_params" in msg
+    assert "did you mean load_voxel_params" in msg
 
 
 def test_point_pillar_parser_missing_section():
     hypes = _point_pillar_hypes()
     del hypes["postprocess"]
     with pytest.raises(ConfigError) as info:
-        H.run_yaml_parser(hypes, "my.yaml")
+        YP.run_yaml_parser(hypes, "my.yaml")
     assert "my.yaml" in str(info.value) and "postprocess.anchor_args" in str(info.value)
 
 

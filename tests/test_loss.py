@@ -283,3 +283,23 @@ def test_create_loss_errors_name_the_key(loss_section, key):
     message = str(info.value)
     assert key in message and "hypes unit" in message
     assert "\n" not in message
+
+
+def test_detection_step_logs_a_models_scalar_outputs_with_the_loss_parts():
+    """Where2comm's comm_rate: a 0-d model output joins the logged parts (detached), never the loss."""
+    from opencood_ddp.tasks.opencood import DetectionStep
+
+    outputs, labels = make_case(batch=2)
+    psm = outputs["psm"].clone().requires_grad_(True)
+
+    def model(ego):
+        return {"psm": psm, "rm": outputs["rm"], "comm_rate": psm.sigmoid().mean(), "cls": torch.tensor(9.0),
+                "per_cav": torch.ones(3)}
+
+    step = DetectionStep(PointPillarLoss(1.0, 2.0))
+    out = step(model, {"ego": {"label_dict": labels}})
+    alone = PointPillarLoss(1.0, 2.0)(outputs, labels)
+    assert torch.equal(out.total.detach(), alone.total.detach())  # the scalar output adds nothing to the loss
+    assert set(out.parts) == {"cls", "reg", "comm_rate"}  # the loss's own 'cls' wins; vectors are not logged
+    assert not out.parts["comm_rate"].requires_grad
+    assert out.parts["comm_rate"].item() == pytest.approx(outputs["psm"].sigmoid().mean().item())

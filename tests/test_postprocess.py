@@ -15,9 +15,10 @@ from shapely.geometry import Polygon
 from launch import REPO
 from opencood_ddp.data import geometry as geo
 from opencood_ddp.data.datasets import build_dataset
-from opencood_ddp.data.datasets.base import GT_RANGE, upstream_unique_indices
+from opencood_ddp.data.ground_truth import GT_RANGE, upstream_unique_indices
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.postprocess import (NMS_TOP_K, VoxelPostprocessor, bev_iou_matrix, boxes_to_corners,
                                       create_postprocessor, delta_to_boxes3d, encode, nms_rotated, normal_size_mask,
                                       normal_z_mask, project_corners, standup_boxes, standup_iou, within_range_mask)

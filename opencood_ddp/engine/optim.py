@@ -1,12 +1,15 @@
-"""Optimizer and lr scheduler from the hypes' `optimizer` and `lr_scheduler` sections (upstream's schema)."""
+"""Optimizer and lr scheduler from the hypes' `optimizer` and `lr_scheduler` sections (upstream's schema).
+
+The schedulers are entries of the SCHEDULERS registry (`engine/schedulers/`); `build_scheduler` is theirs.
+"""
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
-from torch.optim.lr_scheduler import ExponentialLR, LRScheduler, MultiStepLR, StepLR
 
 from opencood_ddp.errors import ConfigError
+from opencood_ddp.engine.schedulers import build_scheduler
 from opencood_ddp.hypes import get_key
 
 
@@ -21,21 +24,9 @@ def build_optimizer(hypes: dict, parameters: Iterable[torch.nn.Parameter], lr: f
         return cls(parameters, lr=lr, **args)
     except TypeError as exc:
         raise ConfigError(f"optimizer.args {args} do not fit {method} ({exc}); fix the hypes") from None
+    except ValueError as exc:  # torch's own range checks: "Invalid learning rate: -0.1", "Invalid beta ..."
+        key = "optimizer.lr" if "learning rate" in str(exc) else "optimizer.args"
+        raise ConfigError(f"{key} rejected by torch.optim.{method} ({exc}); fix the hypes or --set {key}") from None
 
 
-def build_scheduler(hypes: dict, optimizer: torch.optim.Optimizer) -> Optional[LRScheduler]:
-    """Stepped once per epoch: multistep (step_size = milestones), step (step_size = period), exponential."""
-    section = hypes.get("lr_scheduler")
-    if not section:
-        return None
-    method = section.get("core_method")
-    gamma = section.get("gamma", 0.1)
-    if method == "multistep":
-        milestones = section.get("step_size", [])
-        milestones = milestones if isinstance(milestones, list) else [milestones]
-        return MultiStepLR(optimizer, milestones=milestones, gamma=gamma)
-    if method == "step":
-        return StepLR(optimizer, step_size=section.get("step_size", 1), gamma=gamma)
-    if method == "exponential":
-        return ExponentialLR(optimizer, gamma=gamma)
-    raise ConfigError(f"lr_scheduler.core_method {method!r} is not supported; use multistep, step or exponential")
+__all__ = ["build_optimizer", "build_scheduler"]

@@ -13,12 +13,15 @@ Upstream counterpart: ``opencood/loss/point_pillar_loss.py`` (``PointPillarLoss`
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 import torch
 from torch import nn
 
-from opencood_ddp.engine.task import LossOutput
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.loss.terms import LossTerms
+from opencood_ddp.registry import LOSSES
 
 FOCAL_ALPHA = 0.25
 FOCAL_GAMMA = 2.0
@@ -109,7 +112,7 @@ class PointPillarLoss(nn.Module):
         self.reg_coe = float(reg)
 
     def forward(self, output_dict: Mapping[str, torch.Tensor],
-                label_dict: Mapping[str, torch.Tensor]) -> LossOutput:
+                label_dict: Mapping[str, torch.Tensor]) -> LossTerms:
         psm, rm = output_dict["psm"], output_dict["rm"]
         dtype = _compute_dtype(psm, rm)
         # Autocast would run some of the element-wise ops below in bf16/fp16; the loss is cheap, keep it exact.
@@ -121,7 +124,7 @@ class PointPillarLoss(nn.Module):
             conf_part = self.cls_weight * cls_loss
             reg_part = self.reg_coe * reg_loss
             total = conf_part + reg_part
-        return LossOutput(total=total, parts={"cls": conf_part.detach(), "reg": reg_part.detach()})
+        return LossTerms(total=total, parts={"cls": conf_part.detach(), "reg": reg_part.detach()})
 
     @staticmethod
     def _positives(pos_equal_one: torch.Tensor, psm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -151,5 +154,19 @@ class PointPillarLoss(nn.Module):
         return per_code.sum() / batch
 
 
-__all__ = ["PointPillarLoss", "sigmoid_focal_loss", "sigmoid_cross_entropy_with_logits", "smooth_l1",
+def check_loss_weights(hypes: Mapping, source: str) -> None:
+    for key in ("cls_weight", "reg"):
+        value = hypes["loss"]["args"][key]
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{source}: key loss.args.{key} must be a finite number >= 0, got {value!r}; "
+                              f"fix the hypes or pass --set loss.args.{key}=VALUE")
+
+
+@LOSSES.register("point_pillar_loss", required=(("loss.args.cls_weight", "number"), ("loss.args.reg", "number")),
+                 check=check_loss_weights)
+def build_point_pillar_loss(args: Mapping) -> PointPillarLoss:
+    return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"])
+
+
+__all__ = ["PointPillarLoss", "build_point_pillar_loss", "sigmoid_focal_loss", "sigmoid_cross_entropy_with_logits", "smooth_l1",
            "add_sin_difference", "weighted_smooth_l1"]

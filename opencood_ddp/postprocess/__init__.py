@@ -1,14 +1,15 @@
 """Post-processing of the PointPillar family: anchors, training targets, box decoding, rotated NMS.
 
-``create_postprocessor(hypes, train)`` builds the class named by ``postprocess.core_method`` (upstream's
-``opencood/data_utils/post_processor/__init__.py``); only ``VoxelPostprocessor`` exists.
+``create_postprocessor(hypes, train)`` builds the class registered in ``opencood_ddp.registry.POSTPROCESSORS``
+under ``postprocess.core_method`` (upstream's ``opencood/data_utils/post_processor/__init__.py``); every
+module of this package is imported on the first lookup. An entry is called as
+``entry(hypes['postprocess'], train, source)``.
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Type
+from typing import Any, Mapping
 
-from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import hypes_source, validate
+from opencood_ddp.hypes import hypes_source
 from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
 from opencood_ddp.postprocess.bev_iou import bev_iou_matrix, bev_polygons
 from opencood_ddp.postprocess.box_coder import delta_to_boxes3d, encode
@@ -17,23 +18,18 @@ from opencood_ddp.postprocess.boxes import (boxes_to_corners, corners_to_standup
 from opencood_ddp.postprocess.nms import NMS_TOP_K, nms_rotated
 from opencood_ddp.postprocess.targets import assign_targets, standup_boxes, standup_iou
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
+from opencood_ddp.registry import POSTPROCESSORS
 
-POSTPROCESSORS: Dict[str, Type[VoxelPostprocessor]] = {"VoxelPostprocessor": VoxelPostprocessor}
 
-
-def create_postprocessor(hypes: Mapping, train: bool) -> VoxelPostprocessor:
+def create_postprocessor(hypes: Mapping, train: bool) -> Any:
     """The post-processor named by ``postprocess.core_method``, built from ``hypes['postprocess']``."""
     source = hypes_source(hypes)
-    validate(hypes, (("postprocess", "dict"), ("postprocess.core_method", "str")), source)
-    name = hypes["postprocess"]["core_method"]
-    if name not in POSTPROCESSORS:
-        raise ConfigError(f"{source}: key postprocess.core_method {name!r} is not supported; use one of "
-                          f"{sorted(POSTPROCESSORS)} (--set postprocess.core_method=VoxelPostprocessor)")
-    return POSTPROCESSORS[name](hypes["postprocess"], train, source)
+    entry = POSTPROCESSORS.lookup(hypes, source)
+    return entry.obj(hypes["postprocess"], train, source)
 
 
 __all__ = [
-    "POSTPROCESSORS", "create_postprocessor", "VoxelPostprocessor",
+    "create_postprocessor", "VoxelPostprocessor",
     "AnchorSpec", "generate_anchors",
     "encode", "delta_to_boxes3d",
     "assign_targets", "standup_boxes", "standup_iou",

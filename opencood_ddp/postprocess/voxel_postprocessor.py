@@ -18,7 +18,7 @@ from typing import Any, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import evaluation_gt_range, upstream_unique_indices
+from opencood_ddp.data.ground_truth import evaluation_gt_range, upstream_unique_indices
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, range6, validate
 from opencood_ddp.postprocess import box_coder
@@ -27,7 +27,10 @@ from opencood_ddp.postprocess.boxes import (boxes_to_corners, normal_size_mask, 
                                             within_range_mask)
 from opencood_ddp.postprocess.nms import nms_rotated
 from opencood_ddp.postprocess.targets import anchor_standup_boxes, assign_targets
+from opencood_ddp.registry import POSTPROCESSORS
 
+# W, H, vw, vh are written by the yaml_parser: required here, but declared optional to the registry so that
+# their absence gets check_postprocess_hypes' hint ("add yaml_parser: ...") rather than a bare missing key.
 REQUIRED_KEYS: Tuple[Tuple[str, str], ...] = (
     ("postprocess.anchor_args.cav_lidar_range", "list"),
     ("postprocess.anchor_args.l", "number"),
@@ -95,6 +98,13 @@ def _require_single(tensor: torch.Tensor, what: str, cav_id: Hashable) -> None:
                          f"one-sample test batches (upstream asserts batch size 1)")
 
 
+_PARSER_WRITTEN = tuple(spec for spec in REQUIRED_KEYS if spec[0].rsplit(".", 1)[1] in _PARSER_KEYS)
+
+
+@POSTPROCESSORS.register("VoxelPostprocessor",
+                         required=tuple(spec for spec in REQUIRED_KEYS if spec not in _PARSER_WRITTEN),
+                         optional=OPTIONAL_KEYS + _PARSER_WRITTEN,
+                         check=lambda hypes, source: check_postprocess_hypes(hypes["postprocess"], source))
 class VoxelPostprocessor:
     """Anchors, training labels and detections for anchor-based BEV heads (upstream's VoxelPostprocessor).
 

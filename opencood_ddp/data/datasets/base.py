@@ -9,6 +9,11 @@ order. ``set_epoch(e)`` is called by the engine before each epoch; DataLoader wo
 each epoch's workers start from a copy of the dataset that carries the new epoch. No global RNG, rank or
 worker id is read, so 1, 2 or N ranks with any number of workers load bit-identical samples.
 
+V2X settings. Upstream's optional ``wild_setting`` block (V2X-ViT: communication delay and localisation noise)
+is accepted with ``async: false`` and ``loc_err: false``, its default, where every CAV is read at the ego's
+timestamp with its true pose, which is what every dataset here does; either flag true is a ConfigError naming
+the key (not implemented). Road-side units (negative folder ids) are read like CAVs and are never the ego.
+
 Ground truth (as upstream). Each CAV's ``vehicles`` (world frame) are projected into the target frame (the
 ego's, or the CAV's own in late fusion) and kept when all 8 corners lie inside the GT range: in training
 ``postprocess.anchor_args.cav_lidar_range``; otherwise upstream's fixed ``GT_RANGE`` [-140, -40, -3, 140, 40,
@@ -38,6 +43,7 @@ It must be picklable (datasets travel to DataLoader workers) and deterministic (
 """
 from __future__ import annotations
 
+import logging
 import operator
 from collections import OrderedDict
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
@@ -47,16 +53,15 @@ import torch
 from torch.utils.data import Dataset
 
 from opencood_ddp.data.augment import WorldAugmentor, WorldTransform, sample_rng, shuffle_points
+from opencood_ddp.data.ground_truth import GT_RANGE, evaluation_gt_range, upstream_unique_indices
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, mask_ego_points,
                                         mask_points_by_range, project_world_objects)
 from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, scan_split
 from opencood_ddp.data.pcd import read_pcd
-from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
+from opencood_ddp.data.preprocessors import build_preprocessor, preprocessor_entry
+from opencood_ddp.data.voxelize import collate_voxels
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.hypes import get_key, hypes_source, range6, validate
-
-# Upstream's evaluation range (opencood/data_utils/datasets/__init__.py).
-GT_RANGE: Tuple[float, ...] = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
 
 # Which hypes key holds each split's folder. Upstream has root_dir (train) and validate_dir and evaluates on
 # validate_dir; test_dir is our extension for a held-out split.
@@ -64,21 +69,50 @@ SPLIT_KEYS: Dict[str, str] = {"train": "root_dir", "validate": "validate_dir", "
 
 COMMON_KEYS: Tuple[Tuple[str, str], ...] = (
     ("fusion.core_method", "str"),
+    ("preprocess.core_method", "str"),  # the pre-processor's own keys are declared by its registry entry
     ("preprocess.cav_lidar_range", "list"),
-    ("preprocess.args.voxel_size", "list"),
-    ("preprocess.args.max_points_per_voxel", "positive_int"),
-    ("preprocess.args.max_voxel_train", "positive_int"),
-    ("preprocess.args.max_voxel_test", "positive_int"),
     ("postprocess.anchor_args.cav_lidar_range", "list"),
     ("postprocess.order", "str"),
     ("postprocess.max_num", "positive_int"),
     # Upstream's BaseDataset always builds its DataAugmentor from this list, even where it never runs.
     ("data_augment", "list"),
 )
+# V2X-ViT's (and OpenCOOD's) ``wild_setting`` block: communication delay and localisation noise. Read and checked;
+# only its no-delay, no-noise setting (upstream's default) is implemented, see ``check_wild_setting``.
+WILD_SETTING_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("wild_setting", "dict"),
+    ("wild_setting.async", "bool"),
+    ("wild_setting.async_mode", "str"),
+    ("wild_setting.async_overhead", "number"),
+    ("wild_setting.seed", "int"),
+    ("wild_setting.loc_err", "bool"),
+    ("wild_setting.xyz_std", "number"),
+    ("wild_setting.ryp_std", "number"),
+    ("wild_setting.data_size", "number"),
+    ("wild_setting.transmission_speed", "number"),
+    ("wild_setting.backbone_delay", "number"),
+)
 COMMON_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
     ("train_params.max_cav", "positive_int"),
     ("postprocess.gt_range", "list"),
-)
+    ("fusion.args", "any"),  # upstream's files carry `args: []` where a dataset reads none
+) + WILD_SETTING_KEYS
+
+
+_REPORTED_FILES: set = set()  # per process: each file's non-finite points are told once
+
+
+def report_non_finite(points: np.ndarray, path: Any) -> int:
+    """Say once per file, in this rank's log, how many points have a non-finite x, y or z. They are dropped
+    where upstream drops them (the range crop: a NaN compares false), so the data do not change; the user learns
+    that the file is damaged. Returns the count."""
+    bad = int(np.count_nonzero(~np.isfinite(points[:, :3]).all(axis=1)))
+    if bad and str(path) not in _REPORTED_FILES:
+        _REPORTED_FILES.add(str(path))
+        logging.getLogger("opencood_ddp").warning(
+            f"{path}: {bad} of {len(points)} points have non-finite coordinates and are dropped; the file is "
+            f"damaged (regenerate or restore it if this is not expected)")
+    return bad
 
 
 class PostProcessor(Protocol):
@@ -89,25 +123,6 @@ class PostProcessor(Protocol):
     def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> dict: ...
 
     def collate_batch(self, label_list: List[dict]) -> dict: ...
-
-
-def evaluation_gt_range(hypes: Mapping, source: str) -> Tuple[float, ...]:
-    """The GT range outside training: our ``postprocess.gt_range`` when set, else upstream's GT_RANGE.
-
-    The datasets filter test-time GT with it and the post-processor filters detections with it, so both sides
-    of the evaluation see the same area.
-    """
-    if get_key(hypes, "postprocess.gt_range") is not None:
-        return range6(hypes, "postprocess.gt_range", source)
-    return GT_RANGE
-
-
-def upstream_unique_indices(ids: Sequence[Hashable]) -> List[int]:
-    """Index of the first occurrence of each distinct id, in upstream's order (see the module docstring)."""
-    distinct = set(ids)
-    if not all(isinstance(i, int) for i in distinct):
-        distinct = sorted(distinct, key=str)  # type: ignore[assignment]
-    return [ids.index(x) for x in distinct]
 
 
 class OpencoodDataset(Dataset):
@@ -122,7 +137,11 @@ class OpencoodDataset(Dataset):
         if split not in SPLIT_KEYS:
             raise ConfigError(f"dataset split must be one of {sorted(SPLIT_KEYS)}, got {split!r}")
         split_key = SPLIT_KEYS[split]
-        validate(hypes, tuple(self.required_keys) + ((split_key, "str"),), source, self.optional_keys)
+        # The pre-processor's keys too, so that one line names every missing key of the data side.
+        pre = preprocessor_entry(hypes, source)
+        validate(hypes, tuple(self.required_keys) + ((split_key, "str"),) + pre.required, source,
+                 tuple(self.optional_keys) + pre.optional)
+        check_wild_setting(hypes, source)
         self.hypes = hypes
         self.split, self.train, self.seed, self.visualize = split, bool(train), int(seed), bool(visualize)
         self.epoch = 0
@@ -137,7 +156,7 @@ class OpencoodDataset(Dataset):
                               f"fix the hypes")
         self.max_num = int(hypes["postprocess"]["max_num"])
         self.max_cav = int(get_key(hypes, "train_params.max_cav", DEFAULT_MAX_CAV))
-        self.voxelizer = Voxelizer.from_hypes(hypes["preprocess"], self.train)
+        self.voxelizer = build_preprocessor(hypes, self.train)
         augments = self.train and self.augments(hypes) and bool(hypes["data_augment"])  # [] means none
         self.augmentor = WorldAugmentor(hypes["data_augment"]) if augments else None
         # The scan raises DataError naming split_key for a missing folder or an empty split.
@@ -174,7 +193,9 @@ class OpencoodDataset(Dataset):
 
     def load_cav_points(self, cav_pcd_path: Any, rng: np.random.Generator) -> np.ndarray:
         """One CAV's cloud, read once, shuffled with the sample's RNG and without the car's own hits."""
-        return mask_ego_points(shuffle_points(read_pcd(cav_pcd_path), rng))
+        points = read_pcd(cav_pcd_path)
+        report_non_finite(points, cav_pcd_path)
+        return mask_ego_points(shuffle_points(points, rng))
 
     def crop(self, points: np.ndarray) -> np.ndarray:
         return mask_points_by_range(points, self.lidar_range)
@@ -282,6 +303,24 @@ class OpencoodDataset(Dataset):
         if len(batch) != 1:
             raise ConfigError(f"{kind} evaluation batches hold exactly one sample (upstream's collate_batch_test), "
                               f"got {len(batch)}; run inference with batch size 1")
+
+
+def check_wild_setting(hypes: Mapping, source: str) -> None:
+    """Accept upstream's ``wild_setting`` when it asks for neither delay nor pose noise; refuse the rest.
+
+    With ``async: false`` upstream's time delay is 0 for every CAV (each is read at the ego's timestamp) and with
+    ``loc_err: false`` no pose is perturbed, so the other keys change nothing and our samples equal upstream's.
+    Either flag true would need the delayed frames and upstream's noise model, which are not implemented: one
+    ConfigError naming the key. Absent keys mean upstream's defaults without the block (no delay, no noise).
+    """
+    for key, what in (("async", "communication delay"), ("loc_err", "localisation noise")):
+        if get_key(hypes, f"wild_setting.{key}", False):
+            raise ConfigError(f"{source}: key wild_setting.{key} is true ({what}), which is not implemented; set "
+                              f"wild_setting.{key}: false (upstream's default) or remove it")
+    mode = get_key(hypes, "wild_setting.async_mode", "sim")
+    if mode not in ("sim", "real"):
+        raise ConfigError(f"{source}: key wild_setting.async_mode must be 'sim' or 'real', got {mode!r}; fix the "
+                          f"hypes")
 
 
 def cav_positions(to_ego: Sequence[np.ndarray]) -> np.ndarray:

@@ -25,8 +25,10 @@ from opencood_ddp.data.datasets.base import OpencoodDataset, cav_positions, iden
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import read_frame
 from opencood_ddp.data.voxelize import collate_voxels
+from opencood_ddp.registry import DATASETS
 
 
+@DATASETS.register("EarlyFusionDataset", fusion_method="early")
 class EarlyFusionDataset(OpencoodDataset):
     """Raw-point fusion at the ego (PointPillar early fusion)."""
 

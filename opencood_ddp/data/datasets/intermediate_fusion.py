@@ -9,7 +9,17 @@ Upstream counterpart: ``opencood/data_utils/datasets/intermediate_fusion_dataset
    padded (no re-filtering by cav_lidar_range: at test time the GT is upstream's GT_RANGE);
 3. ``cav_num`` (-> ``record_len`` in batches) and ``pairwise_t_matrix`` (max_cav, max_cav, 4, 4): identity
    everywhere with proj_first; otherwise ``inv(T_j) @ T_i`` off the diagonal and zeros on it, as upstream.
-   PointPillar AttFuse (upstream ``point_pillar_intermediate``) reads only the voxels and ``record_len``.
+   PointPillar AttFuse (upstream ``point_pillar_intermediate``) reads only the voxels and ``record_len``;
+4. V2X-ViT's inputs, from the yaml already parsed (no extra file read), one row per CAV in sample order and
+   padded to ``max_cav`` as upstream:
+   - ``prior_encoding`` (max_cav, 3) float32: ``[ego_speed / 30, time_delay, infra]``. Upstream divides the
+     yaml's ``ego_speed`` (km/h in OPV2V and V2XSet) by 30 km/h, its "average speed", rather than converting to
+     m/s; we do the same, so a model trained upstream sees the same numbers. ``time_delay`` is in upstream's
+     units of 100 ms and is 0: there is no delay model (``wild_setting.async`` true is refused, see ``base``).
+     ``infra`` is 1 for a road-side unit (negative folder id), else 0. Rows past ``cav_num`` are zeros;
+   - ``spatial_correction_matrix`` (max_cav, 4, 4) float64: per CAV, upstream's correction from the ego's pose
+     at that CAV's (delayed) capture time to its current pose. Without delay both poses are the same, so it is
+     the identity (exactly; upstream's ``x1_to_x2(pose, pose)`` may differ in the last bit), as is the padding.
 
 Augmentation: upstream's intermediate dataset never augments. ``fusion.args.augment: true`` (our extension,
 default false) applies one ``data_augment`` transform, in training, to every CAV's ego-frame cloud and to the
@@ -17,8 +27,14 @@ GT boxes between steps 1 and 2, then re-filters the boxes to cav_lidar_range as 
 ``proj_first`` (the transform lives in the ego frame).
 
 Sample: ``{'ego': {object_bbx_center, object_bbx_mask, object_ids, processed_lidar {voxel_features: [per
-CAV], voxel_coords: [...], voxel_num_points: [...]}, cav_num, pairwise_t_matrix, [anchor_box, label_dict],
-[origin_lidar, cav_positions]}}`` (the last two when visualizing).
+CAV], voxel_coords: [...], voxel_num_points: [...]}, cav_num, pairwise_t_matrix, prior_encoding,
+spatial_correction_matrix, [anchor_box, label_dict], [origin_lidar, cav_positions]}}`` (the last two when
+visualizing). Upstream's samples carry the three prior lists (velocity, time_delay, infra) and stack them at
+collate time; ours carry the stacked array, so the batch is the same: ``prior_encoding`` (B, max_cav, 3)
+float32 and ``spatial_correction_matrix`` (B, max_cav, 4, 4) float64, stacked in sample order.
+
+``fusion.args.cur_ego_pose_flag`` (V2X-ViT's configs) is accepted: it chooses which ego pose a delayed CAV is
+projected to, and without delay both choices give the same sample.
 """
 from __future__ import annotations
 
@@ -30,16 +46,25 @@ import torch
 
 from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, cav_positions, identity_matrix
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
-from opencood_ddp.data.opv2v import CavFrame, read_frame
+from opencood_ddp.data.opv2v import CavFrame, ego_speed_of, read_frame
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, hypes_source
+from opencood_ddp.registry import DATASETS
 
 
+# Upstream divides the yaml's ego_speed (km/h) by this "average speed" for V2X-ViT's prior encoding.
+UPSTREAM_SPEED_SCALE_KMH = 30.0
+# Upstream's time delay, in 100 ms steps, with wild_setting.async false (the only setting implemented here).
+NO_TIME_DELAY = 0.0
+
+
+@DATASETS.register("IntermediateFusionDataset", fusion_method="intermediate")
 class IntermediateFusionDataset(OpencoodDataset):
     """Per-CAV voxels grouped by ``record_len`` (PointPillar AttFuse, F-Cooper)."""
 
-    optional_keys = COMMON_OPTIONAL_KEYS + (("fusion.args.proj_first", "bool"), ("fusion.args.augment", "bool"))
+    optional_keys = COMMON_OPTIONAL_KEYS + (("fusion.args.proj_first", "bool"), ("fusion.args.augment", "bool"),
+                                            ("fusion.args.cur_ego_pose_flag", "bool"))
 
     def __init__(self, hypes: Mapping, *args: Any, **kwargs: Any):
         self.proj_first = bool(get_key(hypes, "fusion.args.proj_first", True))
@@ -75,6 +100,8 @@ class IntermediateFusionDataset(OpencoodDataset):
             "object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
             "processed_lidar": merge_voxel_dicts([self.voxelizer(points) for points in clouds]),
             "cav_num": len(cavs), "pairwise_t_matrix": self.pairwise_matrices(to_ego),
+            "prior_encoding": self.prior_encoding(cavs),
+            "spatial_correction_matrix": self.spatial_correction_matrices(),
         }
         ego.update(self.label_entries(center, mask))
         if self.visualize:
@@ -96,6 +123,20 @@ class IntermediateFusionDataset(OpencoodDataset):
                     pairwise[i, j] = np.linalg.inv(t_j) @ t_i
         return pairwise
 
+    def prior_encoding(self, cavs: Sequence[CavFrame]) -> np.ndarray:
+        """(max_cav, 3) float32 rows [ego_speed / 30, time delay, infra] per CAV, zeros past the last CAV.
+
+        The division happens in float64 before the float32 cast, as upstream's list -> tensor -> .float()."""
+        prior = np.zeros((self.max_cav, 3), dtype=np.float32)
+        for row, cav in enumerate(cavs):
+            speed = ego_speed_of(cav.params, cav.yaml_path) / UPSTREAM_SPEED_SCALE_KMH
+            prior[row] = (speed, NO_TIME_DELAY, 1.0 if cav.infra else 0.0)
+        return prior
+
+    def spatial_correction_matrices(self) -> np.ndarray:
+        """(max_cav, 4, 4) float64 identities: no delay and no pose noise leave nothing to correct."""
+        return np.tile(np.identity(4), (self.max_cav, 1, 1))
+
     def collate_batch_train(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:
         """All CAVs of all samples in one voxel batch; coords' first column is the running CAV index."""
         egos = [sample["ego"] for sample in batch]
@@ -108,6 +149,8 @@ class IntermediateFusionDataset(OpencoodDataset):
         # Upstream keeps the first sample's ids only (they are read at inference, where the batch is one sample).
         ego["object_ids"] = egos[0]["object_ids"]
         ego["pairwise_t_matrix"] = torch.from_numpy(np.array([e["pairwise_t_matrix"] for e in egos]))
+        ego["prior_encoding"] = torch.from_numpy(np.stack([e["prior_encoding"] for e in egos]))
+        ego["spatial_correction_matrix"] = torch.from_numpy(np.stack([e["spatial_correction_matrix"] for e in egos]))
         return {"ego": ego}
 
     def collate_batch_test(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:

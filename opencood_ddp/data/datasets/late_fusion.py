@@ -27,8 +27,10 @@ from opencood_ddp.data.datasets.base import OpencoodDataset
 from opencood_ddp.data.geometry import transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import CavFrame, lidar_pose_of, load_opv2v_yaml, read_frame
 from opencood_ddp.data.voxelize import collate_voxels
+from opencood_ddp.registry import DATASETS
 
 
+@DATASETS.register("LateFusionDataset", fusion_method="late")
 class LateFusionDataset(OpencoodDataset):
     """Single-CAV samples in training, all CAVs with their transforms at test (PointPillar late fusion)."""
 

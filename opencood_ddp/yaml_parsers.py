@@ -1,0 +1,94 @@
+"""Upstream's ``yaml_parser`` step: keys derived from the voxel grid, written into the hypes after loading.
+
+The hypes' ``yaml_parser`` names one of the functions registered here (upstream's names, so its files load
+unchanged); ``run_yaml_parser`` imports the hypes' ``imports:`` first, so an out-of-tree parser can be named.
+
+- ``load_point_pillar_params``: ``model.args.point_pillar_scatter.grid_size`` (the BEV grid of the pillars) and
+  the anchor grid (PointPillar-family models).
+- ``load_voxel_params``: the anchor grid from ``postprocess.anchor_args.cav_lidar_range``, and the same
+  ``W``/``H``/``D`` under ``model.args`` (voxel models).
+- ``load_second_params``: ``model.args.grid_size`` (the 3-D voxel grid of the sparse backbone) and the anchor
+  grid (SECOND).
+
+The anchor grid is ``anchor_args.vw/vh/vd`` (the voxel size) and ``W/H/D``: the number of voxels along x, y, z,
+rounded up. Every parser is idempotent: running it on its own output changes nothing (config.yaml of a run is
+parsed again on resume).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.registry import YAML_PARSERS, import_modules
+
+_VOXEL_SIZE = ("preprocess.args.voxel_size", "list")
+_ANCHOR_ARGS = ("postprocess.anchor_args", "dict")
+# What _anchor_grid writes: declared so that the schema (opencood_ddp/schema.py) knows them in a config.yaml.
+_ANCHOR_GRID = tuple((f"postprocess.anchor_args.{key}", kind) for key, kind in (
+    ("vw", "number"), ("vh", "number"), ("vd", "number"), ("W", "int"), ("H", "int"), ("D", "int")))
+
+
+def _grid(lidar_range: Sequence[float], voxel_size: Sequence[float], rounding) -> List[int]:
+    return [int(rounding((lidar_range[axis + 3] - lidar_range[axis]) / voxel_size[axis])) for axis in range(3)]
+
+
+def _anchor_grid(hypes: dict, lidar_range: Sequence[float]) -> dict:
+    """``vw, vh, vd`` and ``W, H, D`` of ``postprocess.anchor_args``; returns that mapping."""
+    voxel_size = hypes["preprocess"]["args"]["voxel_size"]
+    anchor_args = hypes["postprocess"]["anchor_args"]
+    anchor_args["vw"], anchor_args["vh"], anchor_args["vd"] = voxel_size
+    anchor_args["W"], anchor_args["H"], anchor_args["D"] = _grid(lidar_range, voxel_size, math.ceil)
+    return anchor_args
+
+
+@YAML_PARSERS.register("load_point_pillar_params", required=(
+        ("preprocess.cav_lidar_range", "list"), _VOXEL_SIZE, ("model.args.point_pillar_scatter", "dict"),
+        _ANCHOR_ARGS), optional=_ANCHOR_GRID + (("model.args.point_pillar_scatter.grid_size", "list"),))
+def load_point_pillar_params(hypes: dict) -> dict:
+    lidar_range = hypes["preprocess"]["cav_lidar_range"]
+    voxel_size = hypes["preprocess"]["args"]["voxel_size"]
+    hypes["model"]["args"]["point_pillar_scatter"]["grid_size"] = _grid(lidar_range, voxel_size, round)
+    _anchor_grid(hypes, lidar_range)
+    return hypes
+
+
+@YAML_PARSERS.register("load_voxel_params", required=(
+        _VOXEL_SIZE, _ANCHOR_ARGS, ("postprocess.anchor_args.cav_lidar_range", "list")),
+        optional=(("model.args", "dict"), ("model.args.W", "int"), ("model.args.H", "int"), ("model.args.D", "int"))
+        + _ANCHOR_GRID)
+def load_voxel_params(hypes: dict) -> dict:
+    anchor_args = _anchor_grid(hypes, hypes["postprocess"]["anchor_args"]["cav_lidar_range"])
+    if "model" in hypes:  # upstream allows hypes without a model (data visualisation)
+        hypes["model"].setdefault("args", {}).update({axis: anchor_args[axis] for axis in ("W", "H", "D")})
+    return hypes
+
+
+@YAML_PARSERS.register("load_second_params", required=(
+        ("preprocess.cav_lidar_range", "list"), _VOXEL_SIZE, ("model.args", "dict"), _ANCHOR_ARGS),
+        optional=_ANCHOR_GRID + (("model.args.grid_size", "list"),))
+def load_second_params(hypes: dict) -> dict:
+    lidar_range = hypes["preprocess"]["cav_lidar_range"]
+    voxel_size = hypes["preprocess"]["args"]["voxel_size"]
+    hypes["model"]["args"]["grid_size"] = _grid(lidar_range, voxel_size, round)
+    _anchor_grid(hypes, lidar_range)
+    return hypes
+
+
+def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
+    """The hypes' ``imports:`` imported, then its ``yaml_parser`` applied (in place; also returned)."""
+    import_modules(hypes, source)
+    name = hypes.get("yaml_parser")
+    if name is None:
+        return hypes
+    entry = YAML_PARSERS.get(name, source)
+    entry.validate(hypes, source)
+    try:
+        return entry.obj(hypes)
+    except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError) as exc:
+        keys = ", ".join(key for key, _ in entry.required)
+        raise ConfigError(f"{source}: yaml_parser {name} cannot compute the grid from {keys} "
+                          f"({type(exc).__name__}: {exc}); fix the hypes") from None
+
+
+__all__ = ["load_point_pillar_params", "load_voxel_params", "load_second_params", "run_yaml_parser"]

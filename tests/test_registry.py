@@ -1,0 +1,260 @@
+"""The registries: lookup and its errors, per-entry schemas, upstream's yaml parsers and cosineannealwarm,
+preprocess.core_method, and an out-of-tree model brought in by the hypes' ``imports:`` that trains on 2 ranks."""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO, TRAIN, explain, python, split_overrides, torchrun
+from opencood_ddp import registry as R
+from opencood_ddp.data.datasets import build_dataset, fusion_methods
+from opencood_ddp.engine.optim import build_scheduler
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import KIND_CHECKS
+from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.yaml_parsers import run_yaml_parser
+
+UPSTREAM = REPO / "tests" / "reference" / "upstream_hypes"
+TOY = REPO / "hypes_yaml" / "toy"
+EXAMPLE = REPO / "examples" / "tiny_maxfuse.yaml"
+
+
+# ------------------------------------------------------------------------------------------ the Registry
+def test_unknown_name_lists_the_registered_ones_and_the_closest():
+    with pytest.raises(ConfigError) as info:
+        R.MODELS.get("point_pilar_intermediate", "my.yaml")
+    message = str(info.value)
+    assert message.startswith("my.yaml: model.core_method 'point_pilar_intermediate' is not one of ")
+    assert ", ".join(R.MODELS.names()) in message and "point_pillar_intermediate" in R.MODELS.names()
+    assert "(did you mean point_pillar_intermediate?)" in message and "imports:" in message
+
+
+def test_entries_declare_their_keys_and_validation_names_every_problem():
+    registry = R.Registry("widget", "widget.core_method")
+
+    @registry.register("round", required=(("widget.args.radius", "number"), ("widget.args.n", "positive_int")),
+                       optional=(("widget.args.label", "str"),), colour="red")
+    class Round:
+        pass
+
+    entry = registry.get("round")
+    assert entry.obj is Round and entry.meta == {"colour": "red"}
+    assert [key for key, _ in entry.keys] == ["widget.args.radius", "widget.args.n", "widget.args.label"]
+    hypes = {"widget": {"core_method": "round", "args": {"n": 0, "label": 3}}}
+    with pytest.raises(ConfigError) as info:
+        registry.lookup(hypes, "w.yaml")
+    message = str(info.value)
+    assert "missing key widget.args.radius" in message and "key widget.args.n must be a positive integer" in message
+    assert "key widget.args.label must be a non-empty string" in message and "\n" not in message
+
+
+def test_a_class_declares_its_keys_as_attributes_and_a_check_runs_after_the_kinds():
+    registry = R.Registry("widget", "widget.core_method")
+
+    def at_most_ten(hypes, source):
+        if hypes["widget"]["n"] > 10:
+            raise ConfigError(f"{source}: key widget.n must be at most 10")
+
+    @registry.register("square", check=at_most_ten)
+    class Square:
+        required_keys = (("widget.n", "int"),)
+
+    assert registry.get("square").required == (("widget.n", "int"),)
+    registry.lookup({"widget": {"core_method": "square", "n": 3}}, "w")
+    with pytest.raises(ConfigError, match="at most 10"):
+        registry.lookup({"widget": {"core_method": "square", "n": 11}}, "w")
+
+
+def test_two_objects_under_one_name_and_unknown_kinds_are_refused():
+    registry = R.Registry("widget", "widget.core_method")
+    registry.register("a")(int)
+    registry.register("a")(int)  # the same object again (a module imported twice): harmless
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.register("a")(float)
+    with pytest.raises(ValueError, match="unknown kind 'colour'"):
+        registry.register("b", required=(("widget.x", "colour"),))(str)
+
+
+def built_in(registry: R.Registry) -> list[str]:
+    """The names this package registers (another test may have imported an out-of-tree model)."""
+    return [e.name for e in registry.entries() if e.obj.__module__.startswith("opencood_ddp.")]
+
+
+def test_the_built_in_entries_carry_upstreams_names():
+    assert built_in(R.MODELS) == ["point_pillar", "point_pillar_cobevt", "point_pillar_fcooper",
+                                  "point_pillar_intermediate", "point_pillar_transformer", "point_pillar_v2vnet",
+                                  "point_pillar_where2comm", "second_intermediate"]
+    assert fusion_methods() == {"early": "EarlyFusionDataset", "late": "LateFusionDataset",
+                                "intermediate": "IntermediateFusionDataset"}
+    assert R.PREPROCESSORS.names() == ["SpVoxelPreprocessor"]
+    assert R.POSTPROCESSORS.names() == ["VoxelPostprocessor"]
+    assert R.LOSSES.names() == ["point_pillar_loss"]
+    assert R.YAML_PARSERS.names() == ["load_point_pillar_params", "load_second_params", "load_voxel_params"]
+    assert R.SCHEDULERS.names() == ["cosineannealwarm", "exponential", "multistep", "step"]
+    for registry in R.ALL_REGISTRIES:
+        for entry in registry.entries():
+            assert all(kind in KIND_CHECKS for _, kind in entry.keys), (registry.kind, entry.name)
+
+
+# ------------------------------------------------------------------------------------------ yaml parsers
+def test_upstream_hypes_files_parse_unchanged():
+    for path in sorted(UPSTREAM.glob("*.yaml")):
+        hypes = run_yaml_parser(load_hypes(path), str(path))
+        anchor = hypes["postprocess"]["anchor_args"]
+        assert all(type(anchor[k]) is int for k in "WHD"), path
+
+
+def test_load_second_params_writes_the_3d_grid_and_the_anchor_grid():
+    hypes = run_yaml_parser(load_hypes(UPSTREAM / "second_intermediate_fusion.yaml"))
+    assert hypes["model"]["args"]["grid_size"] == [2816, 800, 40]
+    anchor = hypes["postprocess"]["anchor_args"]
+    assert (anchor["W"], anchor["H"], anchor["D"], anchor["vw"], anchor["vd"]) == (2816, 800, 40, 0.1, 0.1)
+
+
+def test_load_voxel_params_uses_the_anchor_range_and_tells_the_model():
+    hypes = {"yaml_parser": "load_voxel_params",
+             "preprocess": {"args": {"voxel_size": [0.4, 0.4, 4]}, "cav_lidar_range": [0, 0, 0, 1, 1, 1]},
+             "postprocess": {"anchor_args": {"cav_lidar_range": [-140.8, -40, -3, 140.8, 40, 1]}},
+             "model": {"args": {}}}
+    parsed = run_yaml_parser(copy.deepcopy(hypes))
+    assert {k: parsed["model"]["args"][k] for k in "WHD"} == {"W": 704, "H": 200, "D": 1}
+    del hypes["model"]
+    assert run_yaml_parser(hypes)["postprocess"]["anchor_args"]["W"] == 704  # no model: anchors only
+
+
+# ------------------------------------------------------------------------------------------ schedulers
+def _optimizer(lr: float = 0.001) -> torch.optim.Optimizer:
+    return torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+
+
+def _lrs(scheduler, optimizer, epochs: int) -> list:
+    lrs = []
+    for _ in range(epochs):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def test_cosineannealwarm_follows_upstreams_per_epoch_values():
+    """CoBEVT's schedule: lr 1e-3, warm-up from 2e-4 over 10 of 90 epochs, floor 2e-5. Upstream's timm
+    scheduler, moved once per epoch, gives warm-up steps of 8e-5 and a cosine over all 90 epochs."""
+    hypes = load_hypes(UPSTREAM / "point_pillar_cobevt.yaml")
+    optimizer = _optimizer(hypes["optimizer"]["lr"])
+    lrs = _lrs(build_scheduler(hypes, optimizer), optimizer, 95)
+    assert lrs[0] == pytest.approx(2e-4) and lrs[5] == pytest.approx(6e-4) and lrs[9] == pytest.approx(9.2e-4)
+    assert lrs[10] == pytest.approx(2e-5 + 0.5 * 9.8e-4 * (1 + math.cos(math.pi / 9)))
+    assert lrs[45] == pytest.approx(2e-5 + 0.5 * 9.8e-4)
+    assert lrs[89] == pytest.approx(2e-5 + 0.5 * 9.8e-4 * (1 + math.cos(math.pi * 89 / 90)))
+    assert lrs[90:] == pytest.approx([2e-5] * 5)
+
+
+def test_cosineannealwarm_resumes_on_the_same_curve():
+    hypes = load_hypes(UPSTREAM / "point_pillar_where2comm.yaml")
+    optimizer = _optimizer(hypes["optimizer"]["lr"])
+    scheduler = build_scheduler(hypes, optimizer)
+    whole = _lrs(scheduler, optimizer, 30)
+    first = _optimizer(hypes["optimizer"]["lr"])
+    early = build_scheduler(hypes, first)
+    _lrs(early, first, 12)
+    resumed_optimizer = _optimizer(hypes["optimizer"]["lr"])  # the trainer's order: build both, then load both
+    resumed = build_scheduler(hypes, resumed_optimizer)
+    resumed_optimizer.load_state_dict(first.state_dict())
+    resumed.load_state_dict(early.state_dict())
+    assert _lrs(resumed, resumed_optimizer, 18) == pytest.approx(whole[12:], rel=1e-12)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("lr_scheduler.warmup_epoches=100", "lr_scheduler.warmup_epoches"),
+    ("lr_scheduler.lr_min=-1.0", "lr_scheduler.lr_min"),
+    ("lr_scheduler.epoches=0", "lr_scheduler.epoches"),
+    ("lr_scheduler.core_method=cosineanealwarm", "did you mean cosineannealwarm"),
+])
+def test_cosineannealwarm_errors_name_the_key(override, key):
+    hypes = apply_overrides(load_hypes(UPSTREAM / "point_pillar_cobevt.yaml"), [override])
+    with pytest.raises(ConfigError, match=key):
+        build_scheduler(hypes, _optimizer())
+
+
+def test_plain_schedulers_keep_their_defaults():
+    optimizer = _optimizer(1.0)
+    scheduler = build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": 2}}, optimizer)
+    assert _lrs(scheduler, optimizer, 4) == pytest.approx([1.0, 1.0, 0.1, 0.1])
+    assert build_scheduler({"lr_scheduler": None}, optimizer) is None
+    with pytest.raises(ConfigError, match="lr_scheduler.step_size"):
+        build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": ["x"]}}, optimizer)
+
+
+# ------------------------------------------------------------------------------------------ preprocess
+def test_preprocess_core_method_is_honoured(toy_small):
+    hypes = run_yaml_parser(apply_overrides(load_hypes(TOY / "point_pillar_early_fusion.yaml"), [
+        f"root_dir={toy_small / 'train'}", "preprocess.core_method=SpVoxelPreprocesor"]))
+    with pytest.raises(ConfigError) as info:
+        build_dataset(hypes, "train")
+    assert "preprocess.core_method 'SpVoxelPreprocesor'" in str(info.value)
+    assert "did you mean SpVoxelPreprocessor" in str(info.value)
+    del hypes["preprocess"]["core_method"]
+    with pytest.raises(ConfigError, match="missing key preprocess.core_method"):
+        build_dataset(hypes, "train")
+
+
+# ------------------------------------------------------------------------------------------ imports:
+def test_imports_register_an_out_of_tree_entry(tmp_path, monkeypatch):
+    (tmp_path / "my_widgets.py").write_text(
+        "from opencood_ddp.registry import LOSSES\n"
+        "@LOSSES.register('my_widget_loss', required=(('loss.args.scale', 'number'),))\n"
+        "def build(args):\n    return args['scale']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert R.import_modules({"imports": ["my_widgets"]}) == ["my_widgets"]
+    assert R.LOSSES.lookup({"loss": {"core_method": "my_widget_loss", "args": {"scale": 2}}}, "h").obj({"scale": 2}) == 2
+    sys.modules.pop("my_widgets", None)
+
+
+@pytest.mark.parametrize("imports, fragment", [
+    (["no_such_module_anywhere"], "module 'no_such_module_anywhere' listed under imports cannot be imported"),
+    ("my_pkg.models", "key imports must be a list of module names"),
+])
+def test_bad_imports_are_one_config_error(imports, fragment):
+    with pytest.raises(ConfigError) as info:
+        R.import_modules({"imports": imports}, "my.yaml")
+    assert str(info.value).startswith("my.yaml: ") and fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_module_that_fails_on_import_is_named(tmp_path, monkeypatch):
+    (tmp_path / "broken_models.py").write_text("raise RuntimeError('needs CUDA 13')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"'broken_models' .* \(RuntimeError: needs CUDA 13\)"):
+        R.import_modules({"imports": ["broken_models"]})
+
+
+def _pythonpath(*folders: Path) -> dict:
+    return {"PYTHONPATH": os.pathsep.join([str(f) for f in folders] + [os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.slow
+def test_an_out_of_tree_model_trains_on_two_ranks(toy_small, tmp_path):
+    """examples/tiny_maxfuse.py, named only in the hypes, trains 2 steps on 2 ranks with DataLoader workers;
+    its checkpoint holds its own parameters."""
+    run_dir = tmp_path / "run"
+    result = torchrun(2, TRAIN, "--hypes_yaml", EXAMPLE, "--model_dir", run_dir, "--max_steps", "2",
+                      "--num_workers", "2", *split_overrides(toy_small), extra_env=_pythonpath(REPO / "examples"))
+    assert result.returncode == 0, explain(result)
+    state = torch.load(run_dir / "net_step2.pth", map_location="cpu")
+    assert {"conv.0.weight", "cls_head.weight", "reg_head.weight", "pillar_vfe.pfn_layers.0.linear.weight"} <= set(state)
+    assert "hypes: " in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_a_missing_plugin_is_one_error_line(toy_small, tmp_path):
+    result = python(TRAIN, "--hypes_yaml", EXAMPLE, "--model_dir", tmp_path / "run", "--num_workers", "0",
+                    *split_overrides(toy_small))  # examples/ is not on PYTHONPATH
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(lines) == 1, explain(result)
+    assert "'tiny_maxfuse' listed under imports cannot be imported" in lines[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "run").exists()
