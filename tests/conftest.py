@@ -32,7 +32,7 @@ def synthetic_runs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def toy_small(tmp_path_factory) -> Path:
     """Root of the small toy OPV2V world (train/validate/test splits, seed 0), generated once per session."""
-    from opencood_ddp.data.toy import generate_toy_opv2v
+    from opencood_ddp.toy.writer import generate_toy_opv2v
 
     root = tmp_path_factory.mktemp("toy_small")
     generate_toy_opv2v(root, seed=0, scale="small")

@@ -8,16 +8,17 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from opencood_ddp.distributed.env import environ_without_launcher
+
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
 TRAIN = REPO / "tools" / "train_ddp.py"
 
 
 def clean_env(extra: Optional[dict] = None) -> dict:
-    """The test's environment without any launcher variables the test runner itself might carry."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                                      "MASTER_ADDR", "MASTER_PORT")}
+    """The test's environment without any launcher variables the test runner itself might carry, with one
+    OpenMP thread per process (the workers share the machine) and unbuffered output, plus `extra`."""
+    env = environ_without_launcher(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra or {})
     return env
@@ -110,3 +111,13 @@ def wait_until(condition, timeout: float, what: str, interval: float = 0.05) -> 
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def one_line_error(exc_info, *fragments: str) -> str:
+    """The message of a raised project error (pytest's ExceptionInfo): one line, holding every fragment."""
+    message = str(exc_info.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, message
+    return message
+

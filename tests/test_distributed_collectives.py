@@ -5,6 +5,8 @@ import pytest
 
 from launch import REPO, WORKERS, explain, torchrun
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
+
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 
 
@@ -15,10 +17,8 @@ def test_comm_helpers_on_three_ranks(tmp_path):
     seen = json.loads(out.read_text())
     assert [s["rank"] for s in seen] == [0, 1, 2]
     for s in seen:
-        assert s["world_size"] == 3 and s["is_main"] == (s["rank"] == 0)
+        assert s["world_size"] == 3
         assert s["sum"] == [0.5 + 1.5 + 2.5, 3.0]
-        assert s["all_agree_true"] is True and s["all_agree_one_false"] is False
-        assert s["any_rank_one_true"] is True and s["any_rank_none"] is False
         assert s["broadcast"] == {"from": 0, "payload": [1, 2, 3]}
         assert s["on_main"] == "made by rank 0"
         # rank 0's failure reaches every rank as the same exception, instead of a hang

@@ -3,7 +3,8 @@ import pytest
 
 from opencood_ddp.distributed.samplers import EvalShardSampler
 from opencood_ddp.engine.evaluator import in_dataset_order
-from opencood_ddp.engine.inference import choose_checkpoint, eval_file_name
+from opencood_ddp.engine.inference import choose_checkpoint
+from opencood_ddp.tasks.opencood import eval_file_name
 from opencood_ddp.errors import CheckpointError
 
 

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from launch import REPO, explain, train
-from opencood_ddp.distributed.checkpoint import relative_differences
+from opencood_ddp.engine.parity import relative_differences
+
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 PARITY_TOL = 1e-4

@@ -37,6 +37,7 @@ from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
 from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
+from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 
 TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
@@ -164,9 +165,9 @@ class Verdict:
 def judge(result: RunResult, reference: RunResult, noise: RunResult, args: argparse.Namespace) -> Verdict:
     gaps = loss_gaps(result.losses, reference.losses)
     floor = running_max(loss_gaps(noise.losses, reference.losses))
-    weight_gap = ckpt.global_relative_difference(result.weights, reference.weights)
-    weight_floor = ckpt.global_relative_difference(noise.weights, reference.weights)
-    worst = ckpt.relative_differences(result.weights, reference.weights)["parameters"]
+    weight_gap = global_relative_difference(result.weights, reference.weights)
+    weight_floor = global_relative_difference(noise.weights, reference.weights)
+    worst = relative_differences(result.weights, reference.weights)["parameters"]
     loss_gap = max(gaps, default=0.0)
     at = gaps.index(loss_gap) + 1 if gaps else 0
     reason = ""

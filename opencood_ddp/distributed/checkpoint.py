@@ -49,6 +49,14 @@ class CorruptCheckpointError(CheckpointError):
         self.problem = problem  # without the fix, for a message that lists several files
 
 
+class ForeignCheckpointError(CheckpointError):
+    """A state dict whose keys or shapes are another model's."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+
+
 def weights_name(epoch: int) -> str:
     return f"net_epoch{epoch}.pth"
 
@@ -140,8 +148,8 @@ def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: boo
     target = unwrap(model)
     report = describe_mismatch(target.state_dict(), state)
     if report and strict:
-        raise CheckpointError(f"checkpoint {label} does not match the model: {report}; "
-                              f"check that model.core_method and model.args match the run that saved it")
+        raise ForeignCheckpointError(f"checkpoint {label} does not match the model: {report}",
+                                     "check that model.core_method and model.args match the run that saved it")
     target.load_state_dict(state, strict=strict)
 
 
@@ -185,7 +193,12 @@ def _save_pair(weights_path: Path, state_path: Path, model: nn.Module, training_
     if training_state is not None:
         atomic_save(dict(training_state, format=STATE_FORMAT, weights=_describe_bytes(weights_path.name, weights),
                          **state_fields), state_path)
-    atomic_write(weights_path, lambda handle: handle.write(weights))
+    try:
+        atomic_write(weights_path, lambda handle: handle.write(weights))
+    except BaseException:
+        if training_state is not None:  # no sidecar without its weights (a full disk): no orphan is left
+            state_path.unlink(missing_ok=True)
+        raise
 
 
 def save_epoch(run_dir: Path, epoch: int, model: nn.Module, training_state: Optional[dict],
@@ -309,38 +322,3 @@ def load_training_state(run_dir: Path, epoch: int) -> Optional[dict]:
     """The sidecar of `epoch`, or None when the run came from upstream (weights only)."""
     path = Path(run_dir) / state_name(epoch)
     return load_state_file(path) if path.exists() else None
-
-
-def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any]) -> dict:
-    """How far two state dicts are apart, for parity checks between world sizes.
-
-    Per floating tensor: max|a - b| / max|b|. Returns {'parameters': (worst, key), 'buffers': (worst, key)},
-    BatchNorm running statistics counted as buffers, over the keys both hold.
-    """
-    worst: dict = {"parameters": (0.0, None), "buffers": (0.0, None)}
-    state = strip_module_prefix(state)
-    for key, ref in strip_module_prefix(reference).items():
-        other = state.get(key)
-        if other is None or not ref.is_floating_point():
-            continue
-        kind = "buffers" if "running_" in key else "parameters"
-        diff = ((other.double() - ref.double()).abs().max() / (ref.double().abs().max() + 1e-12)).item()
-        if diff > worst[kind][0]:
-            worst[kind] = (diff, key)
-    return worst
-
-
-def global_relative_difference(state: Mapping[str, Any], reference: Mapping[str, Any]) -> float:
-    """||a - b|| / ||b|| over all learnable floating tensors at once (BN running statistics excluded).
-
-    Unlike the per-tensor worst case, small tensors that barely train (a BN bias near zero) cannot dominate it.
-    """
-    state = strip_module_prefix(state)
-    gap = norm = 0.0
-    for key, ref in strip_module_prefix(reference).items():
-        other = state.get(key)
-        if other is None or not ref.is_floating_point() or "running_" in key:
-            continue
-        gap += (other.double() - ref.double()).pow(2).sum().item()
-        norm += ref.double().pow(2).sum().item()
-    return (gap / norm) ** 0.5 if norm else 0.0

@@ -30,10 +30,6 @@ def get_rank() -> int:
     return dist.get_rank() if is_dist() else 0
 
 
-def is_main_process() -> bool:
-    return get_rank() == 0
-
-
 def comm_device() -> torch.device:
     """NCCL only moves CUDA tensors; gloo only CPU ones."""
     if is_dist() and dist.get_backend() == "nccl":
@@ -56,20 +52,6 @@ def all_reduce_sum(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
         tensor = tensor.to(comm_device())
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.cpu()
-
-
-def all_agree(flag: bool) -> bool:
-    """True only when `flag` is true on every rank (a logical AND over ranks)."""
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    if is_dist():
-        tensor = tensor.to(comm_device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
-    return bool(tensor.item())
-
-
-def any_rank(flag: bool) -> bool:
-    """True when `flag` is true on at least one rank."""
-    return not all_agree(not flag)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -200,6 +182,26 @@ def peer_phases(timeout_seconds: float = 5.0) -> dict[int, str]:
     except (RuntimeError, ValueError) as exc:  # the store's host (rank 0 or the agent) is gone too
         seen[-1] = f"the rendezvous store is unreachable ({first_line(exc)[:300]})"
     return seen
+
+
+def meet_before_exit(timeout_seconds: float = 10.0) -> bool:
+    """Wait, up to `timeout_seconds`, until every rank has come here (a counter in the rendezvous store, so no
+    collective that a dead peer could hang). Ranks that end on the same error leave together: torchrun's agent
+    ends the survivors of the first rank that exits, which would turn their exit code into a signal. Returns
+    whether all came; a no-op without a process group."""
+    store = _store()
+    if store is None:
+        return True
+    try:
+        store.set_timeout(datetime.timedelta(seconds=timeout_seconds))
+        arrived = store.add("opencood_ddp/leaving", 1)
+        deadline = time.monotonic() + timeout_seconds
+        while arrived < get_world_size() and time.monotonic() < deadline:
+            time.sleep(0.05)
+            arrived = store.add("opencood_ddp/leaving", 0)
+        return arrived >= get_world_size()
+    except (RuntimeError, ValueError):  # the store's host is gone
+        return False
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -123,8 +123,28 @@ def _torchrun_env(environ: Mapping[str, str], local_rank_arg: Optional[int]) -> 
                 local_rank=local_rank, launcher=launcher)
 
 
+SHARE_GPUS_VARIABLE = "OPENCOOD_DDP_SHARE_GPUS"
+
+
+def _cuda_device(local_rank: int, count: Optional[int], environ: Mapping[str, str], backend: str) -> str:
+    """cuda:<local_rank>; more processes than GPUs on a node only when asked (tools/gpu_check.py runs 2 ranks
+    on one GPU), and then over gloo: NCCL refuses two ranks on one device. `count` None: not known (a test's
+    pretended GPU machine), no check."""
+    if count is None or local_rank < count:
+        return f"cuda:{local_rank}"
+    if environ.get(SHARE_GPUS_VARIABLE) != "1":
+        raise ConfigError(f"local rank {local_rank} has no GPU of its own: this node shows {count}; start at most "
+                          f"{count} processes per node, or set {SHARE_GPUS_VARIABLE}=1 with --dist_backend gloo "
+                          f"to share them")
+    if backend != "gloo":
+        raise ConfigError(f"{SHARE_GPUS_VARIABLE}=1 puts several ranks on one GPU, which NCCL refuses; add "
+                          f"--dist_backend gloo")
+    return f"cuda:{local_rank % count}"
+
+
 def detect_dist_env(environ: Mapping[str, str], local_rank_arg: Optional[int] = None,
-                    cuda_available: Optional[bool] = None, backend: Optional[str] = None) -> DistEnv:
+                    cuda_available: Optional[bool] = None, backend: Optional[str] = None,
+                    cuda_count: Optional[int] = None) -> DistEnv:
     """Detect rank, local rank and world size: torchrun/launch, then SLURM, else a single process."""
     if cuda_available is None:
         cuda_available = torch.cuda.is_available()
@@ -141,14 +161,20 @@ def detect_dist_env(environ: Mapping[str, str], local_rank_arg: Optional[int] = 
         raise ConfigError(f"rank {fields['rank']} is outside world size {fields['world_size']}; "
                           f"check the launcher's RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_STEP_NUM_TASKS)")
     chosen_backend = backend or ("nccl" if cuda_available else "gloo")
-    device = f"cuda:{fields['local_rank']}" if cuda_available else "cpu"
+    if cuda_available:
+        if cuda_count is None and torch.cuda.is_available():
+            cuda_count = torch.cuda.device_count()
+        count = cuda_count
+        device = _cuda_device(fields["local_rank"], count, environ, chosen_backend)
+    else:
+        device = "cpu"
     return DistEnv(backend=chosen_backend, device=device, **fields)
 
 
 def init_distributed_mode(env: DistEnv, timeout_minutes: float = 30.0) -> None:
     """Initialise the process group for `env` (nothing for a single process) and pin the CUDA device."""
     if env.device.startswith("cuda"):
-        torch.cuda.set_device(env.local_rank)
+        torch.cuda.set_device(torch.device(env.device))
     if not env.distributed or dist.is_initialized():
         return
     timeout = datetime.timedelta(minutes=timeout_minutes)

@@ -183,6 +183,3 @@ def convert_sync_batchnorm(model: nn.Module, world_size: int, device: str,
         return nn.SyncBatchNorm.convert_sync_batchnorm(model), "torch.nn.SyncBatchNorm"
     return _convert_to_gloo_sync(model), "GlooSyncBatchNorm"
 
-
-def count_batchnorms(model: nn.Module) -> int:
-    return sum(isinstance(m, _BatchNorm) for m in model.modules())

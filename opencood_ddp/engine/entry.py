@@ -7,10 +7,15 @@ collective (CollectiveError) is told by every rank that saw it: rank 0 may be th
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import signal
 import sys
+import threading
+import time
 from typing import Callable, Optional
 
+from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
 from opencood_ddp.engine.logging import setup_logging
 from opencood_ddp.errors import CollectiveError, OpencoodDdpError
@@ -29,17 +34,47 @@ def run_distributed(args: argparse.Namespace, recipe: Callable[[argparse.Namespa
                 # Told before the process group is torn down: after a peer died, torchrun's agent may end
                 # this process with SIGTERM during the teardown, and the reason would be lost.
                 report_error(exc, env)
-                exc.reported = True
+                leave_together(exc)
                 raise
     except OpencoodDdpError as exc:
-        if not getattr(exc, "reported", False):
-            report_error(exc, env)
+        report_error(exc, env)
         return exc.exit_code
     return 0
 
 
+def leave_together(exc: OpencoodDdpError) -> None:
+    """Every rank raised this error (the errors are agreed on): meet the others, then let torchrun's SIGTERM to
+    the survivors of the first rank out pass unheeded, so that every rank exits with the error's own code. A
+    broken collective is left at once: its peer is gone."""
+    if isinstance(exc, CollectiveError):
+        return
+    comm.meet_before_exit()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # we are on our way out; the agent SIGKILLs a hang
+
+
 def report_error(exc: OpencoodDdpError, env: Optional[DistEnv]) -> None:
-    """One line on rank 0's stderr (`error: ...`, `stopped: ...`); other ranks stay silent."""
+    """One line on rank 0's stderr (`error: ...`, `stopped: ...`); other ranks stay silent. Told once: a recipe
+    may tell it early (before a signal handler goes), and run_distributed then stays quiet."""
+    if getattr(exc, "reported", False):
+        return
+    exc.reported = True
     rank = env.rank if env is not None else int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) or 0)
     if rank == 0 or isinstance(exc, CollectiveError):
         print(f"{exc.label}: {exc}", file=sys.stderr, flush=True)
+        write_elastic_error_file(f"{exc.label}: {exc}")
+
+
+def write_elastic_error_file(line: str) -> None:
+    """Under torchrun, put our line where its failure summary looks (TORCHELASTIC_ERROR_FILE, the file its
+    `record` decorator writes), so that the summary shows it and the rank that said it instead of 'error_file:
+    <N/A>' and a signal blamed on another rank. The JSON layout is torch.distributed.elastic's."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as handle:
+            json.dump(data, handle)
+    except OSError:  # the summary is a courtesy; the line is on stderr already
+        pass

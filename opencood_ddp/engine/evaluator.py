@@ -3,8 +3,9 @@
 The engine knows nothing about detection. A task hands over an ``EvalSpec``: the dataset and its collate
 function, the model, ``evaluate_batch(model, batch, indices) -> one picklable record per sample`` (``indices``:
 the batch's dataset indices, so per-frame files are named by frame whatever rank wrote them),
-``summarize(records in dataset order) -> dict`` and optionally ``finish(records in dataset order)`` for
-artefacts drawn once on rank 0 (plots). Every frame is evaluated by exactly one rank (the shards of
+``summarize(records in dataset order) -> dict``, optionally ``finish(records in dataset order)`` for
+artefacts drawn once on rank 0 (plots), the name of the summary file and ``report(result)``, the text rank 0
+logs (a metrics table). Every frame is evaluated by exactly one rank (the shards of
 ``EvalShardSampler`` are contiguous, unpadded and cover the dataset), so nothing is counted twice, and the
 summary is computed once from the same ordered list at every world size: the metrics do not depend on it.
 """
@@ -27,17 +28,15 @@ from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
 
 @dataclass
 class EvalRequest:
-    """What the user asked for (tools/inference_ddp.py's flags), handed to the task's ``build_eval``."""
+    """What the user asked for, handed to the task's ``build_eval``. ``task_options`` is opaque to the engine:
+    the parsed flags of the task's own options (``add_eval_arguments``), or None for the task's defaults
+    (training's --eval_after_training)."""
 
-    fusion_method: Optional[str]  # None: the one the run's hypes imply
     dataset_dir: Optional[str] = None  # None: the run's validate_dir, as upstream's inference
     test_split: bool = False  # with dataset_dir None: the hypes' test_dir where it has one (--eval_after_training)
-    global_sort: bool = False
     batch_size: int = 1
-    out_dir: Optional[str] = None  # where --save_vis / --save_npy write
-    save_vis: bool = False
-    save_npy: bool = False
-    pr_plot: bool = False
+    out_dir: Optional[str] = None  # where the result file and the task's artefacts go
+    task_options: Any = None
 
 
 @dataclass
@@ -49,6 +48,8 @@ class EvalSpec:
     summarize: Callable[[List[Any]], dict]
     move_to: Callable[[Any, torch.device], Any]
     finish: Optional[Callable[[List[Any]], None]] = None
+    result_name: str = "eval.yaml"  # the file rank 0 writes the summary to, in the request's out_dir
+    report: Callable[["EvalResult"], str] = lambda result: str(result.summary)  # rank 0's text after evaluation
 
 
 @dataclass

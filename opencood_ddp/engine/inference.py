@@ -2,7 +2,7 @@
 
 detect launcher -> process group -> the run's config.yaml (rank 0, broadcast) -> checkpoint choice (rank 0,
 broadcast) -> the task's EvalSpec (dataset, model, per-frame evaluation) -> weights -> evaluate on every rank
--> rank 0 writes eval.yaml (or eval_global_sort.yaml) and prints the table.
+-> rank 0 writes the spec's result file (eval.yaml) and logs its report.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed import comm
@@ -25,30 +26,26 @@ from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
 from opencood_ddp.errors import CheckpointError, ConfigError
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
+TaskArguments = Callable[[argparse.ArgumentParser], None]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Evaluate a trained run on 1..N processes (AP@0.3/0.5/0.7).")
+def build_parser(add_task_arguments: Optional[TaskArguments] = None) -> argparse.ArgumentParser:
+    """The engine's flags; ``add_task_arguments`` adds the task's own (what to evaluate and what to draw)."""
+    parser = argparse.ArgumentParser(description="Evaluate a trained run on 1..N processes; the metrics equal a "
+                                                 "1-process run's.")
     parser.add_argument("--model_dir", required=True, help="run folder with config.yaml and net_epoch*.pth")
-    parser.add_argument("--fusion_method", required=True, choices=("early", "late", "intermediate"))
     parser.add_argument("--dataset_dir", help="split to evaluate (default: validate_dir of config.yaml)")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--epoch", type=int, help="evaluate net_epoch{N}.pth (default: the last)")
     which.add_argument("--bestval", action="store_true", help="evaluate net_epoch_bestval_at{N}.pth")
-    parser.add_argument("--global_sort_detections", action="store_true",
-                        help="sort all detections by score before AP (default: upstream's frame order)")
-    parser.add_argument("--batch_size", type=int, default=1,
-                        help="frames per forward pass on each process (early/intermediate; late fusion: 1)")
-    parser.add_argument("--save_vis", action="store_true", help="bird's-eye-view PNG per frame in MODEL_DIR/vis/")
-    parser.add_argument("--save_npy", action="store_true",
-                        help="per frame MODEL_DIR/npy/{index:04d}_pcd.npy, _pred.npy, _gt.npy (upstream's files)")
-    parser.add_argument("--pr_plot", action="store_true",
-                        help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve[_global_sort].png")
+    parser.add_argument("--batch_size", type=int, default=1, help="samples per forward pass on each process")
     parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers per process")
     parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
                         help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+    if add_task_arguments is not None:
+        add_task_arguments(parser.add_argument_group("task options"))
     return parser
 
 
@@ -56,11 +53,11 @@ def load_run_config(model_dir: Path) -> dict:
     path = model_dir / CONFIG_NAME
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass --model_dir of a training run (it holds config.yaml)")
-    # eval.yaml (and --save_npy / --save_vis / --pr_plot files) go into the run: refuse before evaluating.
+    # The result file and the task's artefacts go into the run: refuse before evaluating.
     require_writable(model_dir, "write eval.yaml into it (or evaluate a copy of the run)")
     hypes = hypes_lib.load_hypes(path)
     hypes.pop("batch_plan", None)
-    return hypes_lib.run_yaml_parser(hypes, str(path))
+    return run_yaml_parser(hypes, str(path))
 
 
 def choose_checkpoint(model_dir: Path, epoch: Optional[int], bestval: bool) -> Path:
@@ -81,24 +78,11 @@ def choose_checkpoint(model_dir: Path, epoch: Optional[int], bestval: bool) -> P
     return model_dir / ckpt.weights_name(found[-1])
 
 
-def eval_file_name(global_sort: bool) -> str:
-    return "eval_global_sort.yaml" if global_sort else "eval.yaml"
-
-
 def write_eval_yaml(path: Path, result: EvalResult, checkpoint: Path) -> None:
     content = dict(result.summary, frames=result.frames, world_size=result.world_size,
                    seconds=round(result.seconds, 3), checkpoint=checkpoint.name)
     text = yaml.safe_dump(content, sort_keys=False)
     atomic_write(path, lambda handle: handle.write(text.encode()))
-
-
-def summary_table(result: EvalResult) -> str:
-    s = result.summary
-    rows = ["| IoU | AP |", "|---|---:|"] + [f"| {iou} | {s[key]:.4f} |" for iou, key in
-                                            (("0.3", "ap30"), ("0.5", "ap_50"), ("0.7", "ap_70"))]
-    rate = result.frames / result.seconds if result.seconds > 0 else float("inf")
-    return "\n".join(rows + [f"{result.frames} frames on {result.world_size} process(es) in {result.seconds:.1f} s "
-                             f"({rate:.1f} frames/s)"])
 
 
 def evaluate_checkpoint(spec: EvalSpec, request: EvalRequest, checkpoint: Path, env: DistEnv,
@@ -112,37 +96,27 @@ def evaluate_checkpoint(spec: EvalSpec, request: EvalRequest, checkpoint: Path, 
     log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
     result = evaluate(spec, env, batch_size=request.batch_size, num_workers=num_workers)
     if result is not None:
-        path = out_dir / eval_file_name(request.global_sort)
+        path = out_dir / spec.result_name
         write_eval_yaml(path, result, checkpoint)
-        log.info("\n".join([summary_table(result), f"wrote {path}"] + written_files(request, out_dir)))
+        log.info(f"{spec.report(result)}\n{_pace(result)}\nwrote {path}")
     return result
 
 
-def written_files(request: EvalRequest, out_dir: Path) -> list:
-    lines = []
-    if request.save_vis:
-        lines.append(f"bird's-eye-view pictures: {out_dir / 'vis'}/bev_*.png")
-    if request.save_npy:
-        lines.append(f"arrays: {out_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
-    if request.pr_plot:
-        lines.append(f"precision-recall curves: {out_dir / pr_plot_name(request.global_sort)}")
-    return lines
-
-
-def pr_plot_name(global_sort: bool) -> str:
-    return "pr_curve_global_sort.png" if global_sort else "pr_curve.png"
+def _pace(result: EvalResult) -> str:
+    rate = result.frames / result.seconds if result.seconds > 0 else float("inf")
+    return f"{result.frames} frames on {result.world_size} process(es) in {result.seconds:.1f} s ({rate:.1f} frames/s)"
 
 
 def run_eval(args: argparse.Namespace, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
     model_dir = Path(args.model_dir)
     hypes, checkpoint = comm.on_main_then_broadcast(
         lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, args.epoch, args.bestval)))
-    request = EvalRequest(fusion_method=args.fusion_method, dataset_dir=args.dataset_dir,
-                          global_sort=args.global_sort_detections, batch_size=args.batch_size,
-                          out_dir=str(model_dir), save_vis=args.save_vis, save_npy=args.save_npy,
-                          pr_plot=args.pr_plot)
+    request = EvalRequest(dataset_dir=args.dataset_dir, batch_size=args.batch_size, out_dir=str(model_dir),
+                          task_options=args)
     return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, args.num_workers)
 
 
-def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder) -> int:
-    return run_distributed(build_parser().parse_args(argv), lambda args, env: run_eval(args, env, build_eval))
+def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder,
+         add_task_arguments: Optional[TaskArguments] = None) -> int:
+    args = build_parser(add_task_arguments).parse_args(argv)
+    return run_distributed(args, lambda parsed, env: run_eval(parsed, env, build_eval))

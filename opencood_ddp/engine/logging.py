@@ -10,8 +10,9 @@ import io
 import logging
 import math
 import sys
+import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from tqdm import tqdm
 
@@ -60,31 +61,53 @@ def attach_log_file(run_dir: Path, rank: int) -> Path:
     return path
 
 
-def progress(total: int, desc: str, is_main: bool) -> tqdm:
-    """A progress bar on rank 0; a disabled one (same API, no output) elsewhere."""
+PLAIN_PROGRESS_INTERVAL_S = 30.0
+
+
+def progress(total: int, desc: str, is_main: bool, stream=None):
+    """A progress bar on rank 0 when stderr is a terminal; a plain line every 30 s when it is piped (a cluster
+    job's log, `make demo > log`: tqdm's carriage-return frames would fill it); nothing on other ranks."""
+    stream = stream or sys.stderr
+    if is_main and not stream.isatty():
+        return PlainProgress(total, desc, stream)
     return tqdm(total=total, desc=desc, disable=not is_main, dynamic_ncols=True, leave=False,
-                mininterval=1.0, file=sys.stderr)
+                mininterval=1.0, file=stream)
 
 
-class NullWriter:
-    """Stands in for SummaryWriter on ranks other than 0."""
+class PlainProgress:
+    """tqdm's update / set_postfix / close for a piped stream: one line per interval and one at the end."""
 
-    def add_scalar(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    def __init__(self, total: int, desc: str, stream, interval_s: float = PLAIN_PROGRESS_INTERVAL_S):
+        self.total, self.desc, self.stream, self.interval_s = total, desc, stream, interval_s
+        self.n, self.postfix, self.closed = 0, "", False
+        self.started = self.last = time.monotonic()
 
-    def flush(self) -> None:
-        pass
+    def update(self, count: int = 1) -> None:
+        self.n += count
+        if count and time.monotonic() - self.last >= self.interval_s:
+            self._line()
+
+    def set_postfix(self, **values: object) -> None:
+        self.postfix = ", ".join(f"{key}={value}" for key, value in values.items())
 
     def close(self) -> None:
-        pass
+        if not self.closed and self.n > 0:
+            self._line()
+        self.closed = True
+
+    def _line(self) -> None:
+        self.last = time.monotonic()
+        elapsed = self.last - self.started
+        text = f"{self.desc}: {self.n}/{self.total} ({elapsed:.0f} s)" + (f" {self.postfix}" if self.postfix else "")
+        print(text, file=self.stream, flush=True)
 
 
-def summary_writer(run_dir: Optional[Path], is_main: bool):
-    if not is_main or run_dir is None:
-        return NullWriter()
+def summary_writer(run_dir: Path, purge_step: Optional[int] = None):
+    """The run's TensorBoard writer (rank 0 only: engine/hooks.TensorBoardHook); `purge_step`: events of that step
+    and later, from earlier files of the run, are dropped by TensorBoard (a resume)."""
     from tensorboardX import SummaryWriter  # imported lazily: it is slow and rank 0 only needs it
 
-    return SummaryWriter(str(run_dir))
+    return SummaryWriter(str(run_dir), purge_step=purge_step)
 
 
 STEP_LOG_NAME = "train_steps.csv"

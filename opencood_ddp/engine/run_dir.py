@@ -6,7 +6,10 @@ is refused, so that no file of someone else's is overwritten.
 """
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +42,7 @@ def _existing_model_dir(path: Path) -> RunFolder:
     if (path / CONFIG_NAME).is_file():
         require_writable(path, "resume it")
         return RunFolder(path, resume=True)
-    if any(path.iterdir()):
+    if any(entry.name != LOCK_NAME for entry in path.iterdir()):  # a lock alone: a job that died at its start
         raise ConfigError(f"--model_dir {path} is not a run (no {CONFIG_NAME}) and is not empty; pass a run folder "
                           f"to resume, or a new or empty folder for a new run")
     return RunFolder(path, resume=False)
@@ -70,3 +73,58 @@ def create_run_folder(folder: RunFolder) -> RunFolder:
         raise ConfigError(f"cannot create or write the run folder {folder.path} ({exc.strerror}); choose another "
                           f"--model_dir or --log_root") from None
     return folder
+
+
+# ------------------------------------------------------------------------------------------------ the lock
+LOCK_NAME = ".run.lock"
+_HELD: dict = {}  # run folder -> open lock file of this process (closing it releases the lock)
+
+
+def lock_run_folder(path: Path) -> None:
+    """Hold the run folder for this job (rank 0): an exclusive flock on <run>/.run.lock. The kernel releases it
+    when the process ends however it ends, so a lock left by a dead job is simply taken over; a job that ends
+    normally removes the file. The file names the holder (host, pid, start) for the refusal of a second job."""
+    path = Path(path)
+    if path in _HELD:
+        return
+    lock_path = path / LOCK_NAME
+    while True:
+        handle = open(lock_path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another job"
+            handle.close()
+            raise ConfigError(f"run folder {path} is in use by {holder} (lock {lock_path}); wait for that job to "
+                              f"end, stop it, or pass another --model_dir") from None
+        # The holder before us may have removed the file between our open and our flock: then we hold a lock
+        # on a file nobody else will find; open the new one.
+        if lock_path.exists() and os.stat(lock_path).st_ino == os.fstat(handle.fileno()).st_ino:
+            break
+        handle.close()
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    handle.flush()
+    _HELD[path] = handle
+
+
+def release_run_folder(path: Path) -> None:
+    """Give the lock back and remove its file (removed before the lock goes, so that no job waits on it)."""
+    handle = _HELD.pop(Path(path), None)
+    if handle is not None:
+        (Path(path) / LOCK_NAME).unlink(missing_ok=True)
+        handle.close()
+
+
+def remove_if_nothing_saved(path: Path) -> bool:
+    """Remove a new run's folder that holds no weights (rank 0, after the run failed): a refused or failed new
+    run must leave nothing behind, or its config.yaml would make the corrected command resume the old
+    settings. A folder with any net_*.pth stays. Returns whether it was removed."""
+    path = Path(path)
+    if not path.is_dir() or any(path.glob("net_*.pth")):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+

@@ -1,4 +1,9 @@
-"""The fit loop: epochs of accumulated, DDP-synchronised steps, all-reduced validation, rank-0 checkpoints.
+"""The fit loop: epochs of accumulated, DDP-synchronised steps and all-reduced validation.
+
+What the loop writes goes elsewhere: checkpoints, best-val weights and resume to RunCheckpointer
+(engine/checkpointer.py), the progress bar, epoch line, TensorBoard and train_steps.csv to hooks
+(engine/hooks.py). The loop keeps what decides the training: accumulation, the step agreement and the
+non-finite policy.
 
 Invariants that make an N-rank run follow the 1-rank run:
 - every rank takes the same number of optimizer steps per epoch (drop_last samplers; trailing micro-batches
@@ -17,7 +22,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -30,14 +35,16 @@ from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
-from opencood_ddp.engine.logging import StepLog, get_logger, progress
+from opencood_ddp.engine.checkpointer import RunCheckpointer
+from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
+from opencood_ddp.engine.logging import get_logger
+from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
 from opencood_ddp.engine.task import Task
-from opencood_ddp.errors import (CheckpointError, NonFiniteError, OpencoodDdpError, StopRequested,
-                                 unwrap_worker_error)
-from opencood_ddp.hypes import get_key
+from opencood_ddp.errors import ConfigError, NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
+from opencood_ddp.hypes import changed_sections, get_key, section_digests
 
 
 @dataclass
@@ -56,17 +63,23 @@ class TrainSettings:
     max_steps: Optional[int] = None  # end the run after this many optimizer steps (smoke tests, parity checks)
     reverse_batch_order: bool = False  # same batches, samples reversed: a rounding-only change (parity noise floor)
     on_nonfinite: str = "stop"  # a non-finite loss or gradient: "stop" (save, exit 3) or "skip" the step
+    allow_config_change: bool = False  # resume although a model or data section of the hypes changed
+    max_skips_in_a_row: int = 10  # --on_nonfinite skip: more consecutive skipped steps stop the run as "stop" does
+    max_skip_share: float = 0.1  # ... and so does a larger share of an epoch's steps skipped
 
     @classmethod
     def from_hypes(cls, hypes: dict, seed: int, num_workers: int, half: bool, sync_bn: bool,
                    max_steps: Optional[int] = None, reverse_batch_order: bool = False,
-                   on_nonfinite: str = "stop") -> "TrainSettings":
+                   on_nonfinite: str = "stop", allow_config_change: bool = False, max_skips_in_a_row: int = 10,
+                   max_skip_share: float = 0.1) -> "TrainSettings":
         return cls(epochs=hypes["train_params"]["epoches"], seed=seed,
                    eval_freq=get_key(hypes, "train_params.eval_freq", 1),
                    save_freq=get_key(hypes, "train_params.save_freq", 1), num_workers=num_workers,
                    find_unused_parameters=bool(get_key(hypes, "train_params.find_unused_parameters", False)),
                    half=half, sync_bn=sync_bn, max_steps=max_steps,
-                   reverse_batch_order=reverse_batch_order, on_nonfinite=on_nonfinite)
+                   reverse_batch_order=reverse_batch_order, on_nonfinite=on_nonfinite,
+                   allow_config_change=allow_config_change, max_skips_in_a_row=max_skips_in_a_row,
+                   max_skip_share=max_skip_share)
 
 
 @dataclass
@@ -82,76 +95,12 @@ class Progress:
     skipped_steps: list = field(default_factory=list)  # global steps skipped under --on_nonfinite skip
 
 
-@dataclass
-class StepRecord:
-    """One optimizer step: the loss parts all-reduced over ranks (the same on every rank) and this rank's
-    timing; data_seconds is the part of `seconds` spent waiting for the loader."""
-
-    step: int
-    epoch: int
-    losses: dict
-    lr: float
-    seconds: float
-    data_seconds: float
-    skipped: bool = False  # a non-finite step that every rank skipped (--on_nonfinite skip)
-
-    def row(self, global_batch: int) -> dict:
-        return {"step": self.step, "epoch": self.epoch + 1, **self.losses, "lr": self.lr,
-                "seconds": round(self.seconds, 6), "data_seconds": round(self.data_seconds, 6),
-                "samples_per_s": round(global_batch / self.seconds, 3), "skipped": int(self.skipped)}
-
-
-class _Sums:
-    """Sample-weighted sums of the loss and its parts on this rank, reduced over ranks on demand."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.values: list[float] = []
-        self.count = 0
-
-    def add(self, total: torch.Tensor, parts: dict, n: int) -> None:
-        items = {"loss": total, **parts}
-        if not self.names:
-            self.names = list(items)
-            self.values = [0.0] * len(items)
-        for i, name in enumerate(self.names):
-            self.values[i] += float(items[name].detach()) * n
-        self.count += n
-
-    def reduced_means(self, names: Optional[list[str]] = None) -> dict:
-        return self.reduced_means_and_flags(names)[0]
-
-    def reduced_means_and_flags(self, names: Optional[list[str]] = None, flags: Sequence[float] = ()
-                                ) -> tuple[dict, list[float]]:
-        """The means over all ranks, and `flags` summed over ranks, in one all-reduce."""
-        names = names or self.names
-        values = self.values or [0.0] * len(names)
-        totals = comm.all_reduce_sum(values + [float(self.count)] + list(flags))
-        count = totals[len(names)].item()
-        means = {name: (totals[i].item() / count if count else math.nan) for i, name in enumerate(names)}
-        return means, totals[len(names) + 1:].tolist()
-
-    def reduced_totals(self) -> dict:
-        """Collective: the sums over all ranks, for a checkpoint taken in the middle of an epoch."""
-        totals = comm.all_reduce_sum(self.values + [float(self.count)]).tolist()
-        return {"names": list(self.names), "values": totals[:-1], "count": totals[-1]}
-
-    @classmethod
-    def carried(cls, saved: Optional[dict], holder: bool) -> "_Sums":
-        """An epoch's sums resumed mid-epoch: rank 0 carries the saved totals, the others start at zero."""
-        sums = cls()
-        if saved and saved["names"]:
-            sums.names = list(saved["names"])
-            sums.values = list(saved["values"]) if holder else [0.0] * len(saved["names"])
-            sums.count = int(saved["count"]) if holder else 0
-        return sums
-
-
 class Trainer:
     def __init__(self, task: Task, plan: BatchPlan, env: DistEnv, settings: TrainSettings, hypes: dict,
-                 run_dir: Path, writer: Any):
+                 run_dir: Path, hooks: Optional[Hooks] = None):
         self.task, self.plan, self.env, self.settings = task, plan, env, settings
-        self.run_dir, self.writer, self.log = Path(run_dir), writer, get_logger()
+        self.run_dir, self.hooks, self.log = Path(run_dir), hooks or Hooks(), get_logger()
+        self.checkpointer = RunCheckpointer(self.run_dir, env.is_main, settings.keep_states)
         self.device = torch.device(env.device)
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=settings.sync_bn)
@@ -164,12 +113,16 @@ class Trainer:
                                                       reverse=settings.reverse_batch_order)
         self.steps_per_epoch = steps_per_epoch(self.batch_sampler, plan.accumulation)
         self.progress = Progress()
-        self.step_log = StepLog(self.run_dir, env.is_main)
-        self.last_weights: Optional[Path] = None  # the newest weights this run wrote (same value on every rank)
+        self.config_digests = section_digests(hypes)  # saved with each checkpoint, compared on resume
         self.stop_signal: Optional[StopSignal] = None  # installed by the recipe; checked at every step boundary
         self.phase = "start"  # where this rank is, published for peers that must explain a failed collective
         self._epoch_carry: Optional[dict] = None  # loss sums of the epoch a mid-epoch checkpoint interrupted
-        self._epoch_sums = _Sums()  # this rank's loss sums of the epoch in progress
+        self._epoch_sums = LossSums()  # this rank's loss sums of the epoch in progress
+
+    @property
+    def last_weights(self) -> Optional[Path]:
+        """The newest weights this run wrote (the same on every rank)."""
+        return self.checkpointer.last_weights
 
     # ------------------------------------------------------------------------------------------------ set-up
     def _wrap(self, model: nn.Module) -> nn.Module:
@@ -180,31 +133,12 @@ class Trainer:
                                        find_unused_parameters=self.settings.find_unused_parameters)
 
     def resume(self) -> tuple[Optional[ckpt.SavedCheckpoint], list[str]]:
-        """Continue from the newest checkpoint that loads: (that checkpoint or None, why newer ones were passed
-        over). A truncated or corrupt file is passed over for the one before it; when none loads, a
-        CheckpointError names them. Every rank reads the same files and so takes the same one."""
-        rejected: list[ckpt.CorruptCheckpointError] = []
-        for saved in ckpt.saved_checkpoints(self.run_dir, self.steps_per_epoch):
-            try:
-                weights, state = ckpt.load_saved(saved)
-            except ckpt.CorruptCheckpointError as exc:
-                if getattr(exc, "weights", None) is not None:  # a whole file put in its place: whose weights?
-                    ckpt.load_weights(self.model_without_ddp, exc.weights, label=str(saved.weights))  # another
-                    # model's weights stop the resume here; this model's fall back like a torn file
-                rejected.append(exc)
-                continue
-            ckpt.load_weights(self.model_without_ddp, weights, label=str(saved.weights))  # another model's: stop
-            self._restore_training(saved, state)
-            if self.env.is_main:
-                self.step_log.keep_until(self.progress.global_step)
-            return saved, [exc.problem for exc in rejected]
-        if rejected:
-            more = f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""
-            raise CheckpointError(f"{rejected[0].problem}{more}, and no earlier checkpoint of this run loads; delete "
-                                  f"the damaged files to train {self.run_dir} from the start")
-        if self.env.is_main:
-            self.step_log.keep_until(0)  # a restarted run that died before its first checkpoint
-        return None, []
+        """Continue from the newest checkpoint that loads (RunCheckpointer.resume): (that checkpoint or None,
+        why newer ones were passed over)."""
+        found = self.checkpointer.resume(self.model_without_ddp, self.steps_per_epoch)
+        if found.saved is not None:
+            self._restore_training(found.saved, found.state)
+        return found.saved, found.passed_over
 
     def _restore_training(self, saved: ckpt.SavedCheckpoint, state: Optional[dict]) -> None:
         if state is None:  # an upstream run: weights only
@@ -216,6 +150,7 @@ class Trainer:
                     self.scheduler.step()
             self.progress = Progress(epoch=epoch, global_step=epoch * self.steps_per_epoch)
             return
+        self._check_config_change(saved, state.get("config_digests"))
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("lr_scheduler") is not None:
             self.scheduler.load_state_dict(state["lr_scheduler"])
@@ -229,6 +164,20 @@ class Trainer:
                                  skipped_steps=list(state.get("skipped_steps", [])))
         self._epoch_carry = state.get("epoch_sums")
         self._warn_plan_change(state.get("batch_plan", {}))
+
+    def _check_config_change(self, saved: ckpt.SavedCheckpoint, digests: Optional[dict]) -> None:
+        """A model or data section edited since the checkpoint (config.yaml, or --set on resume): refused, since
+        weights that happen to fit another model would train on silently as that model; --allow_config_change
+        resumes with a warning. Checkpoints written before digests were recorded are not checked."""
+        changed = changed_sections(digests, self.config_digests) if digests is not None else []
+        if not changed:
+            return
+        what = (f"{saved.weights.name} was trained with other hypes sections {', '.join(changed)} than this run "
+                f"has now")
+        if not self.settings.allow_config_change:
+            raise ConfigError(f"{what}; restore them in {self.run_dir / 'config.yaml'} (or drop the --set), or "
+                              f"pass --allow_config_change to resume anyway")
+        self.log.warning(f"{what}; resuming anyway (--allow_config_change)")
 
     def _warn_plan_change(self, saved: dict) -> None:
         if saved and saved.get("global_batch") != self.plan.global_batch:
@@ -249,7 +198,7 @@ class Trainer:
             if self._max_steps_reached() and self.progress.global_step > first_step:
                 path = self._save_mid_epoch()
                 self.log.info(f"stopped after {self.progress.global_step} optimizer steps (--max_steps): saved {path}")
-        self.writer.flush()
+        self.hooks.on_fit_end()
         return self.progress
 
     def _finish_epoch(self, epoch: int, train_means: dict, timing: str) -> None:
@@ -258,7 +207,8 @@ class Trainer:
         val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
         self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
         self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
-        self._log_epoch(epoch + 1, train_means, val_means, timing)
+        self.hooks.on_epoch_end(EpochSummary(epoch + 1, self.settings.epochs, train_means, val_means,
+                                             self.optimizer.param_groups[0]["lr"], timing))
         self._save(epoch + 1, val_means)
 
     def _max_steps_reached(self) -> bool:
@@ -296,7 +246,7 @@ class Trainer:
         dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
-    def _micro_step(self, batch: Any, sync: bool, sums: _Sums) -> float:
+    def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> float:
         """Forward and backward of one micro-batch; returns its loss (non-finite ones included)."""
         batch = self.task.move_to(batch, self.device)
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
@@ -349,11 +299,11 @@ class Trainer:
                                 f"{self.progress.global_step} (epoch {epoch + 1}, {self.progress.step_in_epoch} of "
                                 f"{self.steps_per_epoch} steps); saved {path}; resume with --model_dir {self.run_dir}")
 
-    def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> tuple[dict, _Sums, bool]:
+    def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> tuple[dict, LossSums, bool]:
         """Forward/backward of every micro-batch, then the step's one all-reduce of the losses and of the
         non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
         snapshot = BufferSnapshot(self.model_without_ddp)
-        step_sums, losses = _Sums(), []
+        step_sums, losses = LossSums(), []
         for micro, batch in enumerate(micro_batches):
             losses.append(self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums))
         # With a GradScaler, overflowing fp16 gradients are its business: it skips the step and lowers the scale.
@@ -372,11 +322,32 @@ class Trainer:
             path = self._save_mid_epoch()
             raise NonFiniteError(f"{message}; saved the state before this step: {path}; fix the data or the lr, "
                                  f"or resume with --model_dir {self.run_dir} --on_nonfinite skip")
-        self.log.warning(f"{message}; every rank skipped this step (--on_nonfinite skip)")
         self.progress.skipped_steps.append(self.progress.global_step + 1)
+        too_many = self._skips_past_the_bound()
+        if too_many:
+            self.progress.skipped_steps.pop()  # this step is not taken: the checkpoint is the state before it
+            path = self._save_mid_epoch()
+            raise NonFiniteError(f"{message}; {too_many}, so the run stops as --on_nonfinite stop would; saved the "
+                                 f"last good state: {path}; fix the data or the lr")
+        self.log.warning(f"{message}; every rank skipped this step (--on_nonfinite skip)")
         return means, step_sums, True
 
-    def steps(self, epoch: int, into: Optional[_Sums] = None) -> Iterator[StepRecord]:
+    def _skips_past_the_bound(self) -> str:
+        """Why skipping has gone too far ('' while it has not): a run that skips most of its steps would exit 0
+        with the weights of the few steps it took (lr 1e30: 7 of 8 steps skipped, weights of size 1e30)."""
+        skipped, step = self.progress.skipped_steps, self.progress.global_step + 1
+        in_a_row = next((n for n in range(len(skipped)) if skipped[-1 - n] != step - n), len(skipped))
+        if in_a_row > self.settings.max_skips_in_a_row:
+            return f"{in_a_row} steps in a row were skipped (--max_skips_in_a_row {self.settings.max_skips_in_a_row})"
+        epoch_start = self.progress.global_step - self.progress.step_in_epoch
+        in_epoch = sum(1 for s in skipped if s > epoch_start)
+        allowed = max(1, math.floor(self.settings.max_skip_share * self.steps_per_epoch))
+        if in_epoch > allowed:
+            return (f"{in_epoch} of this epoch's {self.steps_per_epoch} steps were skipped, more than "
+                    f"--max_skip_share {self.settings.max_skip_share:g} allows ({allowed})")
+        return ""
+
+    def steps(self, epoch: int, into: Optional[LossSums] = None) -> Iterator[StepRecord]:
         """The optimizer steps of one epoch from progress.step_in_epoch on, one record each; stops early at
         settings.max_steps. Every rank runs the same steps, so the collectives of each step always match."""
         self.model.train()
@@ -401,38 +372,30 @@ class Trainer:
             self.progress.global_step += 1
             self.progress.step_in_epoch = step + 1
             if into is not None and not skipped:
-                _merge(into, step_sums)
+                into.merge(step_sums)
             yield StepRecord(self.progress.global_step, epoch, means, self.optimizer.param_groups[0]["lr"],
                              time.perf_counter() - started, waited, skipped)
 
     def train_one_epoch(self, epoch: int) -> Optional[tuple[dict, str]]:
         """(all-reduced mean losses, throughput text) of the epoch; None when --max_steps stopped it early."""
-        epoch_sums = _Sums.carried(self._epoch_carry, holder=self.env.is_main)
+        epoch_sums = LossSums.carried(self._epoch_carry, holder=self.env.is_main)
         self._epoch_carry = None
         self._epoch_sums = epoch_sums
-        bar = progress(self.steps_per_epoch, f"epoch {epoch + 1}/{self.settings.epochs}", self.env.is_main)
-        bar.update(self.progress.step_in_epoch)
+        self.hooks.on_epoch_start(epoch, self.settings.epochs, self.progress.step_in_epoch, self.steps_per_epoch)
         records = []
         try:
             for record in self.steps(epoch, into=epoch_sums):
-                self._log_step(record, bar)
+                self.hooks.on_step(record, self.plan.global_batch)
                 records.append(record)
         finally:
-            bar.close()  # also on a stop or an error, whose line must not run on from the bar's
+            self.hooks.on_epoch_exit()
         if self.progress.step_in_epoch < self.steps_per_epoch:
             return None
         self._mark(f"epoch {epoch + 1}: train loss all-reduce")
-        return epoch_sums.reduced_means(), _timing(records, self.plan.global_batch)
-
-    def _log_step(self, record: StepRecord, bar) -> None:
-        for name, value in record.losses.items():
-            self.writer.add_scalar(f"train/{name}", value, record.step)
-        self.writer.add_scalar("train/lr", record.lr, record.step)
-        self.step_log.write(record.row(self.plan.global_batch))
-        bar.set_postfix(loss=f"{record.losses['loss']:.4f}",
-                        samples_per_s=f"{self.plan.global_batch / record.seconds:.1f}",
-                        data=f"{100 * record.data_seconds / record.seconds:.0f}%")
-        bar.update(1)
+        skipped = sum(1 for record in records if record.skipped)
+        timing = _timing(records, self.plan.global_batch) + (f", {skipped} step(s) skipped (non-finite)" if skipped
+                                                             else "")
+        return epoch_sums.reduced_means(), timing
 
     @torch.no_grad()
     def validate(self) -> Optional[dict]:
@@ -445,7 +408,7 @@ class Trainer:
                             collate_fn=self.task.collate_val, **self._loader_options())
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()
-        sums, error = _Sums(), None
+        sums, error = LossSums(), None
         try:
             for batch in loader:
                 batch = self.task.move_to(batch, self.device)
@@ -461,20 +424,11 @@ class Trainer:
             raise error
         return sums.reduced_means(names=self._loss_names(sums))
 
-    def _loss_names(self, sums: _Sums) -> list[str]:
+    def _loss_names(self, sums: LossSums) -> list[str]:
         # A rank with an empty shard has no names yet: take rank 0's so every rank reduces the same vector.
         return comm.broadcast_object(sums.names or None) or ["loss"]
 
     # ----------------------------------------------------------------------------------------------- output
-    def _log_epoch(self, epoch: int, train: dict, val: Optional[dict], timing: str) -> None:
-        text = " ".join(f"{k}={v:.4f}" for k, v in train.items())
-        line = f"epoch {epoch}/{self.settings.epochs} train {text}"
-        if val is not None:
-            line += " | val " + " ".join(f"{k}={v:.4f}" for k, v in val.items())
-            for name, value in val.items():
-                self.writer.add_scalar(f"val/{name}", value, epoch)
-        self.log.info(line + f" | lr {self.optimizer.param_groups[0]['lr']:g} | {timing}")
-
     def training_state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),
                 "lr_scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -482,42 +436,27 @@ class Trainer:
                 "global_step": self.progress.global_step, "best_val": self.progress.best_val,
                 "best_epoch": self.progress.best_epoch, "history": self.progress.history,
                 "skipped_steps": self.progress.skipped_steps,
-                "batch_plan": self.plan.as_dict(), "world_size": self.env.world_size, "seed": self.settings.seed}
+                "batch_plan": self.plan.as_dict(), "world_size": self.env.world_size, "seed": self.settings.seed,
+                "config_digests": self.config_digests}
 
     def _save(self, epoch: int, val: Optional[dict]) -> None:
         self._mark(f"epoch {epoch}: checkpoint")
-        due = self._due(epoch - 1, self.settings.save_freq)  # the same on every rank
-        # Every rank's RNG, so a resume continues each stream; gathered only when a checkpoint is written.
-        rng = comm.gather_objects(ckpt.rng_state()) if due else None
         improved = val is not None and val["loss"] < self.progress.best_val
         if improved:
             self.progress.best_val, self.progress.best_epoch = val["loss"], epoch
-        if due:
-            self.last_weights = self.run_dir / ckpt.weights_name(epoch)
-        if self.env.is_main:
-            if due:
-                path = ckpt.save_epoch(self.run_dir, epoch, self.model_without_ddp,
-                                       dict(self.training_state(), rng=rng), self.settings.keep_states)
-                self.log.info(f"saved {path}")
-            if improved:
-                self.log.info(f"new best validation loss {val['loss']:.4f}: saved "
-                              f"{ckpt.save_bestval(self.run_dir, epoch, self.model_without_ddp)}")
-        comm.barrier()  # no rank may start the next epoch (or exit) while rank 0 still writes
+        self.checkpointer.save_epoch(epoch, self.model_without_ddp, self.training_state,
+                                     due=self._due(epoch - 1, self.settings.save_freq),  # the same on every rank
+                                     new_best=val["loss"] if improved else None)
 
     def _save_mid_epoch(self) -> Path:
         """Collective: a resumable checkpoint at this step boundary (stop signal, --max_steps, non-finite stop):
         weights, training state, every rank's RNG and the loss sums of the unfinished epoch."""
         self._mark(f"global step {self.progress.global_step}: mid-epoch checkpoint")
-        step = self.progress.global_step
         epoch_sums = self._epoch_sums.reduced_totals() if self.progress.step_in_epoch else None
-        rng = comm.gather_objects(ckpt.rng_state())
-        self.last_weights = self.run_dir / ckpt.step_weights_name(step)
-        if self.env.is_main:
-            state = dict(self.training_state(), rng=rng, epoch_sums=epoch_sums)
-            ckpt.save_step(self.run_dir, step, self.model_without_ddp, state, epoch=self.progress.epoch,
-                           step_in_epoch=self.progress.step_in_epoch)
-        comm.barrier()
-        return self.last_weights
+        return self.checkpointer.save_mid_epoch(self.model_without_ddp,
+                                                lambda: dict(self.training_state(), epoch_sums=epoch_sums),
+                                                self.progress.global_step, self.progress.epoch,
+                                                self.progress.step_in_epoch)
 
 
 def _timing(records: list[StepRecord], global_batch: int) -> str:
@@ -526,11 +465,3 @@ def _timing(records: list[StepRecord], global_batch: int) -> str:
     waited = sum(r.data_seconds for r in records)
     return (f"{global_batch * len(records) / seconds:.1f} samples/s, {seconds:.1f} s, "
             f"data wait {100 * waited / seconds:.0f}%")
-
-
-def _merge(into: _Sums, other: _Sums) -> None:
-    if not into.names:
-        into.names, into.values = list(other.names), [0.0] * len(other.names)
-    for i, value in enumerate(other.values):
-        into.values[i] += value
-    into.count += other.count

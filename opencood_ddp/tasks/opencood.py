@@ -13,6 +13,7 @@ This is where the perception stack meets the engine's ``Task`` protocol (``openc
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
@@ -20,36 +21,47 @@ import numpy as np
 import torch
 from torch import nn
 
-from opencood_ddp.data.datasets import build_dataset
-from opencood_ddp.data.datasets.base import evaluation_gt_range
+from opencood_ddp.data.datasets import SPLIT_KEYS, build_dataset, fusion_methods
+from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.opv2v import split_root
-from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
-from opencood_ddp.engine.inference import pr_plot_name
+from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.loss import create_loss
 from opencood_ddp.metrics import FrameStats, eval_summary, frame_stats, pr_curve
-from opencood_ddp.models import create_model
+from opencood_ddp.models import COMMON_OPTIONAL_KEYS as MODEL_COMMON_KEYS, create_model
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
+from opencood_ddp.registry import import_modules
+from opencood_ddp.schema import check_known_keys
 from opencood_ddp.vis import plot_pr_curves
 from opencood_ddp.vis.export import FrameExporter
 
-# --fusion_method of upstream's inference.py -> the dataset class it needs.
-FUSION_DATASETS: Dict[str, str] = {"early": "EarlyFusionDataset", "late": "LateFusionDataset",
-                                   "intermediate": "IntermediateFusionDataset"}
-
 
 class DetectionStep:
-    """``step(model, batch)``: forward on ``batch['ego']``, loss against its labels (picklable, no state)."""
+    """``step(model, batch)``: forward on ``batch['ego']``, loss against its labels (picklable, no state).
+
+    A model's scalar (0-d tensor) outputs, such as Where2comm's ``comm_rate``, join the loss parts: the loop
+    all-reduces them with the losses, so train_steps.csv, TensorBoard and the epoch line show their sample-weighted
+    means over all ranks, the same at every world size. They are logged, never backpropagated."""
 
     def __init__(self, loss: nn.Module):
         self.loss = loss
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any]) -> LossOutput:
         ego = batch["ego"]
-        return self.loss(model(ego), ego["label_dict"])
+        output = model(ego)
+        terms = self.loss(output, ego["label_dict"])
+        parts = dict(terms.parts)
+        parts.update(logged_outputs(output, taken=parts))
+        return LossOutput(total=terms.total, parts=parts)
+
+
+def logged_outputs(output: Mapping[str, Any], taken: Mapping[str, Any]) -> dict:
+    """The model output's 0-d tensors, detached, except names the loss parts already use."""
+    return {name: value.detach().float() for name, value in output.items()
+            if isinstance(value, torch.Tensor) and value.dim() == 0 and name not in taken and name != "loss"}
 
 
 def batch_size_of(batch: Mapping[str, Any]) -> int:
@@ -57,7 +69,14 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
     return int(batch["ego"]["object_bbx_center"].shape[0])
 
 
+# The task's keys besides the registry entries': the split folders and the models' common extensions.
+TASK_KEYS = tuple((key, "str") for key in SPLIT_KEYS.values()) + tuple(MODEL_COMMON_KEYS)
+
+
 def build_task(hypes: dict, for_training: bool) -> Task:
+    import_modules(hypes, hypes_source(hypes))  # every rank, before anything is built (a no-op once done)
+    if for_training:  # a mistyped key of a new or resumed run; evaluation reads the run's own config.yaml
+        check_known_keys(hypes, hypes_source(hypes), extra=TASK_KEYS)
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     train_post = create_postprocessor(hypes, train=True)
     train_set = build_dataset(hypes, "train", train=True, seed=seed, post_processor=train_post) \
@@ -97,7 +116,9 @@ class FrameEvaluator:
         if self.fusion_method == "late":  # every CAV detects in its own frame; one frame per batch
             return [{cav: model(entry) for cav, entry in model_input.items()}]
         output = model(model_input["ego"])
-        return [{"ego": {key: value[i:i + 1] for key, value in output.items()}} for i in range(frames)]
+        # Per-sample maps are split by frame; a 0-d value describes the whole batch (Where2comm's comm_rate).
+        return [{"ego": {key: value[i:i + 1] if value.dim() > 0 else value for key, value in output.items()}}
+                for i in range(frames)]
 
     def __call__(self, model: nn.Module, batch: Mapping[str, Any], indices: Sequence[int]) -> List[FrameStats]:
         frames = batch["frames"]
@@ -152,26 +173,63 @@ class PrPlot:
         plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames ({order})")
 
 
-def eval_dataset_hypes(hypes: dict, options: EvalRequest, fusion_method: str) -> dict:
+@dataclass
+class DetectionEvalOptions:
+    """The task's evaluation options (tools/inference_ddp.py's flags of ``add_eval_arguments``)."""
+
+    fusion_method: Optional[str] = None  # None: the one the run's hypes imply
+    global_sort: bool = False
+    save_vis: bool = False
+    save_npy: bool = False
+    pr_plot: bool = False
+
+    @classmethod
+    def of(cls, request: EvalRequest) -> "DetectionEvalOptions":
+        """From the parsed flags the engine passed through, options given as they are (a program's call), or
+        the defaults (--eval_after_training)."""
+        flags = request.task_options
+        if flags is None:
+            return cls()
+        if isinstance(flags, cls):
+            return flags
+        return cls(fusion_method=flags.fusion_method, global_sort=flags.global_sort_detections,
+                   save_vis=flags.save_vis, save_npy=flags.save_npy, pr_plot=flags.pr_plot)
+
+
+def add_eval_arguments(parser: Any) -> None:
+    """tools/inference_ddp.py's detection flags; --fusion_method's choices are the registered datasets'."""
+    parser.add_argument("--fusion_method", required=True, choices=sorted(fusion_methods()),
+                        help="the fusion the run was trained with (upstream's flag)")
+    parser.add_argument("--global_sort_detections", action="store_true",
+                        help="sort all detections by score before AP (default: upstream's frame order)")
+    parser.add_argument("--save_vis", action="store_true", help="bird's-eye-view PNG per frame in MODEL_DIR/vis/")
+    parser.add_argument("--save_npy", action="store_true",
+                        help="per frame MODEL_DIR/npy/{index:04d}_pcd.npy, _pred.npy, _gt.npy (upstream's files)")
+    parser.add_argument("--pr_plot", action="store_true",
+                        help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve[_global_sort].png")
+
+
+def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) -> dict:
     """The hypes of the split to evaluate, checked against the fusion method and --batch_size."""
     source = hypes_source(hypes)
     found = hypes.get("fusion", {}).get("core_method")
-    if fusion_method not in FUSION_DATASETS:
-        raise ConfigError(f"--fusion_method must be one of {', '.join(FUSION_DATASETS)}, got {fusion_method!r}")
-    wanted = FUSION_DATASETS[fusion_method]
+    datasets = fusion_methods()
+    if fusion_method not in datasets:
+        raise ConfigError(f"--fusion_method must be one of {', '.join(sorted(datasets))}, got {fusion_method!r}")
+    wanted = datasets[fusion_method]
     if found != wanted:
         raise ConfigError(f"{source}: --fusion_method {fusion_method} needs fusion.core_method {wanted}, "
                           f"the model was trained with {found}; pass the matching --fusion_method")
-    if options.batch_size < 1:
-        raise ConfigError(f"--batch_size must be at least 1, got {options.batch_size}; pass 1 or more")
-    if fusion_method == "late" and options.batch_size != 1:
-        raise ConfigError(f"--batch_size {options.batch_size}: late fusion evaluates one frame per batch (each CAV "
+    if request.batch_size < 1:
+        raise ConfigError(f"--batch_size must be at least 1, got {request.batch_size}; pass 1 or more")
+    if fusion_method == "late" and request.batch_size != 1:
+        raise ConfigError(f"--batch_size {request.batch_size}: late fusion evaluates one frame per batch (each CAV "
                           f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
     hypes = copy.deepcopy(hypes)
     # The split is checked here, under the name the user gave it, before it stands in for validate_dir.
-    if options.dataset_dir is not None:
-        hypes["validate_dir"] = str(split_root(options.dataset_dir, "--dataset_dir"))
-    elif options.test_split and hypes.get("test_dir"):
+    if request.dataset_dir is not None:
+        hypes["validate_dir"] = str(split_root(request.dataset_dir, "--dataset_dir"))
+    elif request.test_split and hypes.get("test_dir"):
         hypes["validate_dir"] = str(split_root(str(hypes["test_dir"]), "test_dir"))
     return hypes
 
@@ -179,36 +237,74 @@ def eval_dataset_hypes(hypes: dict, options: EvalRequest, fusion_method: str) ->
 def fusion_method_of(hypes: Mapping) -> str:
     """--fusion_method implied by the hypes' dataset (training's --eval_after_training)."""
     found = hypes.get("fusion", {}).get("core_method")
-    methods = [method for method, dataset in FUSION_DATASETS.items() if dataset == found]
+    datasets = fusion_methods()
+    methods = [method for method, dataset in datasets.items() if dataset == found]
     if not methods:
         raise ConfigError(f"{hypes_source(hypes)}: fusion.core_method {found!r} is not one of "
-                          f"{', '.join(FUSION_DATASETS.values())}; it cannot be evaluated: fix the hypes")
+                          f"{', '.join(sorted(datasets.values()))}; it cannot be evaluated: fix the hypes")
     return methods[0]
 
 
-def build_exporter(hypes: dict, options: EvalRequest) -> Optional[FrameExporter]:
+def build_exporter(hypes: dict, options: DetectionEvalOptions, out_dir: Optional[str]) -> Optional[FrameExporter]:
     if not (options.save_npy or options.save_vis):
         return None
-    if options.out_dir is None:
+    if out_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
-    return FrameExporter(Path(options.out_dir), options.save_npy, options.save_vis,
+    return FrameExporter(Path(out_dir), options.save_npy, options.save_vis,
                          evaluation_gt_range(hypes, hypes_source(hypes)))
 
 
-def build_eval(hypes: dict, options: EvalRequest) -> EvalSpec:
+def eval_file_name(global_sort: bool) -> str:
+    return "eval_global_sort.yaml" if global_sort else "eval.yaml"
+
+
+def pr_plot_name(global_sort: bool) -> str:
+    return "pr_curve_global_sort.png" if global_sort else "pr_curve.png"
+
+
+class Report:
+    """Rank 0's text after evaluation: the AP table and the files the options wrote."""
+
+    def __init__(self, options: DetectionEvalOptions, out_dir: Optional[str]):
+        self.options, self.out_dir = options, Path(out_dir) if out_dir is not None else None
+
+    def __call__(self, result: EvalResult) -> str:
+        s = result.summary
+        rows = ["| IoU | AP |", "|---|---:|"] + [f"| {iou} | {s[key]:.4f} |" for iou, key in
+                                                (("0.3", "ap30"), ("0.5", "ap_50"), ("0.7", "ap_70"))]
+        return "\n".join(rows + self.written_files())
+
+    def written_files(self) -> List[str]:
+        if self.out_dir is None:
+            return []
+        lines = []
+        if self.options.save_vis:
+            lines.append(f"bird's-eye-view pictures: {self.out_dir / 'vis'}/bev_*.png")
+        if self.options.save_npy:
+            lines.append(f"arrays: {self.out_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
+        if self.options.pr_plot:
+            lines.append(f"precision-recall curves: {self.out_dir / pr_plot_name(self.options.global_sort)}")
+        return lines
+
+
+def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
+    import_modules(hypes, hypes_source(hypes))
+    options = DetectionEvalOptions.of(request)
     fusion_method = options.fusion_method or fusion_method_of(hypes)
-    hypes = eval_dataset_hypes(hypes, options, fusion_method)
+    hypes = eval_dataset_hypes(hypes, request, fusion_method)
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
-    exporter = build_exporter(hypes, options)
+    exporter = build_exporter(hypes, options, request.out_dir)
     dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
                             visualize=exporter is not None)
     finish = None
-    if options.pr_plot and options.out_dir is not None:
-        finish = PrPlot(Path(options.out_dir) / pr_plot_name(options.global_sort), options.global_sort)
+    if options.pr_plot and request.out_dir is not None:
+        finish = PrPlot(Path(request.out_dir) / pr_plot_name(options.global_sort), options.global_sort)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
                     evaluate_batch=FrameEvaluator(post, fusion_method, exporter),
-                    summarize=Summary(options.global_sort), move_to=move_tensors, finish=finish)
+                    summarize=Summary(options.global_sort), move_to=move_tensors, finish=finish,
+                    result_name=eval_file_name(options.global_sort), report=Report(options, request.out_dir))
 
 
-__all__ = ["build_task", "build_eval", "DetectionStep", "batch_size_of", "FUSION_DATASETS"]
+__all__ = ["build_task", "build_eval", "add_eval_arguments", "DetectionEvalOptions", "DetectionStep",
+           "batch_size_of", "eval_file_name", "pr_plot_name"]

@@ -15,8 +15,13 @@ from torch.utils.data import Dataset, default_collate
 
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
 from opencood_ddp.hypes import hypes_source, validate
+from opencood_ddp.schema import check_known_keys
 
 REQUIRED_KEYS = (("synthetic.num_train", "positive_int"), ("synthetic.num_validate", "positive_int"))
+OPTIONAL_KEYS = (("synthetic.channels", "positive_int"), ("synthetic.image_size", "positive_int"),
+                 ("synthetic.outputs", "positive_int"), ("synthetic.width", "positive_int"),
+                 ("synthetic.data_seed", "int"), ("synthetic.nonfinite_samples", "list"),
+                 ("synthetic.norm", "str"))
 _SPLIT_OFFSET = {"train": 0, "validate": 1_000_000}
 
 
@@ -74,7 +79,8 @@ def regression_step(model: nn.Module, batch: dict) -> LossOutput:
 
 
 def build_task(hypes: dict, for_training: bool) -> Task:
-    validate(hypes, REQUIRED_KEYS, hypes_source(hypes))
+    validate(hypes, REQUIRED_KEYS, hypes_source(hypes), OPTIONAL_KEYS)
+    check_known_keys(hypes, hypes_source(hypes), extra=REQUIRED_KEYS + OPTIONAL_KEYS)
     cfg = hypes["synthetic"]
     seed = int(cfg.get("data_seed", 0))
     shape = dict(channels=cfg.get("channels", 3), size=cfg.get("image_size", 8), outputs=cfg.get("outputs", 2))

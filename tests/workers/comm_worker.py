@@ -14,13 +14,9 @@ def fail_on_rank0():
     raise ConfigError("rank 0 could not create the run folder")
 
 
-def observations(rank: int, world: int) -> dict:
-    seen = {"world_size": comm.get_world_size(), "rank": comm.get_rank(), "is_main": comm.is_main_process()}
+def observations(rank: int) -> dict:
+    seen = {"world_size": comm.get_world_size(), "rank": comm.get_rank()}
     seen["sum"] = comm.all_reduce_sum([rank + 0.5, 1.0]).tolist()
-    seen["all_agree_true"] = comm.all_agree(True)
-    seen["all_agree_one_false"] = comm.all_agree(rank != world - 1)
-    seen["any_rank_one_true"] = comm.any_rank(rank == world - 1)
-    seen["any_rank_none"] = comm.any_rank(False)
     seen["broadcast"] = comm.broadcast_object({"from": rank, "payload": [1, 2, 3]})
     seen["on_main"] = comm.on_main_then_broadcast(lambda: f"made by rank {comm.get_rank()}")
     try:
@@ -42,7 +38,7 @@ def main():
     args = parser.parse_args()
     env = detect_from_process()
     with distributed_session(env):
-        gathered = comm.gather_objects(observations(env.rank, env.world_size))
+        gathered = comm.gather_objects(observations(env.rank))
         if env.is_main:
             with open(args.out, "w") as handle:
                 json.dump(gathered, handle)

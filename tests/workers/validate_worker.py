@@ -9,7 +9,7 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import detect_from_process, distributed_session
-from opencood_ddp.engine.logging import NullWriter, setup_logging
+from opencood_ddp.engine.logging import setup_logging
 from opencood_ddp.engine.trainer import Trainer, TrainSettings
 from opencood_ddp.tasks import build_task
 
@@ -33,7 +33,7 @@ def validate(args, env):
     ckpt.load_weights(task.model, args.weights)
     plan = make_batch_plan(args.batch_size, env.world_size, 0.0)
     settings = TrainSettings(epochs=1, seed=0)
-    trainer = Trainer(task, plan, env, settings, hypes, run_dir=".", writer=NullWriter())
+    trainer = Trainer(task, plan, env, settings, hypes, run_dir=".")
     result = trainer.validate()
     if env.is_main:
         with open(args.out, "w") as handle:

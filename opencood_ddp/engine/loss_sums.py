@@ -1,0 +1,64 @@
+"""Sample-weighted loss sums of one rank, all-reduced on demand: the mean train and validation losses that are the
+same at every world size (a mean of rank means would weigh a rank's short last batch like a full one)."""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+from opencood_ddp.distributed import comm
+
+
+class LossSums:
+    """Sample-weighted sums of the loss and its parts on this rank, reduced over ranks on demand."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.values: list[float] = []
+        self.count = 0
+
+    def add(self, total: torch.Tensor, parts: dict, n: int) -> None:
+        items = {"loss": total, **parts}
+        if not self.names:
+            self.names = list(items)
+            self.values = [0.0] * len(items)
+        for i, name in enumerate(self.names):
+            self.values[i] += float(items[name].detach()) * n
+        self.count += n
+
+    def reduced_means(self, names: Optional[list[str]] = None) -> dict:
+        return self.reduced_means_and_flags(names)[0]
+
+    def reduced_means_and_flags(self, names: Optional[list[str]] = None, flags: Sequence[float] = ()
+                                ) -> tuple[dict, list[float]]:
+        """The means over all ranks, and `flags` summed over ranks, in one all-reduce."""
+        names = names or self.names
+        values = self.values or [0.0] * len(names)
+        totals = comm.all_reduce_sum(values + [float(self.count)] + list(flags))
+        count = totals[len(names)].item()
+        means = {name: (totals[i].item() / count if count else math.nan) for i, name in enumerate(names)}
+        return means, totals[len(names) + 1:].tolist()
+
+    def reduced_totals(self) -> dict:
+        """Collective: the sums over all ranks, for a checkpoint taken in the middle of an epoch."""
+        totals = comm.all_reduce_sum(self.values + [float(self.count)]).tolist()
+        return {"names": list(self.names), "values": totals[:-1], "count": totals[-1]}
+
+    @classmethod
+    def carried(cls, saved: Optional[dict], holder: bool) -> "LossSums":
+        """An epoch's sums resumed mid-epoch: rank 0 carries the saved totals, the others start at zero."""
+        sums = cls()
+        if saved and saved["names"]:
+            sums.names = list(saved["names"])
+            sums.values = list(saved["values"]) if holder else [0.0] * len(saved["names"])
+            sums.count = int(saved["count"]) if holder else 0
+        return sums
+
+    def merge(self, other: "LossSums") -> None:
+        """Add another set of sums of the same loss parts (a step's into its epoch's)."""
+        if not self.names:
+            self.names, self.values = list(other.names), [0.0] * len(other.names)
+        for i, value in enumerate(other.values):
+            self.values[i] += value
+        self.count += other.count
