@@ -20,14 +20,17 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, explain, train
+from launch import REPO, explain, split_overrides, train
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import load_opv2v_yaml
 from opencood_ddp.data.pcd import read_pcd, write_pcd
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
 from opencood_ddp.engine.evaluator import EvalRequest
-from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
-from opencood_ddp.tasks.opencood import build_eval, build_task
+from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.tasks.opencood import DetectionEvalOptions, build_eval, build_task
+
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 CONFIGS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
            "point_pillar_fcooper")
@@ -212,8 +215,8 @@ def test_evaluation_of_degenerate_frames(worlds, tmp_path, fusion, kind):
     """Post-processing and AP on empty and lone-CAV frames: no detection is an empty (0, 8, 3) result, no GT
     object gives AP nan (undefined), a lone CAV is evaluated like any frame."""
     config = next(c for c in CONFIGS if FUSION[c] == fusion)
-    request = EvalRequest(fusion, dataset_dir=str(worlds[kind]), batch_size=1 if fusion == "late" else 2,
-                          out_dir=str(tmp_path), save_npy=True)
+    request = EvalRequest(dataset_dir=str(worlds[kind]), batch_size=1 if fusion == "late" else 2,
+                          out_dir=str(tmp_path), task_options=DetectionEvalOptions(fusion, save_npy=True))
     spec = build_eval(toy_hypes(config, worlds[kind]), request)
     model = spec.model.eval()
     indices = [0] if fusion == "late" else [0, 1]
@@ -303,3 +306,33 @@ def test_two_ranks_train_on_a_degenerate_world(worlds, toy_small, tmp_path, conf
         assert all(row["reg"] == 0.0 and row["cls"] > 0.0 for row in rows)
     state = torch.load(tmp_path / "run" / "net_epoch1.pth", map_location="cpu", weights_only=True)
     assert all(torch.isfinite(value).all() for value in state.values() if value.is_floating_point())
+
+
+def _nan_rows_in_first_ego_cloud(root: Path, rows: int) -> Path:
+    """Copy of the toy world whose first training scenario's ego cloud has `rows` points with NaN coordinates."""
+    from opencood_ddp.data.opv2v import scan_split
+    from opencood_ddp.data.pcd import read_pcd, write_pcd
+
+    index = scan_split(root / "train")
+    scenario, timestamp = index.locate(0)
+    path = scenario.ego.pcd_path(timestamp)
+    points = read_pcd(path)
+    points[:rows, :3] = np.nan
+    write_pcd(path, points)
+    return path
+
+
+def test_non_finite_points_are_dropped_and_told_once_per_file_in_each_ranks_log(toy_small, tmp_path):
+    root = tmp_path / "toy"
+    shutil.copytree(toy_small, root)
+    damaged = _nan_rows_in_first_ego_cloud(root, rows=7)
+    run_dir = tmp_path / "run"
+    result = train(2, "--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml",
+                   "--model_dir", run_dir, "--num_workers", "0", *split_overrides(root),
+                   "--set", "train_params.epoches=2", timeout=600)
+    assert result.returncode == 0, explain(result)
+    told = {rank: [line for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines()
+                   if f"{damaged}: 7 of" in line] for rank in (0, 1)}
+    # the frame is read by one rank per epoch (2 epochs, shuffled): each rank that read it said so once
+    assert 1 <= sum(len(lines) for lines in told.values()) <= 2 and all(len(lines) <= 1 for lines in told.values())
+    assert "non-finite coordinates and are dropped" in next(line for lines in told.values() for line in lines)

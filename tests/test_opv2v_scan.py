@@ -4,6 +4,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from launch import one_line_error
 import yaml
 
 from opencood_ddp.data import geometry as geo
@@ -24,14 +26,6 @@ def make_cav(scenario: Path, cav_id: str, timestamps=TIMESTAMPS, pose=(0, 0, 1.9
     for ts in timestamps:
         write_frame(scenario / cav_id, ts, pose)
     return scenario / cav_id
-
-
-def one_line_error(exc_info, *fragments):
-    message = str(exc_info.value)
-    assert "\n" not in message
-    for fragment in fragments:
-        assert fragment in message, message
-    return message
 
 
 # ------------------------------------------------------------------------------------- scanning

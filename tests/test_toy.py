@@ -10,23 +10,27 @@ import numpy as np
 import pytest
 import yaml
 
-from opencood_ddp.data import toy
 from opencood_ddp.data.geometry import pose_to_matrix
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import DataError
+from opencood_ddp.toy import lidar
+from opencood_ddp.toy.config import GROUND_Z, SPLITS, LidarConfig, ToyWorldConfig
+from opencood_ddp.toy.manifest import MANIFEST_NAME, read_toy_manifest
+from opencood_ddp.toy.world import TIMESTAMP_STEP, build_scene, lidar_pose, scene_boxes
+from opencood_ddp.toy.writer import generate_toy_opv2v
 
 SEED = 7
 # The region the toy hypes detect in, ego frame: x +-48 m, y +-24 m.
 ROI = (-48.0, -24.0, 48.0, 24.0)
-TINY = dataclasses.replace(toy.ToyWorldConfig.preset("small"), train_scenarios=1, validate_scenarios=0,
+TINY = dataclasses.replace(ToyWorldConfig.preset("small"), train_scenarios=1, validate_scenarios=0,
                            test_scenarios=1, frames_per_scenario=2,
-                           lidar=toy.LidarConfig(beams=8, azimuth_steps=128))
+                           lidar=LidarConfig(beams=8, azimuth_steps=128))
 
 
 @pytest.fixture(scope="module")
 def small_set(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy") / "opv2v"
-    summary = toy.generate_toy_opv2v(out, seed=SEED, scale="small")
+    summary = generate_toy_opv2v(out, seed=SEED, scale="small")
     assert not summary["skipped"]
     return out
 
@@ -42,7 +46,7 @@ def _load_tool(name: str):
 
 def _data_files(root: Path) -> Dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != toy.MANIFEST_NAME}
+            if p.is_file() and p.name != MANIFEST_NAME}
 
 
 def _frames(root: Path, split: str):
@@ -55,9 +59,9 @@ def _frames(root: Path, split: str):
 
 # ------------------------------------------------------------------------------------------- determinism
 def test_same_seed_gives_byte_identical_files_and_another_seed_differs(tmp_path):
-    first = toy.generate_toy_opv2v(tmp_path / "a", seed=3, config=TINY)
-    toy.generate_toy_opv2v(tmp_path / "b", seed=3, config=TINY)
-    toy.generate_toy_opv2v(tmp_path / "c", seed=4, config=TINY)
+    first = generate_toy_opv2v(tmp_path / "a", seed=3, config=TINY)
+    generate_toy_opv2v(tmp_path / "b", seed=3, config=TINY)
+    generate_toy_opv2v(tmp_path / "c", seed=4, config=TINY)
     a, b, c = (_data_files(tmp_path / name) for name in "abc")
     assert first["clouds"] > 0 and len(a) == 2 * first["clouds"]
     assert a == b
@@ -66,9 +70,9 @@ def test_same_seed_gives_byte_identical_files_and_another_seed_differs(tmp_path)
 
 # ---------------------------------------------------------------------------------------- layout, yaml
 def test_layout_follows_opv2v(small_set):
-    assert sorted(p.name for p in small_set.iterdir()) == sorted(toy.SPLITS + (toy.MANIFEST_NAME,))
-    config = toy.ToyWorldConfig.preset("small")
-    for split in toy.SPLITS:
+    assert sorted(p.name for p in small_set.iterdir()) == sorted(SPLITS + (MANIFEST_NAME,))
+    config = ToyWorldConfig.preset("small")
+    for split in SPLITS:
         scenarios = list(_frames(small_set, split))
         assert len(scenarios) == config.scenarios_in(split)
         for scenario, cavs, stamps in scenarios:
@@ -77,7 +81,7 @@ def test_layout_follows_opv2v(small_set):
             assert all(re.fullmatch(r"[1-9]\d*", cav) for cav in cavs)
             assert len(stamps) == config.frames_per_scenario
             assert all(re.fullmatch(r"\d{6}", s) for s in stamps)
-            assert np.all(np.diff([int(s) for s in stamps]) == toy.TIMESTAMP_STEP)
+            assert np.all(np.diff([int(s) for s in stamps]) == TIMESTAMP_STEP)
             for cav in cavs:
                 names = sorted(p.name for p in (scenario / cav).iterdir())
                 assert names == sorted([f"{s}.pcd" for s in stamps] + [f"{s}.yaml" for s in stamps])
@@ -113,7 +117,7 @@ def test_yaml_has_the_fields_opencood_reads(small_set):
 
 def test_vehicles_move_consistently_between_timestamps(small_set):
     scenario, cavs, stamps = next(_frames(small_set, "train"))
-    config = toy.ToyWorldConfig.preset("small")
+    config = ToyWorldConfig.preset("small")
     metas = [yaml.safe_load((scenario / cavs[0] / f"{s}.yaml").read_text()) for s in stamps]
     for vid, first in metas[0]["vehicles"].items():
         later = metas[-1]["vehicles"].get(vid)
@@ -142,7 +146,7 @@ def test_points_are_in_the_sensor_frame_with_intensity_in_unit_range(small_set):
         assert near_ground.mean() > 0.3
         # ... and at z = 0 in the world once the lidar pose is applied.
         world = points[:, :3] @ pose_to_matrix(meta["lidar_pose"])[:3, :3].T + meta["lidar_pose"][:3]
-        assert np.median(world[near_ground, 2]) == pytest.approx(toy.GROUND_Z, abs=0.02)
+        assert np.median(world[near_ground, 2]) == pytest.approx(GROUND_Z, abs=0.02)
         assert len(np.unique(np.round(points[:, 3], 2))) > 10, "intensity carries information"
 
 
@@ -172,7 +176,7 @@ def _in_roi(vehicle: dict, ego_pose: List[float]) -> bool:
 def test_cooperation_sees_more_vehicles_than_the_ego_alone(small_set):
     seen_by_ego = seen_by_all = total = 0
     min_points = 5
-    for split in toy.SPLITS:
+    for split in SPLITS:
         for scenario, cavs, stamps in _frames(small_set, split):
             for stamp in stamps:
                 clouds = {cav: _load(scenario, cav, stamp) for cav in cavs}
@@ -203,14 +207,14 @@ def _car(x: float, y: float, yaw: float = 0.0) -> List[float]:
 def test_a_car_behind_a_building_gets_no_points():
     building = [15.0, 0.0, 4.0, 1.0, 6.0, 4.0, 0.0]
     boxes = np.array([building, _car(30.0, 0.0, 0.3), _car(0.0, 20.0, 1.2)])
-    rays = toy.lidar_directions(toy.LidarConfig(beams=32, azimuth_steps=1024)).reshape(-1, 3)
+    rays = lidar.lidar_directions(LidarConfig(beams=32, azimuth_steps=1024)).reshape(-1, 3)
     origin = np.array([0.0, 0.0, 1.9])
-    hits = toy.cast_rays(origin, rays, boxes, max_range=80.0)
+    hits = lidar.cast_rays(origin, rays, boxes, max_range=80.0)
     assert np.count_nonzero(hits.target == 0) > 100
     assert np.count_nonzero(hits.target == 1) == 0, "hidden behind the building"
     assert np.count_nonzero(hits.target == 2) > 20, "in plain view"
-    assert np.count_nonzero(hits.target == toy.GROUND) > 1000
-    without_building = toy.cast_rays(origin, rays, boxes[1:], max_range=80.0)
+    assert np.count_nonzero(hits.target == lidar.GROUND) > 1000
+    without_building = lidar.cast_rays(origin, rays, boxes[1:], max_range=80.0)
     assert np.count_nonzero(without_building.target == 0) > 20
 
 
@@ -218,31 +222,31 @@ def test_ray_hits_are_exact_and_chunking_changes_nothing():
     origin = np.array([0.0, 0.0, 1.9])
     forward = np.array([[1.0, 0.0, 0.0]])
     low = np.array([0.0, 0.0, 1.0])  # below the roof of the cars
-    hit = toy.cast_rays(low, forward, np.array([_car(10.0, 0.0)]), max_range=80.0)
+    hit = lidar.cast_rays(low, forward, np.array([_car(10.0, 0.0)]), max_range=80.0)
     assert hit.target[0] == 0 and hit.distance[0] == pytest.approx(10.0 - 2.25)
     assert hit.cos_incidence[0] == pytest.approx(1.0)
     down = np.array([[np.cos(np.radians(-30)), 0.0, np.sin(np.radians(-30))]])
-    ground = toy.cast_rays(origin, down, np.zeros((0, 7)), max_range=80.0)
-    assert ground.target[0] == toy.GROUND and ground.distance[0] == pytest.approx(3.8)
-    assert toy.cast_rays(low, forward, np.array([_car(100.0, 0.0)]), max_range=80.0).target[0] == toy.NO_HIT
+    ground = lidar.cast_rays(origin, down, np.zeros((0, 7)), max_range=80.0)
+    assert ground.target[0] == lidar.GROUND and ground.distance[0] == pytest.approx(3.8)
+    assert lidar.cast_rays(low, forward, np.array([_car(100.0, 0.0)]), max_range=80.0).target[0] == lidar.NO_HIT
     rng = np.random.default_rng(0)
     boxes = np.array([_car(*rng.uniform(-30, 30, 2), rng.uniform(-3, 3)) for _ in range(20)])
-    rays = toy.lidar_directions(toy.LidarConfig(beams=8, azimuth_steps=256)).reshape(-1, 3)
-    whole = toy.cast_rays(origin, rays, boxes, 80.0, chunk_elements=1 << 22)
-    chunked = toy.cast_rays(origin, rays, boxes, 80.0, chunk_elements=50)
+    rays = lidar.lidar_directions(LidarConfig(beams=8, azimuth_steps=256)).reshape(-1, 3)
+    whole = lidar.cast_rays(origin, rays, boxes, 80.0, chunk_elements=1 << 22)
+    chunked = lidar.cast_rays(origin, rays, boxes, 80.0, chunk_elements=50)
     for a, b in zip(whole, chunked):
         np.testing.assert_array_equal(a, b)
 
 
 def test_azimuth_culling_gives_the_same_hits_as_casting_against_every_box():
-    config = toy.ToyWorldConfig.preset("small")
-    scene = toy.build_scene(np.random.default_rng((SEED, 0, 0)), config)
+    config = ToyWorldConfig.preset("small")
+    scene = build_scene(np.random.default_rng((SEED, 0, 0)), config)
     cav = scene.cav_ids[0]
-    boxes, _ = toy.scene_boxes(scene, 0.0, exclude_id=cav)
-    matrix = pose_to_matrix(toy.lidar_pose(scene, cav, 0.0, config.lidar))
-    dirs_world = toy.lidar_directions(config.lidar) @ matrix[:3, :3].T
-    culled = toy._cast_by_sector(matrix[:3, 3], dirs_world, boxes, config.lidar)
-    full = toy.cast_rays(matrix[:3, 3], dirs_world.reshape(-1, 3), boxes, config.lidar.max_range_m)
+    boxes, _ = scene_boxes(scene, 0.0, exclude_id=cav)
+    matrix = pose_to_matrix(lidar_pose(scene, cav, 0.0, config.lidar))
+    dirs_world = lidar.lidar_directions(config.lidar) @ matrix[:3, :3].T
+    culled = lidar._cast_by_sector(matrix[:3, 3], dirs_world, boxes, config.lidar)
+    full = lidar.cast_rays(matrix[:3, 3], dirs_world.reshape(-1, 3), boxes, config.lidar.max_range_m)
     for a, b in zip(culled, full):
         np.testing.assert_array_equal(a.reshape(-1), b)
 
@@ -250,25 +254,25 @@ def test_azimuth_culling_gives_the_same_hits_as_casting_against_every_box():
 # ------------------------------------------------------------------------------ manifest, reuse, refusal
 def test_a_complete_set_is_reused_and_an_interrupted_one_replaced(small_set, tmp_path):
     before = {p: p.stat().st_mtime_ns for p in small_set.rglob("*.pcd")}
-    again = toy.generate_toy_opv2v(small_set, seed=SEED, scale="small")
+    again = generate_toy_opv2v(small_set, seed=SEED, scale="small")
     assert again["skipped"] and again["clouds"] == len(before)
     assert {p: p.stat().st_mtime_ns for p in small_set.rglob("*.pcd")} == before
 
     out = tmp_path / "toy"
-    toy.generate_toy_opv2v(out, seed=1, config=TINY)
-    manifest = toy.read_toy_manifest(out)
-    (out / toy.MANIFEST_NAME).write_text(yaml.safe_dump(dict(manifest, complete=False)))
+    generate_toy_opv2v(out, seed=1, config=TINY)
+    manifest = read_toy_manifest(out)
+    (out / MANIFEST_NAME).write_text(yaml.safe_dump(dict(manifest, complete=False)))
     (out / "train" / "stale_scenario").mkdir()
-    redone = toy.generate_toy_opv2v(out, seed=1, config=TINY)
+    redone = generate_toy_opv2v(out, seed=1, config=TINY)
     assert not redone["skipped"] and not (out / "train" / "stale_scenario").exists()
-    assert toy.read_toy_manifest(out)["complete"] is True
-    assert toy.generate_toy_opv2v(out, seed=2, config=TINY)["skipped"] is False, "another seed regenerates"
+    assert read_toy_manifest(out)["complete"] is True
+    assert generate_toy_opv2v(out, seed=2, config=TINY)["skipped"] is False, "another seed regenerates"
 
 
 def test_a_non_empty_folder_that_is_not_a_toy_set_is_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(DataError) as error:
-        toy.generate_toy_opv2v(tmp_path, seed=0, config=TINY)
+        generate_toy_opv2v(tmp_path, seed=0, config=TINY)
     assert "\n" not in str(error.value) and "not empty" in str(error.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 

@@ -3,9 +3,8 @@
 Usage: python tools/benchmark_pcd.py [--points 100000] [--repeats 15] [--out DIR]
 
 Clouds are written by open3d itself (ascii and binary, colours = [i, i, i] as OPV2V stores intensity), plus the
-old-open3d ascii layout our writer produces (TYPE F colour). read_pcd is timed with each ascii parser: the numba
-one (when numba is installed) and the numpy one (OPENCOOD_DDP_PCD_PARSER=numpy). The readers run alternately,
-``--repeats`` times per file, and the best time is reported; all results are checked to be bit-identical first.
+old-open3d ascii layout our writer produces (TYPE F colour). The two readers run alternately, ``--repeats`` times
+per file, and the best time is reported; their results are checked to be bit-identical first.
 Then the first ascii read of a fresh process is timed with an empty numba cache (JIT compile) and with the cache
 that run left (what every later process, e.g. each DataLoader worker, pays).
 """
@@ -21,10 +20,10 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import numba
 import numpy as np
 import open3d
 
-from opencood_ddp.data import pcd
 from opencood_ddp.data.pcd import read_pcd, write_pcd
 
 _FIRST_READ = """
@@ -64,23 +63,9 @@ def read_with_open3d(path: str) -> np.ndarray:
     return out
 
 
-def read_pcd_numpy(path: str) -> np.ndarray:
-    """read_pcd with the numpy ascii parser (numba ignored)."""
-    previous = os.environ.get(pcd._PARSER_ENV)
-    os.environ[pcd._PARSER_ENV] = "numpy"
-    try:
-        return read_pcd(path)
-    finally:
-        if previous is None:
-            del os.environ[pcd._PARSER_ENV]
-        else:
-            os.environ[pcd._PARSER_ENV] = previous
-
-
 def first_read_seconds(path: str, cache_dir: str) -> tuple[float, float]:
     """(import of opencood_ddp.data.pcd, first read_pcd) in a fresh process using numba cache ``cache_dir``."""
     env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
-    env.pop(pcd._PARSER_ENV, None)
     result = subprocess.run([sys.executable, "-c", _FIRST_READ, path], env=env, capture_output=True, text=True,
                             check=True)
     imported, first = result.stdout.split()
@@ -106,10 +91,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cloud = make_cloud(args.points)
-    have_numba = pcd._numba_parser() is not None
-    readers = {"open3d": read_with_open3d, "numba": read_pcd, "numpy": read_pcd_numpy}
-    if not have_numba:
-        del readers["numba"]
+    readers = {"open3d": read_with_open3d, "read_pcd": read_pcd}
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.out or scratch
         files = {
@@ -121,45 +103,31 @@ def main() -> None:
         write_pcd(files["ascii (OPV2V layout, rgb F)"], cloud, binary=False)
         write_with_open3d(files["binary (open3d writer)"], cloud, ascii_data=False)
 
-        numba_version = "not installed"
-        if have_numba:
-            import numba  # noqa: PLC0415
-
-            numba_version = numba.__version__
         print(f"{args.points} points, best of {args.repeats}; python {platform.python_version()}, "
-              f"numpy {np.__version__}, numba {numba_version}, open3d {open3d.__version__}, nproc {os.cpu_count()}, "
-              f"{platform.machine()}, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+              f"numpy {np.__version__}, numba {numba.__version__}, open3d {open3d.__version__}, "
+              f"nproc {os.cpu_count()}, {platform.machine()}, "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
         print()
-        print("| file | open3d read_point_cloud (ms) | read_pcd, numba parser (ms) | speedup | "
-              "read_pcd, numpy parser (ms) | speedup |")
-        print("|---|---:|---:|---:|---:|---:|")
+        print("| file | open3d read_point_cloud (ms) | read_pcd (ms) | speedup |")
+        print("|---|---:|---:|---:|")
         for label, path in files.items():
-            reference = read_with_open3d(path)
-            for name, reader in readers.items():
-                if not np.array_equal(reader(path).view(np.uint32), reference.view(np.uint32)):
-                    sys.exit(f"{label}: read_pcd ({name} parser) and open3d disagree")
+            if not np.array_equal(read_pcd(path).view(np.uint32), read_with_open3d(path).view(np.uint32)):
+                sys.exit(f"{label}: read_pcd and open3d disagree")
             best = best_of(readers, path, args.repeats)
-            cells = [f"{best['open3d'] * 1e3:.2f}"]
-            for name in ("numba", "numpy"):
-                if name in best:
-                    cells += [f"{best[name] * 1e3:.2f}", f"{best['open3d'] / best[name]:.1f}x"]
-                else:
-                    cells += ["-", "-"]
-            if label.startswith("binary"):
-                cells[3:] = ["(same code)", "-"]  # the parsers differ only on ascii data
-            print(f"| {label} | {' | '.join(cells)} |")
+            print(f"| {label} | {best['open3d'] * 1e3:.2f} | {best['read_pcd'] * 1e3:.2f} | "
+                  f"{best['open3d'] / best['read_pcd']:.1f}x |")
         print(f"load average after the timings: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
-        if have_numba:
-            ascii_path = files["ascii (OPV2V layout, rgb F)"]
-            with tempfile.TemporaryDirectory() as cache_dir:
-                cold = first_read_seconds(ascii_path, cache_dir)
-                warm = first_read_seconds(ascii_path, cache_dir)
-            print()
-            print("First ascii read_pcd in a fresh process (after importing opencood_ddp.data.pcd):")
-            print(f"- empty numba cache (JIT compile, then written to the cache): {cold[1]:.2f} s "
-                  f"(import {cold[0]:.2f} s)")
-            print(f"- numba cache present (loaded from disk): {warm[1]:.2f} s (import {warm[0]:.2f} s)")
+        ascii_path = files["ascii (OPV2V layout, rgb F)"]
+        with tempfile.TemporaryDirectory() as cache_dir:
+            cold = first_read_seconds(ascii_path, cache_dir)
+            warm = first_read_seconds(ascii_path, cache_dir)
+        print()
+        print("First ascii read_pcd in a fresh process (after importing opencood_ddp.data.pcd):")
+        print(f"- empty numba cache (JIT compile, then written to the cache): {cold[1]:.2f} s "
+              f"(import {cold[0]:.2f} s)")
+        print(f"- numba cache present (loaded from disk): {warm[1]:.2f} s (import {warm[0]:.2f} s)")
+
 
 if __name__ == "__main__":
     main()

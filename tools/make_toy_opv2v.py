@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from opencood_ddp.data.toy import format_summary, generate_toy_opv2v
+from opencood_ddp.toy.writer import format_summary, generate_toy_opv2v
 from opencood_ddp.errors import run_tool
 
 
@@ -19,13 +19,16 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--scale", choices=("small", "demo"), default="demo",
                         help="'small' for tests (a few seconds), 'demo' to train a small detector")
     parser.add_argument("--binary", action="store_true", help="write binary .pcd instead of OPV2V's ascii")
+    parser.add_argument("--rsu", action="store_true",
+                        help="add a road-side unit to every scenario (V2XSet style: a LiDAR on a 5 m pole at the "
+                             "junction, folder -1); without it the set is the vehicles-only one")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     return run_tool(lambda: format_summary(generate_toy_opv2v(args.out, seed=args.seed, scale=args.scale,
-                                                              binary=args.binary)))
+                                                              binary=args.binary, rsu=args.rsu)))
 
 
 if __name__ == "__main__":

@@ -1,21 +1,21 @@
-"""One-pass ascii .pcd body parser compiled with numba (optional: ``pcd.py`` falls back to numpy without numba).
+"""The ascii .pcd body parser of ``pcd.read_pcd``: one pass over the bytes, compiled with numba.
 
-``parse_body`` walks the body bytes once: it splits tokens on bytes <= 32 exactly as ``pcd._tokenize`` does, checks
-the row/line layout exactly as ``pcd._rows_are_lines`` does, and parses the tokens of the columns ``read_pcd`` keeps
-into the (N, 4) float32 output:
+``parse_body`` walks the body bytes once: it splits tokens on bytes <= 32 (space, tab, CR, LF and control bytes),
+checks that every row of values sits on its own line (rows end at CR or LF; the values of a row share a line and
+rows come on increasing lines), and parses the tokens of the columns ``read_pcd`` keeps into the (N, 4) float32
+output:
 
 - a number ``[+-]digits[.digits][(e|E)[+-]digits]`` is read as a uint64 mantissa of at most 19 significant digits
   and a power of ten E;
 - doubles (x, y, z, an ``intensity`` field, integer colours): Clinger's fast path, mantissa < 2**53 and
   |E| <= 22, where one multiply or divide of two exact doubles is the correctly rounded strtod result;
-- float32 colours (strtof): the same test as ``pcd._ascii_float32_bits``: a double within a few ulps of the exact
-  value rounds to the right float32 unless it lies next to a float32 midpoint;
+- float32 colours (strtof): a double within a few ulps of the exact value rounds to the right float32 unless it
+  lies next to a float32 midpoint;
 - anything else (nan, inf, hex, junk, more than 19 significant digits, an exponent out of range, a value next to a
   float32 midpoint, an integer colour beyond int64) is not guessed: the token is returned in ``flagged`` and
-  ``pcd.py`` computes it with the exact Python code, so the result is the numpy parser's, bit for bit.
+  ``pcd.py`` computes it with exact Python code, so every value is strtod's or strtof's, bit for bit.
 
-When the token count or the row layout is wrong the status is non-zero and ``pcd.py`` reruns the numpy parser,
-which raises the detailed error.
+When the token count or the row layout is wrong the status is non-zero and ``pcd.py`` explains the error.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ FLOAT32_BITS = 2  # strtof, keep the red byte of the float's bits (TYPE F colour
 INTEGER_BITS = 3  # strtod, trunc to int64, keep the red byte of the low 32 bits (TYPE U / I colour)
 
 STATUS_OK = 0
-STATUS_LAYOUT = 1  # wrong number of tokens or rows not on their own lines: let the numpy parser explain
+STATUS_LAYOUT = 1  # wrong number of tokens or rows not on their own lines: pcd.py explains which
 
 _POW10 = np.array([10.0**k for k in range(23)])  # exact doubles
 # Correctly rounded doubles 10**k for k in -300..300 (Python's float of the decimal literal).
@@ -69,8 +69,8 @@ def _parse_body(body, points, per_row, out_cols, modes, pow10, pow10_wide, red_t
     col = 0
     line = 0  # newlines before the current byte
     row_line = 0
-    fast_ok = True  # pcd._rows_are_lines, fast check: separators inside a row are blanks, rows end with CR/LF
-    exact_ok = True  # and its exact check: a row's tokens share one line, rows on increasing lines
+    fast_ok = True  # the usual layout: separators inside a row are blanks, rows end with CR/LF
+    exact_ok = True  # the rule itself: a row's tokens share one line, rows on increasing lines (blank lines allowed)
     while True:
         while i < n and body[i] <= 32:
             if body[i] == 10:
@@ -199,7 +199,7 @@ def _parse_body(body, points, per_row, out_cols, modes, pow10, pow10_wide, red_t
                 flagged[n_flagged, 2] = start
                 flagged[n_flagged, 3] = i
                 n_flagged += 1
-        # The layout checks of pcd._rows_are_lines, on the byte after the token (a blank past the end).
+        # The two layout checks, on the byte after the token (a blank past the end).
         after = body[i] if i < n else np.uint8(32)
         if col < per_row - 1:
             if after != 32 and after != 9:

@@ -269,6 +269,11 @@ def xy_distance(pose_a: Sequence[float], pose_b: Sequence[float]) -> float:
     return math.sqrt((pose_a[0] - pose_b[0]) ** 2 + (pose_a[1] - pose_b[1]) ** 2)
 
 
+def wrap_angle(angle: ArrayLike) -> ArrayLike:
+    """Wrap radians into [-pi, pi); a float stays a float, an array an array."""
+    return (angle + np.pi) % (2 * np.pi) - np.pi
+
+
 # ---------------------------------------------------------------------------------- ground truth
 
 

@@ -5,17 +5,19 @@ below are upstream's (``BaseDataset.__init__`` / ``retrieve_base_data`` and the 
 
 - Scenarios are the sub-directories of the split, sorted as strings; plain files are ignored.
 - In a scenario, CAV folders are the sub-directories sorted as strings (so ``data_protocol.yaml`` is not a
-  CAV); negative ids (V2XSet road-side units) go to the end; the first remaining folder is the ego; at
-  most ``max_cav`` folders are kept (upstream drops the rest, RSUs first since they sit at the end).
+  CAV); negative ids (V2XSet road-side units, RSUs) go to the end; the first remaining folder is the ego; at
+  most ``max_cav`` folders are kept (upstream drops the rest, RSUs first since they sit at the end). Each
+  record and frame carries ``infra`` (True for an RSU), the flag V2X-ViT's prior encoding reads.
 - A CAV's timestamps are its ``*.yaml`` names without the suffix, sorted, skipping names containing
   ``additional``. The dataset length is the ego's timestamp count summed over scenarios; sample ``i`` is
   the ego's timestamp at that position, and every kept CAV is read at the same timestamp.
 - Communication range: a non-ego CAV whose lidar position is more than ``comm_range`` (70 m) from the
   ego's in x-y is dropped from the frame (kept at exactly 70 m).
 
-Departures from upstream, both for robustness and identical on well-formed OPV2V/V2XSet data:
+Departures from upstream, for robustness and identical on well-formed OPV2V/V2XSet data:
 - upstream moves only the *first* sorted folder to the end when its id is negative; here every
   negative id moves (keeping their sorted order), so two RSUs can never make one of them the ego;
+- a scenario whose kept folders are all RSUs is refused at scan time (upstream makes an RSU the ego);
 - a CAV lacking one of the ego's timestamps is reported at scan time (upstream fails mid-epoch).
 
 YAML is parsed once per CAV and frame with libyaml's C loader when present, plus upstream's extra
@@ -109,6 +111,16 @@ def load_opv2v_yaml(path: PathLike) -> Dict[str, Any]:
     return params
 
 
+def ego_speed_of(params: Dict[str, Any], path: PathLike) -> float:
+    """The frame's ``ego_speed`` in km/h (OPV2V and V2XSet write km/h; an RSU writes 0); DataError naming
+    ``path`` when absent or not a number."""
+    speed = params.get("ego_speed")
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+        problem = "no 'ego_speed'" if speed is None else f"'ego_speed' must be a number (km/h), got {speed!r}"
+        raise DataError(f"{path}: {problem}; V2X-ViT's prior encoding reads it: re-export the frame yaml")
+    return float(speed)
+
+
 def lidar_pose_of(params: Dict[str, Any], path: PathLike) -> np.ndarray:
     """The frame's ``lidar_pose`` as float64 (6,); DataError naming ``path`` when absent or malformed."""
     if "lidar_pose" not in params:
@@ -134,6 +146,11 @@ class CavRecord:
     cav_id: str
     folder: Path
     timestamps: Tuple[str, ...]
+
+    @property
+    def infra(self) -> bool:
+        """A road-side unit (V2XSet infrastructure): its folder name is a negative integer."""
+        return is_rsu_id(self.cav_id)
 
     def yaml_path(self, timestamp: str) -> Path:
         return self.folder / f"{timestamp}.yaml"
@@ -202,17 +219,18 @@ def _subdirectories(folder: Path) -> List[str]:
         return sorted(entry.name for entry in entries if entry.is_dir())
 
 
-def _is_negative_id(name: str) -> bool:
+def is_rsu_id(name: str) -> bool:
+    """Whether a CAV folder name is a road-side unit's: a negative integer, as V2XSet names them ('-1')."""
     try:
         return int(name) < 0
     except ValueError:
-        return False  # a non-numeric folder name is not a road-side unit
+        return False  # a non-numeric folder name is not a road-side unit (upstream's int() would raise)
 
 
 def order_cav_ids(names: List[str], max_cav: int) -> List[str]:
     """Upstream CAV order: string sort, negative ids (RSUs) last, at most ``max_cav`` kept."""
     ordered = sorted(names)
-    ordered = [n for n in ordered if not _is_negative_id(n)] + [n for n in ordered if _is_negative_id(n)]
+    ordered = [n for n in ordered if not is_rsu_id(n)] + [n for n in ordered if is_rsu_id(n)]
     return ordered[:max_cav]
 
 
@@ -238,6 +256,9 @@ def _scan_scenario(folder: Path, max_cav: int) -> Scenario:
     if not cav_ids:
         raise DataError(f"{folder}: scenario has no CAV folder (<cav_id>/<timestamp>.yaml); restore its "
                         f"CAV folders or remove the scenario")
+    if is_rsu_id(cav_ids[0]):  # RSUs sort last, so the first kept folder is one only when all are
+        raise DataError(f"{folder}: every CAV folder is a road-side unit (negative id: {', '.join(cav_ids)}) and "
+                        f"an RSU is never the ego; add the vehicles' folders or remove the scenario")
     cavs = tuple(CavRecord(cid, folder / cid, _timestamps(folder / cid)) for cid in cav_ids)
     for cav in cavs[1:]:
         _check_timestamps(cavs[0], cav)
@@ -294,6 +315,11 @@ class CavFrame:
     yaml_path: Path
     ego: bool
     distance_to_ego: float  # x-y distance between this lidar and the ego's, metres
+
+    @property
+    def infra(self) -> bool:
+        """A road-side unit (negative folder id): never the ego, infra = 1 in V2X-ViT's prior encoding."""
+        return is_rsu_id(self.cav_id)
 
 
 def _read_cav(cav: CavRecord, timestamp: str, ego: bool, ego_pose: Optional[np.ndarray]) -> CavFrame:

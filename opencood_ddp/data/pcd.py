@@ -30,7 +30,6 @@ from fractions import Fraction
 from typing import Union
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from opencood_ddp.errors import DataError
 
@@ -333,154 +332,14 @@ def _colour_field(header: PcdHeader) -> PcdField | None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# ASCII data: a vectorised decimal parser
+# ASCII data
 # ---------------------------------------------------------------------------------------------------------------
 #
-# np.fromstring / np.loadtxt / float() all take longer than open3d itself on a 100k-point cloud, so the body is
-# parsed in bulk with numpy: every token is right-aligned in a 16-byte window, the digits are combined eight at a
-# time inside uint64 words (SWAR), and the value is the mantissa integer M times 10**E. When M < 2**53 and
-# |E| <= 22 both factors are exact doubles, so one multiply or divide is correctly rounded: exactly strtod's answer
-# (Clinger's fast path). Tokens outside that path (nan, inf, more than 16 characters, huge exponents) go through
-# Python's float(), which is also correctly rounded.
-
-_WINDOW = 16
-_CHUNK = 1 << 16  # tokens per vectorised pass: keeps the temporaries cache-sized
-_TWO_POW_53 = 1 << 53
-_POW10 = np.array([10.0**k for k in range(23)])  # 10**0 .. 10**22, all exact doubles
-_POW10_INT = np.array([10**k for k in range(_WINDOW + 1)], dtype=np.uint64)
-_ALL_SPACES = np.uint64(0x2020202020202020)
-# _TOP_BYTES[k] keeps the last k bytes of a little-endian word: the end of a right-aligned token.
-_TOP_BYTES = np.array([((1 << 64) - 1) ^ ((1 << (8 * (8 - k))) - 1) for k in range(9)], dtype=np.uint64)
-_SUM_BYTES = np.uint64(0x0101010101010101)
-
-
-@dataclasses.dataclass
-class _Tokens:
-    """Every whitespace-separated token of an ascii body, with its decimal decomposition where one exists."""
-
-    padded: np.ndarray  # the body as uint8 with 16 spaces before and at least one after
-    starts: np.ndarray  # token start offsets in ``padded``
-    ends: np.ndarray  # token end offsets (exclusive)
-    mantissa: np.ndarray  # uint64 digits of the token without the dot, valid where ``simple``
-    exponent: np.ndarray  # int64 power of ten, valid where ``simple``
-    negative: np.ndarray  # bool
-    simple: np.ndarray  # bool: [+-]digits[.digits][(e|E)[+-]digits] within 16 characters
-
-    def text(self, index: int) -> bytes:
-        return self.padded[self.starts[index]:self.ends[index]].tobytes()
-
-
-def _byte_sum(mask: np.ndarray) -> np.ndarray:
-    """Per row of an (n, 16) bool matrix, the number of True (bytes summed inside two uint64 words)."""
-    words = mask.view(np.uint64)
-    return (((words[:, 0] + words[:, 1]) * _SUM_BYTES) >> np.uint64(56)).astype(np.int64)
-
-
-def _first_true(mask: np.ndarray) -> np.ndarray:
-    """Per row of an (n, 16) bool matrix, the column of the first True, or 16."""
-    words = mask.view(np.uint64)
-    lowest = words & (~words + np.uint64(1))
-    # (lowest bit - 1) has that bit's index set bits below it; a word with no True gives 64 // 8 = 8.
-    column = np.bitwise_count(lowest - np.uint64(1)).astype(np.int64) >> 3
-    return np.where(column[:, 0] < 8, column[:, 0], 8 + column[:, 1])
-
-
-def _swar_value(digit_words: np.ndarray) -> np.ndarray:
-    """Per row, the 16-digit decimal number held one digit (0..9) per byte, first byte most significant."""
-    v = digit_words
-    v = (v * np.uint64(10) + (v >> np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
-    v = (v * np.uint64(100) + (v >> np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
-    v = (v * np.uint64(10000) + (v >> np.uint64(32))) & np.uint64(0x00000000FFFFFFFF)
-    return v[:, 0] * np.uint64(100_000_000) + v[:, 1]
-
-
-def _token_windows(padded: np.ndarray, ends: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """(n, 16) uint8: each token right-aligned, the bytes before it replaced by spaces."""
-    windows = sliding_window_view(padded, _WINDOW)[ends - _WINDOW]
-    words = windows.view(np.uint64)
-    keep = np.empty_like(words)
-    keep[:, 0] = _TOP_BYTES[np.clip(lengths - 8, 0, 8)]
-    keep[:, 1] = _TOP_BYTES[np.minimum(lengths, 8)]
-    words &= keep
-    words |= _ALL_SPACES & ~keep
-    return windows
-
-
-def _tokenize(body: bytes) -> _Tokens:
-    padded = np.empty(len(body) + _WINDOW + 1, dtype=np.uint8)
-    padded[:_WINDOW] = 32
-    padded[_WINDOW:-1] = np.frombuffer(body, dtype=np.uint8)
-    padded[-1] = 32
-    # Bytes <= 32 (space, tab, CR, LF) separate tokens; edges alternate start, end because both pads are spaces.
-    solid = padded > 32
-    edges = np.flatnonzero(solid[1:] != solid[:-1]) + 1
-    starts, ends = edges[0::2], edges[1::2]
-    lengths = ends - starts
-    parts = [_decompose(_token_windows(padded, ends[i:i + _CHUNK], np.minimum(lengths[i:i + _CHUNK], _WINDOW)),
-                        lengths[i:i + _CHUNK]) for i in range(0, len(ends), _CHUNK)]
-    if not parts:
-        empty = np.empty(0, dtype=np.int64)
-        return _Tokens(padded, starts, ends, empty.astype(np.uint64), empty, empty.astype(bool), empty.astype(bool))
-    mantissa, exponent, negative, simple = (np.concatenate(column) for column in zip(*parts))
-    return _Tokens(padded, starts, ends, mantissa, exponent, negative, simple)
-
-
-def _decompose(windows: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Mantissa, exponent, sign and validity of every right-aligned token."""
-    digit_value = windows - np.uint8(48)
-    is_digit = digit_value < 10
-    is_dot = windows == 46
-    is_exp = (windows | np.uint8(32)) == 101
-    is_minus = windows == 45
-    is_sign = is_minus | (windows == 43)
-    n_dot, n_exp, n_sign, n_digit = (_byte_sum(mask) for mask in (is_dot, is_exp, is_sign, is_digit))
-    dot_col, exp_col = _first_true(is_dot), _first_true(is_exp)
-    flat_sign = is_sign.reshape(-1)
-    rows = np.arange(len(windows), dtype=np.int64) * _WINDOW
-    first_col = _WINDOW - np.minimum(lengths, _WINDOW)
-    lead_sign = flat_sign[rows + first_col]
-    exp_sign = flat_sign[rows + np.minimum(exp_col + 1, _WINDOW - 1)] & (exp_col < _WINDOW - 1)
-    exp_digits = np.where(exp_col < _WINDOW, _WINDOW - 1 - exp_col - exp_sign, 0)
-    simple = (
-        (lengths <= _WINDOW)
-        # Any other character (letters, commas, a second kind of junk) leaves the classes short of the length.
-        & (n_digit + n_dot + n_exp + n_sign == lengths)
-        & (n_dot <= 1) & (n_exp <= 1)
-        & (n_sign == lead_sign.astype(np.int64) + exp_sign)
-        & ((n_dot == 0) | (dot_col < exp_col))  # a dot comes before the exponent
-        & (n_digit - exp_digits >= 1)
-        & ((exp_col == _WINDOW) | ((exp_digits >= 1) & (exp_digits <= 3)))
-    )
-    # All digits as one 16-digit number, column j weighing 10**(15 - j). The exponent digits are its last
-    # (16 - exp_col) columns; the part after the dot its last (16 - dot_col) columns of the rest. Dropping the dot
-    # multiplies that part by ten: M = V + 9 R, and the token is M * 10**(min(dot_col, exp_col) - 16 +- power).
-    digit_value &= np.negative(is_digit.view(np.uint8))
-    everything = _swar_value(digit_value.view(np.uint64))
-    power = everything % _POW10_INT[_WINDOW - exp_col]
-    whole = everything - power
-    after_dot = whole % _POW10_INT[_WINDOW - dot_col]
-    mantissa = whole + np.uint64(9) * after_dot
-    power = power.astype(np.int64)
-    exp_negative = exp_sign & is_minus.reshape(-1)[rows + np.minimum(exp_col + 1, _WINDOW - 1)]
-    exponent = np.minimum(dot_col, exp_col) - _WINDOW + np.where(exp_negative, -power, power)
-    negative = is_minus.reshape(-1)[rows + first_col]
-    return mantissa, exponent, negative, simple
-
-
-def _fast_doubles(tokens: _Tokens, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Correctly rounded doubles for tokens ``index`` and a mask of those the fast path could not do."""
-    mantissa = tokens.mantissa[index]
-    exponent = tokens.exponent[index]
-    exact = tokens.simple[index] & (mantissa < np.uint64(_TWO_POW_53)) & (np.abs(exponent) <= 22)
-    scale = _POW10[np.minimum(np.abs(exponent), 22)]
-    m = mantissa.astype(np.float64)
-    values = np.where(exponent >= 0, m * scale, m / scale)
-    values = np.where(tokens.negative[index], -values, values)
-    return values, ~exact
-
-
-def _python_double(tokens: _Tokens, index: int, path: PathLike, values_per_row: int) -> float:
-    return _text_double(tokens.text(index), index // values_per_row + 1, path)
+# np.fromstring / np.loadtxt / float() all take longer than open3d itself on a 100k-point cloud, so the body is parsed
+# in one numba-compiled pass (``_ascii_numba``, about 5x faster than open3d). That pass computes only what it can
+# prove equal to strtod / strtof and flags every other token (nan, inf, junk, long mantissas, float32 near-ties);
+# the exact Python code below computes those. A body whose token count or row layout is wrong is explained by
+# ``_row_count_error``.
 
 
 def _text_double(text: bytes, row: int, path: PathLike) -> float:
@@ -494,14 +353,6 @@ def _text_double(text: bytes, row: int, path: PathLike) -> float:
             f"{path}: ascii data row {row} has a value that is not a number "
             f"({text[:30]!r}); fix or re-export the file"
         ) from None
-
-
-def _ascii_doubles(tokens: _Tokens, index: np.ndarray, path: PathLike, values_per_row: int) -> np.ndarray:
-    """strtod of the tokens ``index``."""
-    values, slow = _fast_doubles(tokens, index)
-    for position in np.flatnonzero(slow):
-        values[position] = _python_double(tokens, int(index[position]), path, values_per_row)
-    return values
 
 
 def _nearest_float32(text: bytes) -> np.float32:
@@ -518,27 +369,6 @@ def _nearest_float32(text: bytes) -> np.float32:
     return guess
 
 
-def _ascii_float32_bits(tokens: _Tokens, index: np.ndarray, path: PathLike, values_per_row: int) -> np.ndarray:
-    """uint32 bits of strtof for tokens ``index`` (open3d's reading of an ascii TYPE F colour)."""
-    mantissa = tokens.mantissa[index].astype(np.float64)
-    exponent = tokens.exponent[index]
-    usable = tokens.simple[index] & (np.abs(exponent) <= 300)
-    # Packed colours are denormal floats (1e-38 and below): 10**E is not exact there, so the double is only within
-    # a few ulps; it rounds to the right float32 unless it lies that close to a float32 midpoint, checked below.
-    approx = mantissa * np.power(10.0, np.clip(exponent, -300, 300).astype(np.float64))
-    approx = np.where(tokens.negative[index], -approx, approx)
-    with np.errstate(over="ignore"):
-        single = approx.astype(np.float32)
-    toward = np.where(approx > single.astype(np.float64), np.float32(np.inf), np.float32(-np.inf)).astype(np.float32)
-    midpoint = (single.astype(np.float64) + np.nextafter(single, toward).astype(np.float64)) / 2.0
-    near_tie = np.abs(approx - midpoint) <= 8 * np.spacing(np.abs(approx))
-    doubtful = ~usable | near_tie | ~np.isfinite(single)
-    for position in np.flatnonzero(doubtful):
-        token = int(index[position])
-        single[position] = _text_float32(tokens.text(token), token // values_per_row + 1, path)
-    return single.view(np.uint32)
-
-
 def _text_float32(text: bytes, row: int, path: PathLike) -> np.float32:
     """strtof of one token of ascii data row ``row`` (1-based, for the error message)."""
     try:
@@ -548,22 +378,16 @@ def _text_float32(text: bytes, row: int, path: PathLike) -> np.float32:
         return np.float32(_text_double(text, row, path))
 
 
-def _ascii_integer_bits(tokens: _Tokens, index: np.ndarray, path: PathLike, values_per_row: int) -> np.ndarray:
-    """Low 32 bits of strtol/strtoul for tokens ``index`` (an ascii TYPE U or I colour)."""
-    return _integer_bits(_ascii_doubles(tokens, index, path, values_per_row))
-
-
 def _integer_bits(values: np.ndarray) -> np.ndarray:
     """Low 32 bits of the doubles ``values`` truncated to integers (non-finite: 0)."""
     finite = np.where(np.isfinite(values), values, 0.0)
     return (np.trunc(finite).astype(np.int64) & 0xFFFFFFFF).astype(np.uint32)
 
 
-def _row_count_error(tokens: _Tokens, header: PcdHeader, path: PathLike) -> DataError:
+def _row_count_error(body: bytes, header: PcdHeader, path: PathLike) -> DataError:
     """Explain why the ascii body is not POINTS rows of the header's values."""
     per_row = header.values_per_point
-    rows = tokens.padded[_WINDOW:-1].tobytes().splitlines()
-    counts = [len(row.split()) for row in rows if row.strip()]
+    counts = [len(row.split()) for row in body.splitlines() if row.strip()]
     for number, count in enumerate(counts, start=1):
         if count != per_row:
             if number == len(counts) < header.points and count < per_row:  # cut off inside its last row
@@ -586,80 +410,10 @@ def _row_count_error(tokens: _Tokens, header: PcdHeader, path: PathLike) -> Data
     )
 
 
-def _rows_are_lines(tokens: _Tokens, header: PcdHeader) -> bool:
-    """True when every row of values sits on its own line (the total count alone cannot tell)."""
-    per_row = header.values_per_point
-    if header.points == 0:
-        return True
-    # Fast check: within a row the byte after a token is a space or tab, after the last one a newline (or CR).
-    # The last token of the file may be followed by anything (only whitespace is left).
-    after = tokens.padded[tokens.ends].reshape(header.points, per_row)
-    inner = after[:, :-1]
-    last = after[:-1, -1]
-    if ((inner == 32) | (inner == 9)).all() and ((last == 10) | (last == 13)).all():
-        return True
-    # Exact check: the line number of each token.
-    newlines = np.flatnonzero(tokens.padded == 10)
-    line = np.searchsorted(newlines, tokens.starts).reshape(header.points, per_row)
-    same_line = (line == line[:, :1]).all()
-    return bool(same_line and (np.diff(line[:, 0]) > 0).all())
+def _read_ascii(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
+    # Imported on first use: numba takes a quarter of a second to import, and binary files never need it.
+    from opencood_ddp.data import _ascii_numba as parser  # noqa: PLC0415
 
-
-def _read_ascii_numpy(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
-    """The vectorised numpy parser: the reference, and the parser used when numba is not installed."""
-    tokens = _tokenize(raw[header.data_offset:])
-    per_row = header.values_per_point
-    if len(tokens.starts) != header.points * per_row or not _rows_are_lines(tokens, header):
-        raise _row_count_error(tokens, header, path)
-    row_starts = np.arange(header.points, dtype=np.int64) * per_row
-    out = np.empty((header.points, 4), dtype=np.float32)
-    # One pass over the three coordinate columns: (N, 3) token indices, row-major.
-    xyz_index = (row_starts[:, None] + np.array([header.column(axis) for axis in "xyz"])).reshape(-1)
-    out[:, :3] = _ascii_doubles(tokens, xyz_index, path, per_row).reshape(header.points, 3)
-    colour = _colour_field(header)
-    if header.field("intensity") is not None:
-        out[:, 3] = _ascii_doubles(tokens, row_starts + header.column("intensity"), path, per_row)
-    elif colour is not None and colour.size == 4:
-        index = row_starts + header.column(colour.name)
-        decode = _ascii_float32_bits if colour.type == "F" else _ascii_integer_bits
-        bits = decode(tokens, index, path, per_row)
-        out[:, 3] = _RED_TO_INTENSITY[(bits >> np.uint32(16)) & np.uint32(0xFF)]
-    else:
-        out[:, 3] = 0.0
-    return out
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# ASCII data: the numba parser (optional)
-# ---------------------------------------------------------------------------------------------------------------
-#
-# With numba installed, ``_ascii_numba`` parses the body in one compiled pass (about 5x faster than the numpy parser
-# above). It computes only what it can prove exact and flags every other token (nan, inf, junk, long mantissas,
-# float32 near-ties); those are computed here with the same per-token Python code as the numpy parser, in the same
-# order, so both parsers give the same bits and raise the same errors. A wrong row layout reruns the numpy parser,
-# which explains it. Set OPENCOOD_DDP_PCD_PARSER=numpy to force the numpy parser.
-
-_PARSER_ENV = "OPENCOOD_DDP_PCD_PARSER"
-_numba_module: object = None  # the loaded _ascii_numba module, False when unavailable, None before the first try
-
-
-def _numba_parser():
-    """The ``_ascii_numba`` module, or None when numba cannot be imported or the environment asks for numpy."""
-    global _numba_module
-    if os.environ.get(_PARSER_ENV, "").lower() == "numpy":
-        return None
-    if _numba_module is None:
-        try:
-            from opencood_ddp.data import _ascii_numba  # noqa: PLC0415 - numba is optional and slow to import
-        except ImportError:
-            _numba_module = False
-        else:
-            # NUMBA_DISABLE_JIT=1 would run the parser as slow Python: the numpy parser is the better fallback.
-            _numba_module = _ascii_numba if not _ascii_numba.numba.config.DISABLE_JIT else False
-    return _numba_module or None
-
-
-def _read_ascii_numba(raw: bytes, header: PcdHeader, path: PathLike, parser) -> np.ndarray:
     per_row = header.values_per_point
     out_cols = np.full(per_row, -1, dtype=np.int64)
     modes = np.full(per_row, parser.SKIP, dtype=np.int64)
@@ -677,7 +431,7 @@ def _read_ascii_numba(raw: bytes, header: PcdHeader, path: PathLike, parser) -> 
     body = np.frombuffer(raw, dtype=np.uint8, offset=header.data_offset)
     status, flagged = parser.parse_body(body, header.points, per_row, out_cols, modes, out)
     if status != parser.STATUS_OK:
-        return _read_ascii_numpy(raw, header, path)
+        raise _row_count_error(raw[header.data_offset:], header, path)
     if len(flagged):
         _fill_flagged(raw, header, path, out, flagged, colour)
     return out
@@ -685,8 +439,9 @@ def _read_ascii_numba(raw: bytes, header: PcdHeader, path: PathLike, parser) -> 
 
 def _fill_flagged(raw: bytes, header: PcdHeader, path: PathLike, out: np.ndarray, flagged: np.ndarray,
                   colour: PcdField | None) -> None:
-    """Compute the tokens the compiled parser left to exact Python code, in the numpy parser's order."""
-    # The numpy parser does x, y, z row by row, then the fourth column: the first bad token it meets is the same.
+    """Compute the tokens the compiled parser left to exact Python code."""
+    # x, y, z of every row before the fourth column, each row by row: of several bad tokens, the error names the
+    # first bad coordinate, whatever column order the file has.
     order = np.lexsort((flagged[:, 1], flagged[:, 0], flagged[:, 1] == 3))
     float_colour = header.field("intensity") is None and colour is not None and colour.type == "F"
     for row, column, start, end in flagged[order].tolist():
@@ -699,13 +454,6 @@ def _fill_flagged(raw: bytes, header: PcdHeader, path: PathLike, out: np.ndarray
         else:
             bits = _integer_bits(np.array([_text_double(text, row + 1, path)]))
             out[row, 3] = _RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
-
-
-def _read_ascii(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
-    parser = _numba_parser()
-    if parser is None:
-        return _read_ascii_numpy(raw, header, path)
-    return _read_ascii_numba(raw, header, path, parser)
 
 
 # ---------------------------------------------------------------------------------------------------------------
