@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
@@ -205,8 +206,9 @@ def test_fusion_model_sample_depends_only_on_its_own_cavs():
 def test_create_model_errors_name_the_key():
     hypes = hypes_of(ROOT / "hypes_yaml" / "opv2v" / "point_pillar_early_fusion.yaml")
     wrong = copy.deepcopy(hypes)
-    wrong["model"]["core_method"] = "point_pillar_v2vnet"
-    with pytest.raises(ConfigError, match="model.core_method 'point_pillar_v2vnet'"):
+    # A realistic slip: the hypes file's name, not its core_method (point_pillar_transformer).
+    wrong["model"]["core_method"] = "point_pillar_v2xvit"
+    with pytest.raises(ConfigError, match="model.core_method 'point_pillar_v2xvit'"):
         create_model(wrong)
     missing = copy.deepcopy(hypes)
     del missing["model"]["args"]["base_bev_backbone"]["layer_nums"]

@@ -4,7 +4,7 @@ AttFuse fuses per BEV cell with softmax(ego . cav / sqrt(C)) weights over the fr
 the ego should lean on the other CAVs where only they see an object. For each test frame this runs the model of a
 point_pillar_intermediate run, takes the attention weights of the first backbone level (a forward hook on the
 AttFusion module, recomputing its weights from its inputs with ``AttFusion.ego_weights``), and averages 1 - weight(ego) over the cells of the GT
-objects in each visibility group of tools/recall_by_visibility.py:
+objects in each visibility group of opencood_ddp/metrics/visibility.py:
 
     python tools/attention_by_visibility.py --model_dir logs/attfuse --dataset_dir data/toy_opv2v/test
 """
@@ -18,15 +18,14 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
+from opencood_ddp.data.ego_view import frame_clouds
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.engine.evaluator import EvalRequest
 from opencood_ddp.engine.inference import choose_checkpoint, load_run_config
 from opencood_ddp.errors import ConfigError, run_tool
+from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
 from opencood_ddp.models.modules.fusion import AttFusion
-from opencood_ddp.tasks.opencood import build_eval
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from recall_by_visibility import GROUPS, frame_clouds, visibility_groups  # noqa: E402
+from opencood_ddp.tasks.opencood import DetectionEvalOptions, build_eval
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -65,7 +64,8 @@ def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
     if hypes["model"]["core_method"] != "point_pillar_intermediate":
         raise ConfigError(f"{model_dir}: model.core_method is {hypes['model']['core_method']!r}; this tool reads "
                           f"AttFuse (point_pillar_intermediate) runs")
-    spec = build_eval(hypes, EvalRequest(fusion_method="intermediate", dataset_dir=dataset_dir))
+    request = EvalRequest(dataset_dir=dataset_dir, task_options=DetectionEvalOptions(fusion_method="intermediate"))
+    spec = build_eval(hypes, request)
     ckpt.load_weights(spec.model, choose_checkpoint(model_dir, None, False))
     spec.model.eval()
     hook = FirstLevelWeights()

@@ -47,7 +47,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------------- one config
 def _load_batch(config: str, data: Path, batch_size: int):
-    from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+    from opencood_ddp.hypes import apply_overrides, load_hypes
+    from opencood_ddp.yaml_parsers import run_yaml_parser
     from opencood_ddp.tasks.opencood import build_task
 
     path = REPO / "hypes_yaml" / f"{config}.yaml"
@@ -88,9 +89,9 @@ def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
     memory.start()
     times = [step() for _ in range(args.repeats)]
     peak = memory.growth()
-    grid = task.model.scatter.nx, task.model.scatter.ny
+    scatter = getattr(task.model, "scatter", None)  # the pillar models' BEV grid; SECOND has none
     return {"config": config, "device": str(device), "half": args.half, "batch_size": args.batch_size,
-            "grid": f"{grid[0]} x {grid[1]}",
+            "grid": f"{scatter.nx} x {scatter.ny}" if scatter is not None else "-",
             "parameters": sum(p.numel() for p in model.parameters()),
             "step_s": statistics.median(times), "per_sample_s": statistics.median(times) / args.batch_size,
             "peak_mib": peak / 2 ** 20, "threads": torch.get_num_threads()}
@@ -99,7 +100,7 @@ def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
 # ------------------------------------------------------------------------------------------- driver
 def ensure_data(data: Path) -> None:
     if not (data / "toy_manifest.yaml").is_file():
-        from opencood_ddp.data.toy import generate_toy_opv2v
+        from opencood_ddp.toy.writer import generate_toy_opv2v
 
         print(f"generating the demo toy world in {data} ...", flush=True)
         generate_toy_opv2v(data, seed=0, scale="demo")

@@ -19,19 +19,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import numpy as np
-import shapely
 
-from opencood_ddp.data.geometry import mask_ego_points, transform_points, x1_to_x2
-from opencood_ddp.data.opv2v import read_frame, scan_split
-from opencood_ddp.data.pcd import read_pcd
+from opencood_ddp.data.ego_view import frame_clouds
+from opencood_ddp.data.opv2v import scan_split
 from opencood_ddp.errors import DataError, run_tool
-from opencood_ddp.postprocess.bev_iou import bev_iou_matrix, bev_polygons
+from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
+from opencood_ddp.postprocess.bev_iou import bev_iou_matrix
 from opencood_ddp.vis.export import npy_paths
-
-GROUPS = ("ego sees it", "only others see it", "barely seen")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -41,31 +38,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--iou", type=float, default=0.5, help="BEV IoU that counts as found (default 0.5)")
     parser.add_argument("--min_points", type=int, default=10, help="points that make an object seen")
     return parser.parse_args(argv)
-
-
-def points_in_boxes(points: np.ndarray, corners: np.ndarray) -> np.ndarray:
-    """Per box (M, 8, 3): how many points lie inside its footprint and between its lowest and highest z."""
-    counts = np.zeros(len(corners), dtype=np.int64)
-    for i, (polygon, box) in enumerate(zip(bev_polygons(corners), corners)):
-        in_height = (points[:, 2] >= box[:, 2].min()) & (points[:, 2] <= box[:, 2].max())
-        candidates = points[in_height]
-        counts[i] = int(shapely.contains_xy(polygon, candidates[:, 0], candidates[:, 1]).sum())
-    return counts
-
-
-def frame_clouds(index, frame_number: int) -> List[np.ndarray]:
-    """Every CAV's cloud in the ego frame, ego first, without each car's own hits (as the datasets read them)."""
-    cavs = list(read_frame(index, frame_number).values())
-    ego_pose = cavs[0].lidar_pose
-    return [transform_points(mask_ego_points(read_pcd(cav.pcd_path))[:, :3], x1_to_x2(cav.lidar_pose, ego_pose))
-            for cav in cavs]
-
-
-def visibility_groups(clouds: List[np.ndarray], gt: np.ndarray, min_points: int) -> np.ndarray:
-    """Group number (index into GROUPS) of each GT box."""
-    ego_points = points_in_boxes(clouds[0], gt)
-    all_points = points_in_boxes(np.concatenate(clouds), gt)
-    return np.where(ego_points >= min_points, 0, np.where(all_points >= min_points, 1, 2))
 
 
 def found(pred: np.ndarray, gt: np.ndarray, iou: float) -> np.ndarray:

@@ -12,24 +12,65 @@ upstream checkpoints load strictly (``tests/test_models.py`` checks every key an
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import get_key
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
 from opencood_ddp.models.modules.scatter import PointPillarScatter
+from opencood_ddp.registry import MODELS
 
 NUM_POINT_FEATURES = 4  # x, y, z, intensity
+
+_ARGS = "model.args."
+PILLAR_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, kind in (
+    ("voxel_size", "list"), ("lidar_range", "list"), ("anchor_number", "positive_int"),
+    ("pillar_vfe.use_norm", "bool"), ("pillar_vfe.with_distance", "bool"),
+    ("pillar_vfe.use_absolute_xyz", "bool"), ("pillar_vfe.num_filters", "list"),
+    ("point_pillar_scatter.num_features", "positive_int"), ("base_bev_backbone.layer_nums", "list"), ("base_bev_backbone.layer_strides", "list"),
+    ("base_bev_backbone.num_filters", "list"), ("base_bev_backbone.upsample_strides", "list"),
+    ("base_bev_backbone.num_upsample_filter", "list")))
+# Upstream keys these models read or carry; compression and backbone_fix are refused when switched on.
+PILLAR_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, kind in (
+    ("base_bev_backbone.compression", "int"), ("compression", "int"), ("backbone_fix", "bool"),
+    ("anchor_num", "positive_int"),
+    # Written by the yaml_parser; its absence gets its own hint in check_pillar_args.
+    ("point_pillar_scatter.grid_size", "list")))
+FCOOPER_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + ((_ARGS + "shrink_header", "dict"),)
+
+
+def check_pillar_args(hypes: Mapping, source: str) -> None:
+    """What the kinds of PILLAR_KEYS cannot say: the parser ran, the widths agree, no unbuilt upstream option."""
+    if get_key(hypes, _ARGS + "point_pillar_scatter.grid_size") is None:
+        raise ConfigError(f"{source}: model.args.point_pillar_scatter.grid_size is missing; add "
+                          f"'yaml_parser: load_point_pillar_params' to the hypes so that it is computed")
+    args = hypes["model"]["args"]
+    if args["point_pillar_scatter"]["num_features"] != args["pillar_vfe"]["num_filters"][-1]:
+        raise ConfigError(f"{source}: model.args.point_pillar_scatter.num_features "
+                          f"({args['point_pillar_scatter']['num_features']}) must equal the last of "
+                          f"model.args.pillar_vfe.num_filters ({args['pillar_vfe']['num_filters'][-1]}); fix the hypes")
+    for key in ("model.args.base_bev_backbone.compression", "model.args.compression"):
+        if get_key(hypes, key, 0):
+            raise ConfigError(f"{source}: {key} > 0 (feature compression) is not implemented; set it to 0")
+    if get_key(hypes, "model.args.backbone_fix", False):
+        raise ConfigError(f"{source}: model.args.backbone_fix true is not supported (upstream freezes every "
+                          f"parameter of the model with it, heads included); set it to false")
 
 
 def anchor_number(args: Mapping) -> int:
     return int(args["anchor_number"])
 
 
+_PILLAR = dict(required=PILLAR_KEYS, optional=PILLAR_OPTIONAL_KEYS, check=check_pillar_args)
+
+
+@MODELS.register("point_pillar", fusion="none", **_PILLAR)
 class PointPillar(nn.Module):
     """Pillars -> BEV -> backbone -> 1x1 heads; also the shared encoder of the fusion variants."""
 
@@ -77,12 +118,15 @@ class PointPillar(nn.Module):
         return {"psm": self.cls_head(features), "rm": self.reg_head(features)}
 
 
+@MODELS.register("point_pillar_intermediate", fusion="intermediate (attention)", **_PILLAR)
 class PointPillarIntermediate(PointPillar):
     """AttFuse: attention fusion of the CAVs' features at every backbone level."""
 
     fusion_factory = AttFusion
 
 
+@MODELS.register("point_pillar_fcooper", fusion="intermediate (max)", required=PILLAR_KEYS,
+                 optional=FCOOPER_OPTIONAL_KEYS, check=check_pillar_args)
 class PointPillarFCooper(PointPillar):
     """F-Cooper: max fusion of the CAVs' backbone output (after the optional shrink header)."""
 

@@ -1,0 +1,145 @@
+"""V2VNet's graph fusion (upstream ``fuse_modules/v2v_fuse.py`` with ``sub_modules/convgru.py``).
+
+Each sample's CAVs are the nodes of a complete graph. A round of message passing, repeated
+``num_iteration`` times: every receiver i warps each CAV j's map into its own frame, a 3x3 convolution of
+[warped j, i's own map] is the message j -> i (zeroed outside j's warped field of view), the messages are
+averaged (or max-ed) over j (i itself included, as upstream), and a ConvGRU of [i's map, aggregate] with a
+zero hidden state gives i's new map. After the last round the ego's map (node 0) of each sample goes
+through a per-cell linear layer.
+
+State-dict names as upstream: ``msg_cnn``, ``conv_gru.cell_list.{k}.conv_gates|conv_can``, ``mlp``.
+
+Departures from upstream (docs/compatibility.md):
+- The ConvGRU's zero hidden state takes the input's height and width; upstream sizes it from
+  ``conv_gru.H``/``W`` and fails on any other map size (another range or stride).
+- The warp is normalised by ``lidar_range`` (the map covers the whole range), so it is right for any
+  stride; with proj_first (upstream's setting) every transform is the identity and so is the warp.
+- The rounds run per sample with every receiver batched, instead of one receiver at a time: the same sums.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opencood_ddp.models.modules.fusion import regroup
+
+AGGREGATORS = ("avg", "max")
+
+
+class ConvGRUCell(nn.Module):
+    """One convolutional GRU step: reset and update gates from [input, h], candidate from [input, r * h]."""
+
+    def __init__(self, input_dim: int, hidden_dim: int, kernel_size: Sequence[int]):
+        super().__init__()
+        padding = (int(kernel_size[0]) // 2, int(kernel_size[1]) // 2)
+        kernel = (int(kernel_size[0]), int(kernel_size[1]))
+        self.hidden_dim = hidden_dim
+        self.conv_gates = nn.Conv2d(input_dim + hidden_dim, 2 * hidden_dim, kernel, padding=padding)
+        self.conv_can = nn.Conv2d(input_dim + hidden_dim, hidden_dim, kernel, padding=padding)
+
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        gates = self.conv_gates(torch.cat([x, hidden], dim=1))
+        reset, update = torch.sigmoid(gates).split(self.hidden_dim, dim=1)
+        candidate = torch.tanh(self.conv_can(torch.cat([x, reset * hidden], dim=1)))
+        return (1 - update) * hidden + update * candidate
+
+
+class ConvGRU(nn.Module):
+    """Stacked ConvGRU cells run for one time step from a zero hidden state (all V2VNet asks of it)."""
+
+    def __init__(self, input_dim: int, hidden_dim: int, kernel_sizes: Sequence[Sequence[int]]):
+        super().__init__()
+        dims = [input_dim] + [hidden_dim] * len(kernel_sizes)
+        self.cell_list = nn.ModuleList(ConvGRUCell(dims[k], hidden_dim, kernel)
+                                       for k, kernel in enumerate(kernel_sizes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C_in, H, W) -> (N, hidden, H, W): the last layer's state."""
+        for cell in self.cell_list:
+            hidden = x.new_zeros(x.shape[0], cell.hidden_dim, x.shape[2], x.shape[3])
+            x = cell(x, hidden)
+        return x
+
+
+def pairwise_affines(pairwise_t_matrix: torch.Tensor, lidar_range: Sequence[float]) -> torch.Tensor:
+    """(B, L, L, 4, 4) metric transforms -> (B, L, L, 2, 3) ``affine_grid`` matrices, float64.
+
+    Entry [b, i, j] maps receiver i's normalised BEV coordinates (-1..1 over ``lidar_range``) to those of
+    CAV j's map, so sampling j's map there puts it in i's frame (``pairwise[b, i, j]`` takes i's frame to
+    j's). x' = A x + t becomes S^-1 A S and S^-1 (A c + t - c), S the half extents, c the range's centre.
+    The diagonal is the identity whatever it holds (the dataset leaves it zero without proj_first).
+    """
+    matrix = pairwise_t_matrix.to(torch.float64)
+    rotation, translation = matrix[..., :2, :2], matrix[..., :2, 3]
+    x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
+    half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
+    centre = matrix.new_tensor([(x_max + x_min) / 2, (y_max + y_min) / 2])
+    scaled = rotation * half.view(2, 1).T / half.view(2, 1)
+    shift = ((rotation @ centre.view(2, 1)).squeeze(-1) + translation - centre) / half
+    theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)
+    size = theta.shape[1]
+    diagonal = torch.eye(size, dtype=torch.bool, device=theta.device).view(1, size, size, 1, 1)
+    identity = torch.eye(2, 3, dtype=theta.dtype, device=theta.device).expand_as(theta)
+    return torch.where(diagonal, identity, theta)
+
+
+def warp_all_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) maps, (N, N, 2, 3) affines -> (N, N, C, H, W): [i, j] is map j in receiver i's frame."""
+    n, c, h, w = x.shape
+    grid = F.affine_grid(theta.reshape(n * n, 2, 3).to(x.dtype), [n * n, c, h, w], align_corners=False)
+    senders = x.unsqueeze(0).expand(n, n, c, h, w).reshape(n * n, c, h, w)
+    warped = F.grid_sample(senders, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return warped.view(n, n, c, h, w)
+
+
+def field_of_view(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """(N, N, 2, 3) affines -> (N, N, 1, H, W) masks: 1 where sender j's map covers receiver i's cell."""
+    n = theta.shape[0]
+    grid = F.affine_grid(theta.reshape(n * n, 2, 3), [n * n, 1, h, w], align_corners=False)
+    ones = theta.new_ones(n * n, 1, h, w)
+    covered = F.grid_sample(ones, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+    return covered.view(n, n, 1, h, w)
+
+
+class V2VNetFusion(nn.Module):
+    """Message passing among each sample's CAVs; returns the ego's updated map per sample."""
+
+    def __init__(self, channels: int, num_iteration: int, aggregation: str,
+                 kernel_sizes: Sequence[Sequence[int]], lidar_range: Sequence[float]):
+        super().__init__()
+        if aggregation not in AGGREGATORS:
+            raise ValueError(f"agg_operator {aggregation!r} is not one of {AGGREGATORS}")
+        self.num_iteration = num_iteration
+        self.aggregation = aggregation
+        self.lidar_range = [float(v) for v in lidar_range]
+        self.msg_cnn = nn.Conv2d(2 * channels, channels, kernel_size=3, padding=1)
+        self.conv_gru = ConvGRU(2 * channels, channels, kernel_sizes)
+        self.mlp = nn.Linear(channels, channels)
+
+    def update(self, nodes: torch.Tensor, theta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """One round for one sample: (N, C, H, W) nodes -> their new states."""
+        n, c, h, w = nodes.shape
+        warped = warp_all_pairs(nodes, theta)
+        receiver = nodes.unsqueeze(1).expand(n, n, c, h, w)
+        pairs = torch.cat([warped, receiver], dim=2).reshape(n * n, 2 * c, h, w)
+        messages = self.msg_cnn(pairs).view(n, n, c, h, w) * mask.to(nodes.dtype)
+        aggregate = messages.mean(dim=1) if self.aggregation == "avg" else messages.max(dim=1).values
+        return self.conv_gru(torch.cat([nodes, aggregate], dim=1))
+
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: torch.Tensor) -> torch.Tensor:
+        """(sum(record_len), C, H, W) CAV maps -> (B, C, H, W) fused ego maps."""
+        h, w = x.shape[-2:]
+        thetas = pairwise_affines(pairwise_t_matrix.to(x.device), self.lidar_range)
+        egos: List[torch.Tensor] = []
+        for b, nodes in enumerate(regroup(x, record_len)):
+            n = nodes.shape[0]
+            theta = thetas[b, :n, :n]
+            mask = field_of_view(theta, h, w)
+            for _ in range(self.num_iteration):
+                nodes = self.update(nodes, theta, mask)
+            egos.append(nodes[0])
+        fused = torch.stack(egos, dim=0)
+        return self.mlp(fused.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)

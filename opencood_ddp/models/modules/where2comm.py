@@ -1,0 +1,176 @@
+"""Where2comm's spatial-confidence communication and its fusion of the CAVs' masked, warped features.
+
+Upstream ``fuse_modules/where2comm_fuse.py`` (OpenCOOD) and ``fuse_modules/where2comm_attn.py`` with
+``comm_modules/where2comm.py`` (the Where2comm repository). Per CAV, the detection head's class logits give a
+confidence map (sigmoid, max over anchors, optionally Gaussian-smoothed); the cells above a threshold are the
+ones the CAV sends. The ego keeps its whole map. Each sample's CAVs are then warped into the ego's frame and
+fused (attention of the ego's feature over the CAVs, or an element-wise max) into one map per sample.
+
+Only ``naive_communication.gaussian_filter`` carries state (upstream's names); it is a fixed kernel, never
+trained. Every step below works on one sample's CAVs, found through ``record_len``, so the fused map of a
+sample depends on its own CAVs only, whatever else the batch holds.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
+
+AGGREGATORS = {"ATTEN": AttFusion, "MAX": MaxFusion}
+
+
+def ego_rows(record_len: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(sum(record_len),) bool: True at each sample's first CAV, its ego."""
+    counts = record_len.to(device=device, dtype=torch.long)
+    is_ego = torch.zeros(int(counts.sum()), dtype=torch.bool, device=device)
+    is_ego[torch.cumsum(counts, 0) - counts] = True
+    return is_ego
+
+
+def gaussian_kernel(size: int, sigma: float) -> torch.Tensor:
+    """(size, size) weights exp(-r^2 / 2 sigma^2) / (2 pi sigma), centred.
+
+    Upstream's normalisation is 1 / (2 pi sigma), not 1 / (2 pi sigma^2): the weights sum to about sigma
+    (0.98 for the 5 x 5 kernel of sigma 1), so for sigma > 1 a smoothed confidence can exceed 1.
+    """
+    offsets = torch.arange(size, dtype=torch.float64) - size // 2
+    squared = offsets.view(-1, 1) ** 2 + offsets.view(1, -1) ** 2
+    return (torch.exp(-squared / (2 * sigma ** 2)) / (2 * math.pi * sigma)).float()
+
+
+class Communication(nn.Module):
+    """Class logits of every CAV -> a binary mask of the cells it sends; the egos' masks are all ones.
+
+    A cell is sent when its confidence is strictly above ``threshold``. A threshold <= 0 sends every cell
+    (a confidence is never negative; upstream's OpenCOOD code takes the same branch for a threshold of 0).
+    Training and evaluation use the same rule: see ``point_pillar_where2comm.py`` for why OpenCOOD's random
+    top-K training proxy is not built.
+    """
+
+    def __init__(self, threshold: float, smoothing: Optional[Tuple[int, float]] = None):
+        super().__init__()
+        self.threshold = float(threshold)
+        self.gaussian_filter: Optional[nn.Conv2d] = None
+        if smoothing is not None:
+            size, sigma = smoothing
+            self.gaussian_filter = nn.Conv2d(1, 1, size, stride=1, padding=(size - 1) // 2)
+            with torch.no_grad():
+                self.gaussian_filter.weight.copy_(gaussian_kernel(size, sigma).view(1, 1, size, size))
+                self.gaussian_filter.bias.zero_()
+            # Upstream writes `gaussian_filter.requires_grad = False`, an attribute of the module that leaves its
+            # parameters trainable; they never get a gradient (the mask is a threshold), which DDP would report
+            # as unused parameters. Freezing the parameters themselves is what upstream meant.
+            self.gaussian_filter.requires_grad_(False)
+
+    def confidence(self, psm: torch.Tensor) -> torch.Tensor:
+        """(N, A, H, W) class logits -> (N, 1, H, W): the best anchor's probability per cell, smoothed."""
+        best = psm.sigmoid().amax(dim=1, keepdim=True)
+        return self.gaussian_filter(best) if self.gaussian_filter is not None else best
+
+    def forward(self, psm: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+        """(N, A, H, W) logits, (N,) ego flags -> (N, 1, H, W) mask of 0.0 / 1.0, no gradient."""
+        psm = psm.detach()
+        if self.threshold <= 0:
+            mask = psm.new_ones(psm.shape[0], 1, *psm.shape[2:])
+        else:
+            mask = (self.confidence(psm) > self.threshold).to(psm.dtype)
+        return torch.where(is_ego.view(-1, 1, 1, 1), torch.ones_like(mask), mask)
+
+
+def communication_rate(mask: Optional[torch.Tensor], is_ego: torch.Tensor) -> torch.Tensor:
+    """0-d float32, detached: the share of the non-ego CAVs' cells sent (mask > 0), over the whole batch.
+
+    ``mask`` None means everything is sent. A batch without a non-ego CAV sends nothing: rate 0.
+    """
+    others = ~is_ego
+    if not bool(others.any()):
+        return torch.zeros((), device=is_ego.device)
+    if mask is None:
+        return torch.ones((), device=is_ego.device)
+    return (mask.detach()[others] > 0).float().mean()
+
+
+def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
+                      lidar_range: Sequence[float]) -> torch.Tensor:
+    """(B, L, L, 4, 4) pairwise transforms -> (sum(record_len), 2, 3) ``affine_grid`` matrices, float64.
+
+    Row k maps the ego's normalised BEV coordinates (-1..1 over ``lidar_range``, x along the width, y along
+    the height) to those of CAV k's map: ``pairwise[b, 0, j]`` takes the ego's frame (CAV 0) to CAV j's, and
+    sampling CAV j's map there puts it in the ego's frame. The metric transform x' = A x + t becomes
+    S^-1 A S and S^-1 (A c + t - c) with S the half extents and c the centre of the range, which holds at
+    every backbone level (each covers the whole range). The egos' rows are the identity whatever the
+    diagonal holds (the dataset leaves it zero without proj_first).
+    """
+    device = pairwise_t_matrix.device
+    counts = record_len.to(device=device, dtype=torch.long)
+    sample = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    local = torch.arange(int(counts.sum()), device=device) - (torch.cumsum(counts, 0) - counts)[sample]
+    matrix = pairwise_t_matrix.to(torch.float64)[sample, 0, local]  # (N, 4, 4)
+    rotation, translation = matrix[:, :2, :2], matrix[:, :2, 3]
+    x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
+    half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
+    centre = matrix.new_tensor([(x_max + x_min) / 2, (y_max + y_min) / 2])
+    scaled = rotation * half.view(1, 1, 2) / half.view(1, 2, 1)
+    shift = (rotation @ centre + translation - centre) / half
+    theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)
+    identity = torch.eye(2, 3, dtype=theta.dtype, device=device).expand_as(theta)
+    return torch.where(ego_rows(counts, device).view(-1, 1, 1), identity, theta)
+
+
+def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame (bilinear, zeros outside).
+
+    The egos' maps are passed through untouched rather than resampled with an identity grid.
+    """
+    others = torch.nonzero(~is_ego).squeeze(1)
+    if others.numel() == 0:
+        return x
+    moved = x.index_select(0, others)
+    grid = F.affine_grid(theta.index_select(0, others).to(moved.dtype), list(moved.shape), align_corners=False)
+    warped = F.grid_sample(moved, grid.to(moved.dtype), mode="bilinear", padding_mode="zeros", align_corners=False)
+    return x.index_copy(0, others, warped.to(x.dtype))
+
+
+class Where2commFusion(nn.Module):
+    """Communication masks and per-level fusion; the model runs the backbone around it (multi-scale).
+
+    ``level_channels``: the channels of each fused map (one per backbone level, or one entry: the shrunk
+    map). ``communication`` None sends every cell (OpenCOOD's ``fully``, or no ``communication`` block).
+    """
+
+    def __init__(self, level_channels: Sequence[int], aggregator: str, lidar_range: Sequence[float],
+                 communication: Optional[Communication], fully: bool = False):
+        super().__init__()
+        make = AGGREGATORS[aggregator]
+        self.fuse_modules = nn.ModuleList(make(int(c)) if make is AttFusion else make() for c in level_channels)
+        if communication is not None:
+            self.naive_communication = communication  # upstream's name; its gaussian_filter is in the state dict
+        self.communicates = communication is not None and not fully
+        self.lidar_range = [float(v) for v in lidar_range]
+
+    def affines(self, pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+        return ego_frame_affines(pairwise_t_matrix, record_len, self.lidar_range)
+
+    def communicate(self, psm_single: torch.Tensor, is_ego: torch.Tensor,
+                    size: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """(mask (N, 1, *size) or None when everything is sent, communication rate).
+
+        A mask made on the heads' grid is resized to the masked level's grid bilinearly, as upstream does; a
+        cell there counts as sent when its mask is non-zero.
+        """
+        if not self.communicates:
+            return None, communication_rate(None, is_ego)
+        mask = self.naive_communication(psm_single, is_ego)
+        if size is not None and tuple(mask.shape[-2:]) != tuple(size):
+            mask = F.interpolate(mask, size=tuple(size), mode="bilinear", align_corners=False)
+        return mask, communication_rate(mask, is_ego)
+
+    def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, theta: torch.Tensor,
+             is_ego: torch.Tensor) -> torch.Tensor:
+        """(sum(record_len), C, H, W) masked CAV maps -> (B, C, H, W): warped to the ego, fused per sample."""
+        return self.fuse_modules[level](warp_to_ego(x, theta, is_ego), record_len)

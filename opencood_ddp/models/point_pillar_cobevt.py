@@ -1,0 +1,157 @@
+"""CoBEVT on LiDAR (upstream ``opencood/models/point_pillar_cobevt.py``): PointPillar features fused by
+SwapFusion, CoBEVT's fused axial attention.
+
+Per CAV: pillars -> BEV -> backbone -> shrink header. Each CAV's map is warped into its sample's ego frame,
+the maps of a sample are laid into ``max_cav`` slots (absent CAVs zero and masked as attention keys), and
+``depth`` swap-fusion layers (local window attention, then dilated grid attention, each across all slots,
+each with a feed-forward block; ``modules/swap_fusion.py``) mix them. The head averages the slots into one
+map per sample, which the class and box heads read.
+
+Departures from upstream (docs/compatibility.md):
+- OpenCOOD does not warp (it relies on proj_first); here every non-ego map is resampled in the ego's frame
+  from ``pairwise_t_matrix``, normalised by ``lidar_range`` (the identity with proj_first: true).
+- The heads read ``fax_fusion.input_dim`` channels, where upstream hard-codes 256.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Tuple
+
+import torch
+
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import get_key
+from opencood_ddp.models.modules.downsample_conv import DownsampleConv
+from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
+from opencood_ddp.models.modules.where2comm import ego_frame_affines, ego_rows, warp_to_ego
+from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
+from opencood_ddp.models.point_pillar_where2comm import (UPSTREAM_DEFAULT_MAX_CAV, backbone_channels,
+                                                         head_channels, head_stride)
+from opencood_ddp.registry import MODELS
+
+_ARGS = "model.args."
+FAX = _ARGS + "fax_fusion"
+
+COBEVT_KEYS = PILLAR_KEYS + tuple((_ARGS + key, kind) for key, kind in (
+    ("max_cav", "positive_int"), ("fax_fusion.input_dim", "positive_int"), ("fax_fusion.mlp_dim", "positive_int"),
+    ("fax_fusion.agent_size", "positive_int"), ("fax_fusion.window_size", "positive_int"),
+    ("fax_fusion.dim_head", "positive_int"), ("fax_fusion.drop_out", "number"),
+    ("fax_fusion.depth", "positive_int")))
+COBEVT_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + tuple((_ARGS + key, kind) for key, kind in (
+    ("fax_fusion.mask", "bool"), ("shrink_header", "dict"), ("shrink_header.kernal_size", "list"),
+    ("shrink_header.stride", "list"), ("shrink_header.padding", "list"), ("shrink_header.dim", "list"),
+    ("shrink_header.input_dim", "positive_int")))
+
+
+# ------------------------------------------------------------------------------------------ hypes checks
+def _fail(source: str, text: str) -> None:
+    raise ConfigError(f"{source}: {text}; fix the hypes")
+
+
+def _check_block(source: str, args: Mapping) -> None:
+    fax = args["fax_fusion"]
+    if fax.get("mask", False) is not True:
+        _fail(source, f"{FAX}.mask must be true (upstream's unmasked block, its default when the key is absent, "
+                      f"lets padded CAV slots into the attention and is not built)")
+    if fax["input_dim"] % fax["dim_head"] != 0:
+        _fail(source, f"{FAX}.input_dim ({fax['input_dim']}) must be a multiple of {FAX}.dim_head "
+                      f"({fax['dim_head']}): the heads split the channels")
+    if not 0 <= fax["drop_out"] < 1:
+        _fail(source, f"{FAX}.drop_out must be in [0, 1), got {fax['drop_out']}")
+
+
+def _check_widths(source: str, args: Mapping) -> None:
+    shrink = args.get("shrink_header")
+    if shrink:
+        lengths = {len(shrink.get(k) or []) for k in ("kernal_size", "stride", "padding", "dim")}
+        if len(lengths) != 1 or 0 in lengths:
+            _fail(source, "model.args.shrink_header kernal_size, stride, padding and dim must be non-empty lists "
+                          "of the same length")
+        if shrink.get("input_dim") != backbone_channels(args):
+            _fail(source, f"model.args.shrink_header.input_dim ({shrink.get('input_dim')}) must equal the "
+                          f"backbone's output channels ({backbone_channels(args)}: sum of num_upsample_filter)")
+    if args["fax_fusion"]["input_dim"] != head_channels(args):
+        _fail(source, f"{FAX}.input_dim ({args['fax_fusion']['input_dim']}) must equal the channels of the fused "
+                      f"map ({head_channels(args)}: model.args.shrink_header.dim[-1], else the backbone's output)")
+
+
+def _check_max_cav(hypes: Mapping, source: str) -> None:
+    args = hypes["model"]["args"]
+    data = get_key(hypes, "train_params.max_cav", UPSTREAM_DEFAULT_MAX_CAV)
+    if args["max_cav"] != data:
+        _fail(source, f"model.args.max_cav ({args['max_cav']}) must equal train_params.max_cav ({data}, the most "
+                      f"CAVs the dataset gives a sample)")
+    if args["fax_fusion"]["agent_size"] != args["max_cav"]:
+        _fail(source, f"{FAX}.agent_size ({args['fax_fusion']['agent_size']}) must equal model.args.max_cav "
+                      f"({args['max_cav']}): one attention slot per CAV")
+
+
+def _check_map(hypes: Mapping, source: str) -> None:
+    """The fused map's stride matches the anchors, and window_size divides both of its sides."""
+    args = hypes["model"]["args"]
+    stride = head_stride(args)
+    if stride is None:
+        _fail(source, "model.args.base_bev_backbone.upsample_strides must have one entry per layer_strides entry "
+                      "(the extra deblock is not built with fax_fusion)")
+    anchors = get_key(hypes, "postprocess.anchor_args.feature_stride")
+    if anchors is not None and anchors != stride:
+        _fail(source, f"postprocess.anchor_args.feature_stride ({anchors}) must equal the stride of the fused map "
+                      f"({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
+    grid = args["point_pillar_scatter"]["grid_size"]
+    sides = (grid[0] / stride, grid[1] / stride)  # (W, H) cells of the fused map
+    window = args["fax_fusion"]["window_size"]
+    if any(side != int(side) or int(side) % window for side in sides):
+        _fail(source, f"{FAX}.window_size ({window}) must divide both sides of the fused BEV map "
+                      f"({sides[1]:g} x {sides[0]:g}: model.args.point_pillar_scatter.grid_size {list(grid[:2])} "
+                      f"over the stride {stride:g}); change window_size or lidar_range")
+
+
+def check_cobevt_args(hypes: Mapping, source: str) -> None:
+    """The pillar rules, then the fusion block, widths, max_cav and map sizes that agree."""
+    check_pillar_args(hypes, source)
+    args = hypes["model"]["args"]
+    _check_block(source, args)
+    _check_widths(source, args)
+    _check_max_cav(hypes, source)
+    _check_map(hypes, source)
+
+
+# ------------------------------------------------------------------------------------------ the model
+def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(N, C, H, W) CAV maps -> ((B, slots, C, H, W) zero-padded, (B, slots) bool: the slot holds a CAV)."""
+    counts = record_len.to(device=x.device, dtype=torch.long)
+    if int(counts.max()) > slots:
+        raise ValueError(f"a sample has {int(counts.max())} CAVs, more than max_cav = {slots}")
+    sample = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)
+    local = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[sample]
+    index = sample * slots + local
+    padded = x.new_zeros((len(counts) * slots,) + tuple(x.shape[1:])).index_copy(0, index, x)
+    present = torch.zeros(len(counts) * slots, dtype=torch.bool, device=x.device)
+    present[index] = True
+    return padded.view(len(counts), slots, *x.shape[1:]), present.view(len(counts), slots)
+
+
+@MODELS.register("point_pillar_cobevt", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
+                 optional=COBEVT_OPTIONAL_KEYS, check=check_cobevt_args)
+class PointPillarCoBEVT(PointPillar):
+    """PointPillar with CoBEVT's SwapFusion of the CAVs' shrunk maps."""
+
+    def build_neck(self, args: Mapping) -> None:
+        self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
+        fax = args["fax_fusion"]
+        self.fusion_net = SwapFusionEncoder(int(fax["input_dim"]), int(fax["mlp_dim"]), int(fax["agent_size"]),
+                                            int(fax["window_size"]), int(fax["dim_head"]), float(fax["drop_out"]),
+                                            int(fax["depth"]))
+        self.max_cav = int(args["max_cav"])
+        self.lidar_range = [float(v) for v in args["lidar_range"]]
+
+    def head_channels(self) -> int:
+        return self.shrink_conv.out_channels if self.shrink_conv is not None else self.backbone.num_bev_features
+
+    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
+        if self.shrink_conv is not None:
+            features = self.shrink_conv(features)
+        record_len = data_dict["record_len"]
+        theta = ego_frame_affines(data_dict["pairwise_t_matrix"].to(features.device), record_len, self.lidar_range)
+        features = warp_to_ego(features, theta, ego_rows(record_len, features.device))
+        slots, present = to_slots(features, record_len, self.max_cav)
+        return self.fusion_net(slots, present)

@@ -1,0 +1,128 @@
+"""CoBEVT (point_pillar_cobevt): the swap-fusion windows and mask, per-sample fusion and its hypes keys (the zoo's
+shared contracts run in tests/test_zoo_contracts.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zoo
+from launch import REPO
+from opencood_ddp.models import create_model
+from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, from_windows, relative_position_index,
+                                                     to_windows)
+from opencood_ddp.models.point_pillar_cobevt import to_slots
+
+CORE = "point_pillar_cobevt"
+OPV2V = REPO / "hypes_yaml" / "opv2v" / f"{CORE}.yaml"
+TOY = REPO / "hypes_yaml" / "toy" / f"{CORE}.yaml"
+UPSTREAM = REPO / "tests" / "reference" / "upstream_hypes" / f"{CORE}.yaml"
+FAX = "model.args.fax_fusion"
+
+
+@pytest.fixture(scope="module")
+def toy(toy_small):
+    """(task, samples): the toy config's task and the first four training samples, read once."""
+    return zoo.toy_samples(TOY, toy_small)
+
+
+batch_of = zoo.ego_batch
+
+
+def toy_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return create_model(zoo.hypes_of(TOY)).eval()
+
+
+def keep_first_cav(ego: dict) -> dict:
+    """The batch with each sample reduced to its ego (record_len all ones)."""
+    lidar, record_len = ego["processed_lidar"], ego["record_len"]
+    egos = torch.cumsum(record_len, 0) - record_len
+    keep = torch.isin(lidar["voxel_coords"][:, 0], egos.to(lidar["voxel_coords"].dtype))
+    coords = lidar["voxel_coords"][keep].clone()
+    coords[:, 0] = torch.searchsorted(egos.to(coords.dtype), coords[:, 0].contiguous())
+    return dict(ego, record_len=torch.ones_like(record_len), processed_lidar={
+        "voxel_features": lidar["voxel_features"][keep], "voxel_coords": coords,
+        "voxel_num_points": lidar["voxel_num_points"][keep]})
+
+
+# ------------------------------------------------------------------------------------------ the fusion parts
+@pytest.mark.parametrize("dilated", [False, True])
+def test_windows_round_trip(dilated):
+    x = torch.randn(2, 3, 4, 6, 10)
+    assert torch.equal(from_windows(to_windows(x, 2, dilated), dilated), x)
+
+
+def test_local_windows_are_neighbours_and_grid_windows_span_the_map():
+    x = torch.randn(1, 1, 4, 6, 10)
+    local, grid = to_windows(x, 2, False), to_windows(x, 2, True)  # (B, L, X, Y, w, w, C)
+    assert torch.equal(local[0, 0, 1, 2, 1, 0], x[0, 0, :, 1 * 2 + 1, 2 * 2 + 0])  # window (1, 2), cell (1, 0)
+    assert torch.equal(grid[0, 0, 1, 2, 1, 0], x[0, 0, :, 1 * 3 + 1, 0 * 5 + 2])  # rows 3 apart, columns 5
+
+
+def test_relative_position_index_covers_the_table():
+    index = relative_position_index(5, 4)
+    assert index.shape == (80, 80) and index.min() == 0 and index.max() == 9 * 7 * 7 - 1
+    assert int(index.unique().numel()) == 9 * 7 * 7  # every bias is used: no unused DDP parameter
+    assert torch.equal(index.diagonal(), torch.full((80,), (9 * 7 * 7) // 2))  # offset 0 is the centre
+
+
+def test_absent_slots_do_not_reach_present_ones():
+    torch.manual_seed(0)
+    block = SwapFusionBlockMask(8, 16, 4, 2, 3, 0.0).eval()
+    x = torch.randn(2, 3, 8, 4, 6)
+    present = torch.tensor([[True, True, False], [True, False, False]])
+    changed = x.clone()
+    changed[0, 2], changed[1, 1:] = 5.0, -3.0
+    with torch.no_grad():
+        a, b = block(x, present), block(changed, present)
+    assert torch.allclose(a[0, :2], b[0, :2], atol=1e-6) and torch.allclose(a[1, :1], b[1, :1], atol=1e-6)
+
+
+def test_to_slots_pads_and_masks():
+    x = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 2, 2, 2)
+    slots, present = to_slots(x, torch.tensor([2, 1]), 3)
+    assert present.tolist() == [[True, True, False], [True, False, False]]
+    assert slots[0, 1, 0, 0, 0] == 1 and slots[1, 0, 0, 0, 0] == 2 and slots[0, 2].abs().sum() == 0
+    with pytest.raises(ValueError, match="max_cav"):
+        to_slots(x, torch.tensor([3]), 2)
+
+
+# ------------------------------------------------------------------------------------------ the model
+def test_forward_backward_gives_one_map_per_sample(toy_small):
+    out = zoo.assert_forward_backward(TOY, toy_small)
+    assert out["psm"].shape == (2, 2, 30, 60) and out["rm"].shape == (2, 14, 30, 60)  # stride 4 on 240 x 120
+
+
+def test_a_samples_output_depends_only_on_its_own_cavs(toy):
+    model = toy_model()
+    with torch.no_grad():
+        alone, together = model(batch_of(toy, 0)), model(batch_of(toy, 0, 1))
+    assert torch.allclose(alone["psm"][0], together["psm"][0], atol=1e-5)
+    assert torch.allclose(alone["rm"][0], together["rm"][0], atol=1e-5)
+
+
+def test_single_cav_samples_work(toy):
+    ego = batch_of(toy, 0, 1)
+    assert int(ego["record_len"].max()) > 1, "the toy samples should have several CAVs"
+    with torch.no_grad():
+        out = toy_model()(keep_first_cav(ego))
+    assert out["psm"].shape == (2, 2, 30, 60) and torch.isfinite(out["rm"]).all()
+
+
+# ------------------------------------------------------------------------------------------ hypes keys
+@pytest.mark.parametrize("override,key", [
+    (f"{FAX}.window_size=7", f"{FAX}.window_size"),  # 7 divides neither 30 nor 60
+    (f"{FAX}.window_size=0", f"{FAX}.window_size"),
+    (f"{FAX}.agent_size=4", f"{FAX}.agent_size"),
+    (f"{FAX}.input_dim=32", f"{FAX}.input_dim"),
+    (f"{FAX}.mlp_dim=0", f"{FAX}.mlp_dim"),
+    (f"{FAX}.dim_head=24", f"{FAX}.dim_head"),
+    (f"{FAX}.drop_out=1.5", f"{FAX}.drop_out"),
+    (f"{FAX}.drop_out=high", f"{FAX}.drop_out"),
+    (f"{FAX}.depth=0", f"{FAX}.depth"),
+    (f"{FAX}.mask=false", f"{FAX}.mask"),
+    ("model.args.max_cav=4", "model.args.max_cav"),
+    ("model.args.shrink_header.input_dim=100", "model.args.shrink_header.input_dim"),
+])
+def test_wrong_values_name_their_key(override, key):
+    zoo.assert_key_error(TOY, override, key)

@@ -1,0 +1,112 @@
+"""point_pillar_v2vnet (PointPillar + V2VNet's graph fusion): the message passing's checks (the zoo's shared
+contracts run in tests/test_zoo_contracts.py).
+
+What is specific to this model: the fusion runs per sample over its CAVs (a sample's map depends on its own
+CAVs only, a lone CAV works), the warp with identity transforms (proj_first) is the identity, and the
+ConvGRU's hidden state follows the map's size rather than conv_gru.H/W.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zoo import REPO, assert_forward_backward, assert_key_error, hypes_of, reference_shapes, toy_batch
+
+from opencood_ddp.models import create_model
+from opencood_ddp.models.modules.v2vnet import V2VNetFusion, pairwise_affines, warp_all_pairs
+
+CORE = "point_pillar_v2vnet"
+OPV2V = REPO / "hypes_yaml" / "opv2v" / "point_pillar_v2vnet.yaml"
+TOY = REPO / "hypes_yaml" / "toy" / "point_pillar_v2vnet.yaml"
+UPSTREAM = REPO / "tests" / "reference" / "upstream_hypes" / "point_pillar_v2vnet.yaml"
+
+
+# ------------------------------------------------------------------------------------------- toy model
+def test_toy_forward_backward_gives_one_map_per_sample_on_the_anchor_grid(toy_small):
+    out = assert_forward_backward(TOY, toy_small)
+    anchor = hypes_of(TOY)["postprocess"]["anchor_args"]
+    rows, cols = anchor["H"] // anchor["feature_stride"], anchor["W"] // anchor["feature_stride"]
+    assert out["psm"].shape == (2, 2, rows, cols) and out["rm"].shape == (2, 14, rows, cols)
+
+
+def _lone_cav(sample: dict) -> dict:
+    import copy
+
+    lone = copy.deepcopy(sample)
+    lidar = lone["ego"]["processed_lidar"]
+    for key in lidar:
+        lidar[key] = lidar[key][:1]
+    lone["ego"]["cav_num"] = 1
+    return lone
+
+
+def test_a_sample_depends_only_on_its_own_cavs_and_a_lone_cav_works(toy_small):
+    batch, model, task = toy_batch(TOY, toy_small)
+    model.eval()
+    first, second = task.train_set[0], task.train_set[1]
+    assert first["ego"]["cav_num"] >= 2
+    with torch.no_grad():
+        both = model(task.collate_train([first, second])["ego"])
+        alone = model(task.collate_train([first])["ego"])
+        lone = model(task.collate_train([_lone_cav(first), second])["ego"])
+    for key in ("psm", "rm"):
+        assert torch.allclose(both[key][:1], alone[key], atol=1e-5), key
+        assert torch.allclose(both[key][1:], lone[key][1:], atol=1e-5), key
+    assert not torch.allclose(both["rm"][:1], lone["rm"][:1], atol=1e-6)  # the cooperators did count
+
+
+def test_identity_transforms_warp_to_the_identity():
+    x = torch.randn(3, 4, 6, 10)
+    eye = torch.eye(4).expand(1, 3, 3, 4, 4)
+    theta = pairwise_affines(eye, [-10, -6, -3, 10, 6, 1])[0]
+    warped = warp_all_pairs(x, theta)
+    for i in range(3):
+        assert torch.allclose(warped[i], x, atol=1e-6)
+
+
+def test_a_translation_of_one_cell_moves_the_map_by_one_cell():
+    """Sender j's frame is 1 m (one cell) ahead in x of receiver i's: j's cell c lands at i's cell c + 1."""
+    x = torch.randn(2, 1, 4, 8)
+    pairwise = torch.eye(4).repeat(1, 2, 2, 1, 1)
+    pairwise[0, 0, 1, 0, 3] = -1.0  # i=0's frame to j=1's: x_j = x_i - 1
+    theta = pairwise_affines(pairwise, [-4, -2, -3, 4, 2, 1])[0]
+    warped = warp_all_pairs(x, theta)
+    assert torch.allclose(warped[0, 1, :, :, 1:], x[1, :, :, :-1], atol=1e-5)
+    assert torch.all(warped[0, 1, :, :, 0] == 0)
+
+
+def test_hidden_state_follows_the_map_size_not_conv_gru_hw():
+    fusion = V2VNetFusion(8, 2, "max", [[3, 3]], [-10, -6, -3, 10, 6, 1])
+    out = fusion(torch.randn(3, 8, 7, 9), torch.tensor([2, 1]), torch.eye(4).repeat(2, 5, 5, 1, 1))
+    assert out.shape == (2, 8, 7, 9) and torch.isfinite(out).all()
+
+
+def test_opv2v_parameter_count():
+    model = create_model(hypes_of(OPV2V))
+    assert sum(p.numel() for p in model.parameters()) == sum(math.prod(s) for n, s in reference_shapes(CORE)
+                                                             if not n.endswith(("running_mean", "running_var",
+                                                                                "num_batches_tracked")))
+
+
+# ------------------------------------------------------------------------------------------- key errors
+@pytest.mark.parametrize("override,key", [
+    ("model.args.v2vfusion.in_channels=128", "model.args.v2vfusion.in_channels"),
+    ("model.args.v2vfusion.in_channels=x", "model.args.v2vfusion.in_channels"),
+    ("model.args.v2vfusion.num_iteration=0", "model.args.v2vfusion.num_iteration"),
+    ("model.args.v2vfusion.agg_operator=sum", "model.args.v2vfusion.agg_operator"),
+    ("model.args.v2vfusion.gru_flag=false", "model.args.v2vfusion.gru_flag"),
+    ("model.args.v2vfusion.gru_flag=1", "model.args.v2vfusion.gru_flag"),
+    ("model.args.v2vfusion.conv_gru.num_layers=0", "model.args.v2vfusion.conv_gru.num_layers"),
+    ("model.args.v2vfusion.conv_gru.kernel_size=[[2,2]]", "model.args.v2vfusion.conv_gru.kernel_size"),
+    ("model.args.v2vfusion.conv_gru.H=0", "model.args.v2vfusion.conv_gru.H"),
+    ("model.args.v2vfusion.conv_gru.W=x", "model.args.v2vfusion.conv_gru.W"),
+    ("model.args.v2vfusion.voxel_size=[0.2,0.2,4]", "model.args.v2vfusion.voxel_size"),
+    ("model.args.v2vfusion.downsample_rate=2", "model.args.v2vfusion.downsample_rate"),
+    ("model.args.shrink_header.input_dim=100", "model.args.shrink_header.input_dim"),
+    ("model.args.max_cav=0", "model.args.max_cav"),
+    ("postprocess.anchor_args.feature_stride=2", "postprocess.anchor_args.feature_stride"),
+])
+def test_a_bad_key_gives_one_line_naming_it(override, key):
+    assert_key_error(OPV2V, override, key)

@@ -1,0 +1,195 @@
+"""What every model of the zoo must show, as functions; tests/test_zoo_contracts.py runs them for each of `MODELS`,
+and a model's own test file calls the ones it needs with other arguments.
+
+- `assert_reference_state_dict`: state_dict keys, order and shapes of the opv2v config equal upstream's reference.
+- `assert_upstream_checkpoint_loads`: a state dict with upstream's keys and shapes loads strictly.
+- `assert_forward_backward`: the toy config's model gives psm/rm of the anchors' shape on a real toy batch, and
+  every parameter gets a finite gradient.
+- `assert_key_error`: a wrong value of a key gives one ConfigError naming it.
+- `assert_two_ranks_follow_one`: tools/parity_check.py (world 2 against world 1, judged against the noise floor of
+  the reversed-batch run) passes.
+- `assert_resume_is_exact`: a run stopped by --max_steps and resumed ends bit-identical to the straight run.
+- `assert_distributed_eval_equals_one_process`: eval.yaml on 2 ranks equals the 1-process one.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+import torch
+import yaml
+
+from launch import REPO, explain, python, split_overrides, torchrun, train
+
+REFERENCE = REPO / "tests" / "reference" / "opencood_state_dict"
+UPSTREAM_HYPES = REPO / "tests" / "reference" / "upstream_hypes"
+
+# The zoo's models: core_method -> the stem of their hypes files (hypes_yaml/{opv2v,toy}/ and upstream's).
+MODELS = {
+    "point_pillar_cobevt": "point_pillar_cobevt",
+    "point_pillar_transformer": "point_pillar_v2xvit",
+    "point_pillar_v2vnet": "point_pillar_v2vnet",
+    "point_pillar_where2comm": "point_pillar_where2comm",
+    "second_intermediate": "second_intermediate_fusion",
+}
+INFERENCE = REPO / "tools" / "inference_ddp.py"
+PARITY = REPO / "tools" / "parity_check.py"
+
+
+def hypes_of(path: Path, *overrides: str) -> dict:
+    from opencood_ddp.hypes import apply_overrides, load_hypes
+    from opencood_ddp.yaml_parsers import run_yaml_parser
+
+    return run_yaml_parser(apply_overrides(load_hypes(path), list(overrides)), str(path))
+
+
+def reference_shapes(core_method: str) -> list[tuple[str, list[int]]]:
+    rows = (REFERENCE / f"{core_method}.tsv").read_text().splitlines()
+    return [(name, ast.literal_eval(shape)) for name, shape in (row.split("\t") for row in rows)]
+
+
+def assert_reference_state_dict(config: Path, core_method: str) -> None:
+    from opencood_ddp.models import create_model
+
+    hypes = hypes_of(config)
+    assert hypes["model"]["core_method"] == core_method
+    ours = [(name, list(tensor.shape)) for name, tensor in create_model(hypes).state_dict().items()]
+    theirs = reference_shapes(core_method)
+    missing = [n for n, _ in theirs if n not in dict(ours)]
+    extra = [n for n, _ in ours if n not in dict(theirs)]
+    assert not missing and not extra, f"missing {missing[:8]}, unexpected {extra[:8]}"
+    assert ours == theirs  # names, shapes and order
+
+
+def assert_upstream_checkpoint_loads(config: Path, core_method: str) -> None:
+    from opencood_ddp.distributed.checkpoint import load_weights
+    from opencood_ddp.models import create_model
+
+    model = create_model(hypes_of(config))
+    generator = torch.Generator().manual_seed(0)
+    upstream = {name: (torch.randint(0, 5, shape, generator=generator) if name.endswith("num_batches_tracked")
+                       else torch.randn(shape, generator=generator))
+                for name, shape in reference_shapes(core_method)}
+    load_weights(model, upstream, strict=True)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, upstream[name].to(value.dtype)), name
+
+
+def toy_batch(config: Path, toy_root: Path, samples: int = 2) -> tuple[dict, torch.nn.Module, object]:
+    """(collated training batch of the first `samples` frames, model, task) of a toy config."""
+    from opencood_ddp.tasks import build_task
+
+    hypes = hypes_of(config, f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}",
+                     f"test_dir={toy_root / 'test'}")
+    torch.manual_seed(0)
+    task = build_task(hypes, for_training=True)
+    batch = task.collate_train([task.train_set[i] for i in range(samples)])
+    return batch, task.model, task
+
+
+def toy_samples(config: Path, toy_root: Path, count: int = 4) -> tuple[object, list]:
+    """(task, samples): a toy config's task and its first `count` training samples, for a module-scoped fixture."""
+    from opencood_ddp.tasks import build_task
+
+    hypes = hypes_of(config, f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}",
+                     f"test_dir={toy_root / 'test'}")
+    task = build_task(hypes, for_training=True)
+    return task, [task.train_set[i] for i in range(count)]
+
+
+def ego_batch(toy: tuple[object, list], *indices: int) -> dict:
+    """The collated "ego" batch of the given samples of `toy_samples`' result."""
+    task, samples = toy
+    return task.collate_train([samples[i] for i in indices])["ego"]
+
+
+def assert_forward_backward(config: Path, toy_root: Path) -> dict:
+    """One training step's forward and backward; returns the model output for model-specific checks."""
+    batch, model, task = toy_batch(config, toy_root)
+    model.train()
+    out = task.step(model, batch)
+    assert torch.isfinite(out.total), out.total
+    out.total.backward()
+    no_grad = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    assert not no_grad, f"parameters without a gradient: {no_grad[:8]}"
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad, f"non-finite gradients: {bad[:8]}"
+    model.eval()
+    with torch.no_grad():
+        return model(batch["ego"])
+
+
+def assert_key_error(config: Path, override: str, key: str) -> None:
+    """`--set override` must give one ConfigError whose message names `key`."""
+    from opencood_ddp.errors import ConfigError
+    from opencood_ddp.models import create_model
+
+    with pytest.raises(ConfigError) as caught:
+        create_model(hypes_of(config, override))
+    message = str(caught.value)
+    assert key in message and "\n" not in message, message
+
+
+def assert_two_ranks_follow_one(config: Path, toy_root: Path, work: Path, steps: int = 4,
+                                extra: Sequence[str] = ()) -> str:
+    """tools/parity_check.py: world 2 against world 1, judged against the reversed-batch noise floor."""
+    result = python(PARITY, "--hypes_yaml", config, "--world_sizes", "1,2", "--steps", str(steps),
+                    "--set", "train_params.batch_size=2", *split_overrides(toy_root), *extra, "--work_dir", work,
+                    timeout=900)
+    assert result.returncode == 0 and "PASS" in result.stdout, explain(result)
+    return result.stdout
+
+
+def assert_resume_is_exact(config: Path, toy_root: Path, work: Path, world: int = 2, steps: int = 4) -> None:
+    """Stopping after `steps // 2` optimizer steps (--max_steps) and resuming ends bit-identical to a straight run
+    of `steps` steps: weights, optimizer state and step losses."""
+    common = ("--hypes_yaml", config, "--num_workers", "0", "--set", "train_params.batch_size=2",
+              *split_overrides(toy_root))
+    straight, resumed = work / "straight", work / "resumed"
+    for run_dir, stops in ((straight, (steps,)), (resumed, (steps // 2, steps))):
+        for stop in stops:
+            result = train(world, *common, "--model_dir", run_dir, "--max_steps", str(stop), timeout=900)
+            assert result.returncode == 0, explain(result)
+    a = torch.load(straight / f"net_step{steps}.pth", weights_only=True)
+    b = torch.load(resumed / f"net_step{steps}.pth", weights_only=True)
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"resumed run differs from the straight one in {different[:8]}"
+    state_a = torch.load(straight / f"training_state_step{steps}.pt", weights_only=False)
+    state_b = torch.load(resumed / f"training_state_step{steps}.pt", weights_only=False)
+    assert state_a["global_step"] == state_b["global_step"] == steps
+
+
+def assert_distributed_eval_equals_one_process(config: Path, toy_root: Path, work: Path, fusion: str,
+                                               flags: Sequence[str] = ()) -> dict:
+    """Train a few steps, then evaluate on 1 process and on 2 ranks: the same eval.yaml but for the run keys."""
+    run_dir = work / "run"
+    result = train(1, "--hypes_yaml", config, "--model_dir", run_dir, "--num_workers", "0",
+                   "--set", "train_params.batch_size=2", "--set", "train_params.epoches=1",
+                   *split_overrides(toy_root), timeout=900)
+    assert result.returncode == 0, explain(result)
+    metrics = {}
+    for world in (0, 2):
+        args = ("--model_dir", run_dir, "--fusion_method", fusion, "--dataset_dir", toy_root / "test",
+                "--num_workers", "0", *flags)
+        result = python(INFERENCE, *args, timeout=900) if world == 0 else torchrun(world, INFERENCE, *args,
+                                                                                   timeout=900)
+        assert result.returncode == 0, explain(result)
+        found = yaml.safe_load((run_dir / "eval.yaml").read_text())
+        metrics[world] = {k: v for k, v in found.items() if k not in ("world_size", "seconds")}
+    assert metrics[0] == metrics[2]
+    return metrics[0]
+
+
+def override_copy(hypes: dict, path: str, value: object) -> dict:
+    """A deep copy of `hypes` with the dotted `path` set to `value` (for model-level checks without the CLI)."""
+    out = copy.deepcopy(hypes)
+    node = out
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node[key]
+    node[leaf] = value
+    return out
