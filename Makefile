@@ -9,14 +9,17 @@ TORCH_VERSION ?= 2.13.0
 # cpu here; `make venv EXTRAS=cuda` on a GPU machine after installing a CUDA torch by hand.
 EXTRAS ?= cpu
 
-.PHONY: venv slurm test test-fast demo clean-venv
+.PHONY: venv slurm check-pins test test-fast demo gpu-venv gpu-check clean-venv
 
 venv: $(STAMP)
 
-$(STAMP): setup.py Makefile
+$(STAMP): setup.py Makefile tools/pins.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@# torch first and pinned: an unpinned torch would pull several GB of CUDA packages.
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	@# torch first and pinned: an unpinned torch would pull several GB of CUDA packages. With EXTRAS=cuda a torch
+	@# already in the venv (the CUDA build that matches the machine, installed by hand) is kept.
+	@if [ "$(EXTRAS)" = cuda ] && $(PY) -c "import torch" 2>/dev/null; then \
+	  echo "keeping the installed torch $$($(PY) -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"; \
+	else $(PY) -m pip install -q "torch==$(TORCH_VERSION)"; fi
 	@# open3d needs libusb at import time; install Debian's package when it is missing and we can.
 	@if ! ldconfig -p 2>/dev/null | grep -q libusb-1.0.so.0; then \
 	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
@@ -24,6 +27,8 @@ $(STAMP): setup.py Makefile
 	  else echo "warning: libusb-1.0-0 is missing; install it (apt-get install libusb-1.0-0) for open3d"; fi; \
 	fi
 	$(PY) -m pip install -q -e ".[$(EXTRAS),test]"
+	@# spconv's CUDA wheel follows torch.version.cuda (tools/pins.py); the cpu extra pins the CPU wheel itself.
+	@if [ "$(EXTRAS)" = cuda ]; then $(PY) -m pip install -q "$$($(PY) tools/pins.py spconv)"; fi
 	@touch $(STAMP)
 
 # tests/test_slurm.py starts a private one-node cluster from Debian's slurm-wlm and munge; install them when
@@ -40,11 +45,43 @@ $(SLURM_STAMP): | $(STAMP)
 	fi
 	@touch $@
 
-test: venv slurm
-	$(PY) -m pytest -q tests
+# Every pinned requirement (setup.py, the spconv table of tools/pins.py, TORCH_VERSION) must exist for Python 3.11
+# and 3.12 on manylinux x86_64: resolved against the package index without installing anything.
+check-pins: venv
+	$(PY) tools/pins.py check --torch $(TORCH_VERSION)
+
+test: venv slurm check-pins
+	$(PY) -m pytest -q --durations=25 tests
+
+# The fast lane: everything but the tests marked slow (multi-process runs, trainings, the SLURM cluster); a few
+# minutes on 2 cores. `make test` still runs everything, and CI runs `make test`.
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: venv
 	$(PY) tools/demo.py
+
+# The CUDA path proven in one command: tools/gpu_check.py writes $(GPU_CHECK_OUT)/gpu_check.md and .json.
+# `make gpu-check` uses .venv; on a GPU machine whose CUDA torch is preinstalled and that reaches no package
+# registry, `make gpu-check WHEELS=<folder>` first makes $(GPU_VENV), which sees that torch
+# (--system-site-packages) and installs everything else from the folder (bring the wheels of setup.py's pins and
+# the spconv wheel `tools/pins.py spconv --cuda <torch.version.cuda> --python <3.x>` names). DEVICE=cpu runs the
+# same checks on the CPU.
+DEVICE ?= cuda
+GPU_CHECK_OUT ?= gpu_check
+GPU_VENV ?= .venv-gpu
+WHEELS ?=
+GPU_PY := $(if $(WHEELS),$(GPU_VENV)/bin/python,$(PY))
+
+gpu-venv:
+	@test -n "$(WHEELS)" || { echo "error: pass WHEELS=<folder of wheels> (see the Makefile's gpu-check note)"; exit 2; }
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
+	@$(GPU_VENV)/bin/python -c "import torch; print('using the preinstalled torch', torch.__version__, 'CUDA', torch.version.cuda)"
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" --no-build-isolation -e ".[cuda,test]"
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" "$$($(GPU_VENV)/bin/python tools/pins.py spconv)"
+
+gpu-check: $(if $(WHEELS),gpu-venv,venv)
+	$(GPU_PY) tools/gpu_check.py --device $(DEVICE) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -14,8 +14,8 @@ CORE = [
     "tqdm>=4.60",
     "tensorboardX>=2.6",
     "matplotlib>=3.7",
-    # compiled ASCII .pcd parser (5x open3d); without it pcd.py falls back to its exact numpy parser
-    "numba==0.68.1; python_version >= '3.10'",
+    # the ASCII .pcd parser is compiled with it (5x open3d); numba 0.68.1 supports Python 3.10 and later
+    "numba==0.68.1",
 ]
 
 setup(
@@ -23,13 +23,14 @@ setup(
     version="0.1.0",
     description="OpenCOOD-style cooperative 3D detection whose DDP runs reproduce the single-GPU baseline",
     packages=find_packages(include=["opencood_ddp", "opencood_ddp.*"]),
-    python_requires=">=3.9",
+    python_requires=">=3.10",
     install_requires=CORE + ["torch>=2.0"],
     extras_require={
         # CPU stack: spconv's CPU wheel (its point-to-voxel generator is what the data pipeline uses).
         "cpu": ["spconv==2.3.8", "open3d-cpu==0.20.0"],
-        # CUDA 12.0 stack: install a CUDA build of torch first, then `pip install -e .[cuda]`.
-        "cuda": ["spconv-cu120==2.3.8", "open3d-cpu==0.20.0"],
+        # CUDA stack: spconv's CUDA wheel depends on the installed torch's CUDA version, which an extra cannot
+        # know; `make venv EXTRAS=cuda` adds the one `tools/pins.py spconv` names (spconv-cu118 ... cu126).
+        "cuda": ["open3d-cpu==0.20.0"],
         "test": ["pytest>=7"],
     },
 )

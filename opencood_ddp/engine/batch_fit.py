@@ -1,0 +1,232 @@
+"""Fit the baseline's batch on the user's GPUs: measure a training step's peak memory at per-rank batch 1, 2, ...,
+fit its growth with the batch, and choose world x per-GPU batch x accumulation = batch_size exactly.
+
+Used by tools/plan_batch.py (prints every option) and by `tools/train_ddp.py --per_gpu_batch auto` (rank 0
+measures, every rank takes the chosen per-GPU batch; nothing else of the run changes). The measurement is one
+training step as the trainer takes it (forward, loss, backward, optimizer step; the second step, once the
+optimizer's state exists) on real batches of the hypes' training split, on this process's device: CUDA's
+`max_memory_allocated`, or on the CPU the growth of the resident set's high-water mark (engine/memory.py), both
+over the memory held before the model was built. Batches are probed in increasing size, so on the CPU memory a
+smaller probe freed and the allocator kept counts toward the next, never against it.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from opencood_ddp.engine.memory import PeakMemory
+from opencood_ddp.engine.optim import build_optimizer
+from opencood_ddp.engine.task import Task
+from opencood_ddp.errors import ConfigError
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Probe:
+    per_rank: int
+    peak_bytes: int
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """peak(b) = fixed + per_sample x b, least squares over the probes (exact with two)."""
+
+    fixed: float
+    per_sample: float
+    probes: tuple
+
+    def predict(self, per_rank: int) -> float:
+        """The line's value; at a measured batch never less than what was measured there."""
+        measured = [p.peak_bytes for p in self.probes if p.per_rank == per_rank]
+        return max([self.fixed + self.per_sample * per_rank, *measured])
+
+    def worst_residual(self) -> float:
+        return max((abs(p.peak_bytes - self.predict(p.per_rank)) for p in self.probes), default=0.0)
+
+
+@dataclass(frozen=True)
+class PlanOption:
+    world: int
+    per_rank: int
+    accumulation: int
+    predicted_bytes: float
+    fits: bool
+
+
+def probe_sizes(batch_size: int, world: int, largest: int = 4) -> list[int]:
+    """Per-rank batches worth measuring: 1, 2, 4, ... up to what one rank can get (batch_size / world)."""
+    most = max(1, min(largest, batch_size // max(world, 1)))
+    sizes, size = [], 1
+    while size <= most:
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def _autocast(device: torch.device, half: bool):
+    if not half:
+        return torch.autocast(device_type=device.type, enabled=False)
+    return torch.autocast(device_type=device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
+
+
+def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, device: torch.device,
+               half: bool) -> Probe:
+    task = build_task(hypes, for_training=True)
+    if len(task.train_set) < per_rank:
+        raise ConfigError(f"the training split has {len(task.train_set)} samples, fewer than the per-rank batch "
+                          f"{per_rank} to measure; point root_dir at more data")
+    batch = task.collate_train([task.train_set[i] for i in range(per_rank)])
+    meter = PeakMemory(device)
+    meter.start()
+    model = task.model.to(device).train()
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]))
+    scaler = torch.amp.GradScaler("cuda") if half and device.type == "cuda" else None
+    moved = task.move_to(batch, device)
+    started = time.perf_counter()
+    for _ in range(2):  # the second step holds the optimizer's state as every later one does
+        started = time.perf_counter()
+        with _autocast(device, half):
+            loss = task.step(model, moved).total
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - started
+    peak = meter.growth()
+    del model, optimizer, moved, batch, task, loss
+    release_freed_memory(device)
+    return Probe(per_rank, int(peak), seconds)
+
+
+def release_freed_memory(device: torch.device) -> None:
+    """Give what the last probe freed back to the system, so that the next probe's growth is its own: CUDA's
+    cached blocks, and on the CPU glibc's free lists (malloc_trim), which would otherwise keep the resident set
+    at the last probe's peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the probes still run in increasing size
+        pass
+
+
+def measure(hypes: dict, build_task: Callable[..., Task], sizes: Sequence[int], device: torch.device,
+            half: bool = False, report: Optional[Callable[[Probe], None]] = None) -> list[Probe]:
+    # A discarded first probe: the first step of a process also allocates what stays for every later one
+    # (the math libraries' buffers, lazily built kernels), which would count against batch 1 alone.
+    _one_probe(hypes, build_task, min(sizes), device, half)
+    probes = []
+    for size in sorted(sizes):
+        probes.append(_one_probe(hypes, build_task, size, device, half))
+        if report is not None:
+            report(probes[-1])
+    return probes
+
+
+def fit(probes: Sequence[Probe]) -> MemoryModel:
+    """Least-squares line through (per_rank, peak); one probe: all of it per sample (a safe upper bound)."""
+    if len(probes) == 1:
+        return MemoryModel(0.0, float(probes[0].peak_bytes) / probes[0].per_rank, tuple(probes))
+    n = len(probes)
+    mean_b = sum(p.per_rank for p in probes) / n
+    mean_m = sum(p.peak_bytes for p in probes) / n
+    var = sum((p.per_rank - mean_b) ** 2 for p in probes)
+    slope = sum((p.per_rank - mean_b) * (p.peak_bytes - mean_m) for p in probes) / var
+    slope = max(slope, 0.0)  # noise may tilt a flat line below zero; memory never shrinks with the batch
+    return MemoryModel(mean_m - slope * mean_b, slope, tuple(probes))
+
+
+def options(batch_size: int, world: int, model: MemoryModel, capacity_bytes: float) -> list[PlanOption]:
+    """Every exact split of batch_size over `world` ranks (per-rank x accumulation), largest per-rank first."""
+    found = []
+    for per_rank in range(batch_size // world, 0, -1):
+        if batch_size % (per_rank * world):
+            continue
+        predicted = model.predict(per_rank)
+        found.append(PlanOption(world, per_rank, batch_size // (per_rank * world), predicted,
+                                predicted <= capacity_bytes))
+    return found
+
+
+def choose(found: Sequence[PlanOption]) -> Optional[PlanOption]:
+    """The option that fits with the fewest accumulation steps (the largest per-GPU batch: fastest)."""
+    fitting = [o for o in found if o.fits]
+    return min(fitting, key=lambda o: o.accumulation) if fitting else None
+
+
+def gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def describe(batch_size: int, world: int, model: MemoryModel, capacity_bytes: float,
+             found: Sequence[PlanOption]) -> list[str]:
+    lines = [f"peak memory of one training step: {gib(model.fixed)} + {gib(model.per_sample)} per sample "
+             f"(fit over per-rank batch {', '.join(str(p.per_rank) for p in model.probes)}; worst residual "
+             f"{gib(model.worst_residual())})",
+             f"batch_size {batch_size} on {world} GPU(s) of {gib(capacity_bytes)} usable each:",
+             "  per-GPU batch | accumulation | predicted peak | fits"]
+    lines += [f"  {o.per_rank:13d} | {o.accumulation:12d} | {gib(o.predicted_bytes):>14s} | "
+              f"{'yes' if o.fits else 'no'}" for o in found]
+    return lines
+
+
+def no_plan_message(batch_size: int, world: int, model: Optional[MemoryModel], capacity_bytes: float) -> str:
+    """Why nothing fits, and what would (`model` may be None when the batch does not split over `world`)."""
+    if batch_size % world or model is None:
+        worlds = [w for w in range(1, batch_size + 1) if batch_size % w == 0]
+        return (f"train_params.batch_size {batch_size} cannot be split evenly over {world} GPUs; use a GPU count "
+                f"in {worlds}")
+    need = model.predict(1)
+    return (f"even per-GPU batch 1 needs {gib(need)}, more than the {gib(capacity_bytes)} usable per GPU; "
+            f"try --half, GPUs with at least {math.ceil(need / GIB * 10) / 10:.1f} GiB, or a smaller model")
+
+
+def device_capacity(device: torch.device, processes_on_device: int, headroom: float = 0.1) -> float:
+    """Bytes one process may use on `device`: the GPU's memory, or on the CPU the memory Linux reports available
+    shared by the processes of this node; less the headroom the measure does not see (CUDA context, caches)."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = _mem_available() / max(processes_on_device, 1)
+    return total * (1 - headroom)
+
+
+def _mem_available() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError("cannot read MemAvailable from /proc/meminfo; pass --per_gpu_mem_gib")
+
+
+def auto_plan(hypes: dict, build_task: Callable[..., Task], world: int, device: torch.device, half: bool,
+              capacity_bytes: float) -> tuple[PlanOption, list[str]]:
+    """Measure, fit and choose as tools/plan_batch.py does: (the chosen option, lines that tell it). No plan
+    that fits: one ConfigError saying why and what would fit."""
+    batch_size = int(hypes["train_params"]["batch_size"])
+    if batch_size % world:
+        raise ConfigError(f"--per_gpu_batch auto: {no_plan_message(batch_size, world, None, capacity_bytes)}")
+    model = fit(measure(hypes, build_task, probe_sizes(batch_size, world), device, half))
+    found = options(batch_size, world, model, capacity_bytes)
+    chosen = choose(found)
+    if chosen is None:
+        raise ConfigError(f"--per_gpu_batch auto: no plan fits: "
+                          f"{no_plan_message(batch_size, world, model, capacity_bytes)}")
+    lines = describe(batch_size, world, model, capacity_bytes, found)
+    lines.append(f"--per_gpu_batch auto chose per-GPU batch {chosen.per_rank} x {chosen.accumulation} accumulation "
+                 f"step(s), peak about {gib(chosen.predicted_bytes)} of {gib(capacity_bytes)} usable per process")
+    return chosen, lines

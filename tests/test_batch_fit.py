@@ -1,0 +1,118 @@
+"""Fitting the baseline's batch on the user's GPUs: engine/batch_fit.py, tools/plan_batch.py and
+`tools/train_ddp.py --per_gpu_batch auto` (real measurements on the toy world; the memory figures themselves are a
+benchmark's business, docs/benchmarks.md)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from launch import REPO, explain, python, split_overrides, train
+from opencood_ddp.engine import batch_fit
+from opencood_ddp.engine.batch_fit import GIB, PlanOption, Probe
+
+PLAN = REPO / "tools" / "plan_batch.py"
+TOY = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
+
+
+@pytest.mark.parametrize("batch, world, largest, sizes", [
+    (8, 1, 4, [1, 2, 4]), (8, 2, 4, [1, 2, 4]), (8, 4, 4, [1, 2]), (4, 4, 4, [1]), (3, 1, 4, [1, 2]),
+    (64, 1, 8, [1, 2, 4, 8]),
+])
+def test_probe_sizes_stop_at_what_one_rank_can_get(batch, world, largest, sizes):
+    assert batch_fit.probe_sizes(batch, world, largest) == sizes
+
+
+def test_fit_is_the_least_squares_line_and_never_below_a_measurement():
+    probes = [Probe(1, 3 * GIB, 0.1), Probe(2, 5 * GIB, 0.2), Probe(4, 9 * GIB, 0.4)]
+    model = batch_fit.fit(probes)
+    assert model.fixed == pytest.approx(1 * GIB) and model.per_sample == pytest.approx(2 * GIB)
+    assert model.worst_residual() == pytest.approx(0, abs=1)
+    noisy = batch_fit.fit([Probe(1, 3 * GIB, 0.1), Probe(2, 6 * GIB, 0.2), Probe(4, 9 * GIB, 0.4)])
+    assert noisy.predict(2) == 6 * GIB  # the line passes below the measured point: the measurement wins
+    flat = batch_fit.fit([Probe(1, 2 * GIB, 0.1), Probe(2, 1.9 * GIB, 0.2)])
+    assert flat.per_sample == 0 and flat.predict(8) == pytest.approx(1.95 * GIB)
+    one = batch_fit.fit([Probe(2, 4 * GIB, 0.1)])
+    assert one.predict(1) == pytest.approx(2 * GIB) and one.predict(4) == pytest.approx(8 * GIB)
+
+
+def test_options_split_the_batch_exactly_and_the_fewest_accumulation_steps_win():
+    model = batch_fit.fit([Probe(1, 3 * GIB, 0.1), Probe(2, 5 * GIB, 0.2)])  # 1 GiB + 2 GiB per sample
+    found = batch_fit.options(16, 2, model, capacity_bytes=10 * GIB)
+    assert [(o.per_rank, o.accumulation) for o in found] == [(8, 1), (4, 2), (2, 4), (1, 8)]
+    assert all(o.world * o.per_rank * o.accumulation == 16 for o in found)
+    assert [o.fits for o in found] == [False, True, True, True]  # 17, 9, 5, 3 GiB
+    assert batch_fit.choose(found) == PlanOption(2, 4, 2, 9 * GIB, True)
+    assert [o.per_rank for o in batch_fit.options(12, 2, model, 100 * GIB)] == [6, 3, 2, 1]
+
+
+def test_no_plan_says_why_and_what_would_fit():
+    model = batch_fit.fit([Probe(1, 3 * GIB, 0.1), Probe(2, 5 * GIB, 0.2)])
+    assert batch_fit.choose(batch_fit.options(8, 2, model, 2 * GIB)) is None
+    message = batch_fit.no_plan_message(8, 2, model, 2 * GIB)
+    assert "per-GPU batch 1 needs 3.00 GiB" in message and "at least 3.0 GiB" in message and "--half" in message
+    assert "use a GPU count in [1, 2, 3, 6]" in batch_fit.no_plan_message(6, 4, None, 2 * GIB)
+
+
+def test_measure_on_the_synthetic_task_grows_with_the_batch():
+    """A real measurement on the CPU: a larger batch needs at least as much memory, up to the allocator's noise."""
+    from opencood_ddp import hypes as hypes_lib
+    from opencood_ddp.tasks import build_task
+
+    hypes = hypes_lib.load_hypes(REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml")
+    hypes["synthetic"].update(num_train=64, image_size=64, width=32)
+    probes = batch_fit.measure(hypes, build_task, [2, 32], torch.device("cpu"))  # BatchNorm1d: 2 or more
+    assert [p.per_rank for p in probes] == [2, 32]
+    assert probes[1].peak_bytes > probes[0].peak_bytes > 0
+
+
+def _plan(toy_small, *args: str):
+    return python(PLAN, "--hypes_yaml", TOY, *split_overrides(toy_small), "--set", "train_params.batch_size=4",
+                  *args, timeout=600)
+
+
+def test_plan_batch_prints_a_plan_that_reproduces_the_batch(toy_small):
+    result = _plan(toy_small, "--gpus", "2", "--gpu_mem_gib", "64")
+    assert result.returncode == 0, explain(result)
+    assert "per-GPU batch 1:" in result.stdout and "per-GPU batch 2:" in result.stdout
+    chosen = re.search(r"plan: (\d+) GPU\(s\) x per-GPU batch (\d+) x (\d+) accumulation", result.stdout)
+    assert chosen and int(chosen[1]) * int(chosen[2]) * int(chosen[3]) == 4, result.stdout
+    assert "--per_gpu_batch 2" in result.stdout  # 64 GiB: the whole per-GPU share in one step
+
+
+def test_plan_batch_says_when_nothing_fits(toy_small):
+    result = _plan(toy_small, "--gpus", "2", "--gpu_mem_gib", "0.001")
+    assert result.returncode == 1 and "no plan fits: even per-GPU batch 1 needs" in result.stdout, explain(result)
+    result = _plan(toy_small, "--gpus", "3", "--gpu_mem_gib", "64")
+    assert result.returncode == 1 and "cannot be split evenly over 3 GPUs" in result.stdout, explain(result)
+    result = _plan(toy_small, "--gpus", "0", "--gpu_mem_gib", "64")
+    assert result.returncode == 2 and result.stderr.strip() == "error: --gpus 0: give at least 1", explain(result)
+
+
+@pytest.mark.slow
+def test_train_per_gpu_batch_auto_changes_nothing_else_of_the_run(toy_small, tmp_path):
+    common = ("--hypes_yaml", TOY, "--num_workers", "0", "--max_steps", "2", "--set", "train_params.batch_size=4",
+              *split_overrides(toy_small))
+    auto = train(2, *common, "--model_dir", tmp_path / "auto", "--per_gpu_batch", "auto", timeout=600)
+    assert auto.returncode == 0, explain(auto)
+    chosen = re.search(r"--per_gpu_batch auto chose per-GPU batch (\d+) x (\d+) accumulation", auto.stdout)
+    assert chosen, auto.stdout
+    given = train(2, *common, "--model_dir", tmp_path / "given", "--per_gpu_batch", chosen[1], timeout=600)
+    assert given.returncode == 0, explain(given)
+    a = torch.load(tmp_path / "auto" / "net_step2.pth", weights_only=True)
+    b = torch.load(tmp_path / "given" / "net_step2.pth", weights_only=True)
+    assert all(torch.equal(a[key], b[key]) for key in a)  # the measurement left no trace in the training
+    assert (tmp_path / "auto" / "train_steps.csv").read_text().splitlines()[1].split(",")[:5] == \
+        (tmp_path / "given" / "train_steps.csv").read_text().splitlines()[1].split(",")[:5]
+
+
+@pytest.mark.slow
+def test_train_per_gpu_batch_auto_refuses_when_nothing_fits(toy_small, tmp_path):
+    result = train(2, "--hypes_yaml", TOY, "--num_workers", "0", "--set", "train_params.batch_size=4",
+                   *split_overrides(toy_small), "--model_dir", tmp_path / "run", "--per_gpu_batch", "auto",
+                   "--per_gpu_mem_gib", "0.0001", timeout=600)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, explain(result)  # torchrun's own code: issue 18
+    assert "--per_gpu_batch auto: no plan fits: even per-GPU batch 1 needs" in errors[0]
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,95 @@
+#!/usr/bin/env python
+"""How to train a baseline's batch on your GPUs: measure, fit, and print the plan that reproduces batch_size exactly.
+
+    python tools/plan_batch.py --hypes_yaml hypes_yaml/opv2v/point_pillar_intermediate_fusion.yaml \
+        --gpus 4 --gpu_mem_gib 11 [--half] [--set root_dir=...]
+
+It measures one training step's peak memory at per-GPU batch 1, 2, 4 (up to what one GPU can get) on this
+machine's device (CUDA: `torch.cuda.max_memory_allocated`; CPU: the growth of the resident set's peak), fits
+peak = fixed + per_sample x batch, and lists every split world x per-GPU batch x accumulation = batch_size with
+the memory each needs. The chosen plan is the one that fits with the fewest accumulation steps; pass its
+per-GPU batch to `tools/train_ddp.py --per_gpu_batch`, or let `--per_gpu_batch auto` measure and choose the
+same way. `--headroom` keeps a share of each GPU free: the measure counts tensors only, not the CUDA context nor
+the allocator's cache. Exit 0 with a plan, 1 when none fits (and what would), 2 on bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.engine import batch_fit
+from opencood_ddp.errors import ConfigError, OpencoodDdpError
+from opencood_ddp.tasks import build_task
+from opencood_ddp.yaml_parsers import run_yaml_parser
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hypes_yaml", required=True)
+    parser.add_argument("--gpus", type=int, required=True, help="how many GPUs (processes) will train")
+    parser.add_argument("--gpu_mem_gib", type=float, required=True, help="memory of one GPU, GiB")
+    parser.add_argument("--half", action="store_true", help="mixed precision (fp16 on CUDA, bf16 on CPU)")
+    parser.add_argument("--headroom", type=float, default=0.1, help="share of each GPU kept free (default 0.1)")
+    parser.add_argument("--largest_probe", type=int, default=4, help="largest per-GPU batch to measure")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
+                        help="override a hypes value (e.g. root_dir of frames to measure on)")
+    return parser.parse_args(argv)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: give at least 1")
+    if args.gpu_mem_gib <= 0:
+        raise ConfigError(f"--gpu_mem_gib {args.gpu_mem_gib}: give the memory of one GPU in GiB")
+    if not 0 <= args.headroom < 1:
+        raise ConfigError(f"--headroom {args.headroom}: give a share in [0, 1)")
+
+
+def print_probe(probe: batch_fit.Probe) -> None:
+    print(f"  per-GPU batch {probe.per_rank}: peak {batch_fit.gib(probe.peak_bytes)}, step {probe.step_seconds:.2f} s",
+          flush=True)
+
+
+def plan(args: argparse.Namespace) -> int:
+    check_args(args)
+    hypes = run_yaml_parser(hypes_lib.apply_overrides(hypes_lib.load_hypes(args.hypes_yaml), args.overrides),
+                            args.hypes_yaml)
+    batch_size = int(hypes["train_params"]["batch_size"])
+    capacity = args.gpu_mem_gib * batch_fit.GIB * (1 - args.headroom)
+    device = torch.device(args.device)
+    sizes = batch_fit.probe_sizes(batch_size, args.gpus, args.largest_probe)
+    print(f"measuring {args.hypes_yaml} on {device}{' (--half)' if args.half else ''}: per-GPU batch "
+          f"{', '.join(map(str, sizes))}", flush=True)
+    probes = batch_fit.measure(hypes, build_task, sizes, device, args.half, report=print_probe)
+    model = batch_fit.fit(probes)
+    found = batch_fit.options(batch_size, args.gpus, model, capacity)
+    for line in batch_fit.describe(batch_size, args.gpus, model, capacity, found):
+        print(line)
+    chosen = batch_fit.choose(found)
+    if chosen is None:
+        print(f"no plan fits: {batch_fit.no_plan_message(batch_size, args.gpus, model, capacity)}")
+        return 1
+    print(f"plan: {chosen.world} GPU(s) x per-GPU batch {chosen.per_rank} x {chosen.accumulation} accumulation "
+          f"step(s) = batch_size {batch_size}, peak about {batch_fit.gib(chosen.predicted_bytes)} per GPU: "
+          f"torchrun --nproc_per_node={chosen.world} tools/train_ddp.py --hypes_yaml {args.hypes_yaml} "
+          f"--per_gpu_batch {chosen.per_rank}{' --half' if args.half else ''}"
+          + "".join(f" --set {override}" for override in args.overrides))
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        return plan(args)
+    except OpencoodDdpError as error:  # one line, as every tool of ours
+        print(f"error: {error}", file=sys.stderr)
+        return error.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
