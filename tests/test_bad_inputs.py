@@ -27,6 +27,8 @@ import yaml
 
 from launch import REPO, TRAIN, explain, python, split_overrides, torchrun
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
+
 INFERENCE = REPO / "tools" / "inference_ddp.py"
 TOY = REPO / "hypes_yaml" / "toy"
 FCOOPER = TOY / "point_pillar_fcooper.yaml"
@@ -136,9 +138,10 @@ def first_frame_of_last_rank(split: Path, world: int, seed: int = 0) -> tuple[Pa
 def early_fusion_weights(path: Path) -> None:
     """A state_dict of the early-fusion PointPillar (no shrink header, other head widths) written at `path`."""
     from opencood_ddp import hypes as hypes_lib
+    from opencood_ddp.yaml_parsers import run_yaml_parser
     from opencood_ddp.models import create_model
 
-    hypes = hypes_lib.run_yaml_parser(hypes_lib.load_hypes(EARLY))
+    hypes = run_yaml_parser(hypes_lib.load_hypes(EARLY))
     torch.save(create_model(hypes).state_dict(), path)
 
 
@@ -155,6 +158,72 @@ def unknown_name(key: str, value: str) -> Callable[[World, int], Call]:
         return Call(TRAIN, w.toy_args("--set", f"{key}={value}"), [key, repr(value), "one of", "fix the hypes"],
                     not_created=w.tmp / "new_run")
     return setup
+
+
+def mistyped_key(w: World, world: int) -> Call:
+    """--set train_params.batch_sise=4 once trained with the baseline's batch, exit 0 (issue 17 item 1)."""
+    return Call(TRAIN, w.toy_args("--set", "train_params.batch_sise=4"),
+                ["unknown key train_params.batch_sise", "did you mean train_params.batch_size?", "fix the spelling"],
+                not_created=w.tmp / "new_run")
+
+
+def mistyped_key_in_file(w: World, world: int) -> Call:
+    hypes = yaml.safe_load(FCOOPER.read_text())
+    hypes["model"]["args"]["pillar_vfe"]["use_nrom"] = hypes["model"]["args"]["pillar_vfe"].pop("use_norm")
+    path = w.tmp / "mistyped.yaml"
+    path.write_text(yaml.safe_dump(hypes, sort_keys=False))
+    return Call(TRAIN, ["--hypes_yaml", path, *w.toy_args()[2:]],
+                ["model.args.pillar_vfe.use_nrom", "did you mean model.args.pillar_vfe.use_norm?"],
+                not_created=w.tmp / "new_run")
+
+
+def mistyped_key_on_resume(w: World, world: int) -> Call:
+    run = w.copy_run("fcooper")
+    return Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2",
+                        "--set", "optimizer.lr_decay=0.5"], ["unknown key optimizer.lr_decay"], existing_run=run,
+                resumes=True)
+
+
+def not_utf8_hypes(w: World, world: int) -> Call:
+    path = w.tmp / "latin1.yaml"
+    path.write_bytes(FCOOPER.read_text().replace("# F-Cooper", "# F-Cooper caf\u00e9").encode("latin-1"))
+    return Call(TRAIN, ["--hypes_yaml", path, *w.toy_args()[2:]], [str(path), "not UTF-8 text", "save it as UTF-8"],
+                not_created=w.tmp / "new_run")
+
+
+def negative_lr(w: World, world: int) -> Call:
+    return Call(TRAIN, w.toy_args("--set", "optimizer.lr=-0.1"),
+                ["optimizer.lr rejected by torch.optim.Adam", "Invalid learning rate: -0.1", "--set optimizer.lr"],
+                not_created=w.tmp / "new_run")
+
+
+def model_changed_on_resume(w: World, world: int) -> Call:
+    """Another model whose weights happen to fit (here: the synthetic task's data seed, a data section) once
+    resumed silently (issue 17 item 4)."""
+    run = w.copy_run("synthetic")
+    return Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2",
+                        "--set", "synthetic.data_seed=5"],
+                ["net_epoch1.pth was trained with other hypes sections synthetic", "--allow_config_change"],
+                existing_run=run, resumes=True)
+
+
+def history_without_checkpoint(w: World, world: int) -> Call:
+    """A run whose checkpoints are gone once printed "(resuming)", trained from scratch and replaced its history."""
+    run = w.copy_run("synthetic")
+    for path in list(run.glob("net_*.pth")) + list(run.glob("training_state_*.pt")):
+        path.unlink()
+    return Call(TRAIN, ["--model_dir", run, "--num_workers", "0"],
+                [str(run), "has a history (train_steps.csv: 10 steps) but no checkpoint", "--restart"],
+                existing_run=run, resumes=True)
+
+
+def batch_larger_than_the_split(w: World, world: int) -> Call:
+    """Refused after the new run's folder was made: it left config.yaml, and the corrected command then resumed
+    the old settings (issue 18 item 2)."""
+    return Call(TRAIN, ["--hypes_yaml", SYNTHETIC, "--model_dir", w.tmp / "new_run", "--num_workers", "0",
+                        "--set", "synthetic.num_train=4"],
+                ["the training split has 4 samples, fewer than one effective batch of 8"],
+                not_created=w.tmp / "new_run")
 
 
 def missing_key(w: World, world: int) -> Call:
@@ -242,8 +311,11 @@ def foreign_checkpoint(tool: str) -> Callable[[World, int], Call]:
     def setup(w: World, world: int) -> Call:
         run = w.copy_run("fcooper")  # config.yaml: point_pillar_fcooper; weights: the early-fusion model's
         early_fusion_weights(run / "net_epoch1.pth")
-        return _checkpoint_call(tool, run, [str(run / "net_epoch1.pth"), "does not match the model",
-                                            "model.core_method"])
+        needles = [str(run / "net_epoch1.pth"), "does not match the model"]
+        # resume: no other checkpoint to fall back to; inference: the file asked for
+        needles.append("no earlier checkpoint of this run loads; restore or delete" if tool == "train"
+                       else "model.core_method")
+        return _checkpoint_call(tool, run, needles)
     return setup
 
 
@@ -296,6 +368,14 @@ ROWS = [
     ("unknown-loss", unknown_name("loss.core_method", "focal_loss"), (0, 2), {}),
     ("unknown-fusion", unknown_name("fusion.core_method", "IntermediateFusion"), (0, 2), {}),
     ("missing-key", missing_key, (0, 2), {}),
+    ("mistyped-key", mistyped_key, (0, 2), {}),
+    ("not-utf8-hypes", not_utf8_hypes, (0,), {}),
+    ("negative-lr", negative_lr, (0, 2), {}),
+    ("mistyped-key-in-file", mistyped_key_in_file, (0,), {}),
+    ("mistyped-key-on-resume", mistyped_key_on_resume, (0, 2), {}),
+    ("model-changed-on-resume", model_changed_on_resume, (0, 2), {}),
+    ("history-without-checkpoint", history_without_checkpoint, (0, 2), {}),
+    ("batch-larger-than-the-split", batch_larger_than_the_split, (0, 2), {}),
     ("impossible-batch-split", impossible_batch_split, (0, 2, 3), {}),
     ("missing-data-folder", missing_data_folder_train, (0, 2), {}),
     ("missing-data-folder-inference", missing_data_folder_inference, (0, 2), {}),
@@ -363,3 +443,33 @@ def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run):
         changed = changed_files(before, snapshot(call.existing_run))
         assert not changed, f"files of the existing run changed: {changed}"
     assert not glued, f"the error line does not start a line of its own\n{explain(result)}"
+    if world:  # torchrun's summary: our line for the rank that said it, and one exit code for every rank
+        assert f"traceback : {line}" in result.stderr, explain(result)
+        codes = set(re.findall(r"exitcode  : (-?\d+)", result.stderr))
+        assert len(codes) == 1 and not codes & {"-15", "-9"}, explain(result)
+
+
+def test_allow_config_change_resumes_with_a_warning_and_an_unchanged_config_resumes_quietly(synthetic_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run, run)
+    same = python(TRAIN, "--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2", timeout=300)
+    assert same.returncode == 0 and "other hypes sections" not in same.stdout + same.stderr, explain(same)
+    changed = python(TRAIN, "--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=3",
+                     "--set", "synthetic.data_seed=5", "--allow_config_change", timeout=300)
+    assert changed.returncode == 0, explain(changed)
+    assert "net_epoch2.pth was trained with other hypes sections synthetic than this run has now; resuming " \
+           "anyway (--allow_config_change)" in changed.stdout
+
+
+def test_restart_trains_a_history_without_checkpoint_anew_and_config_yaml_wins_is_said(synthetic_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(synthetic_run, run)
+    for path in list(run.glob("net_*.pth")) + list(run.glob("training_state_*.pt")):
+        path.unlink()
+    result = python(TRAIN, "--model_dir", run, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--restart",
+                    timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert f"its config.yaml wins over --hypes_yaml {SYNTHETIC} (upstream's rule); using {run / 'config.yaml'}" \
+        in result.stdout
+    assert (run / "net_epoch1.pth").is_file()
+

@@ -13,8 +13,11 @@ import torch
 
 from launch import REPO, WORKERS, Background, explain, train, wait_until
 from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.engine.parity import global_relative_difference
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
 from opencood_ddp.engine.logging import read_step_log
+
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 STEPS_PER_EPOCH = 150
@@ -31,7 +34,7 @@ def steps_logged(run_dir) -> int:
 
 
 def weights_gap(a, b) -> float:
-    return ckpt.global_relative_difference(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
+    return global_relative_difference(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
 
 
 def history(run_dir, epoch):
@@ -264,3 +267,68 @@ def test_dead_rank_fails_the_others_at_once_naming_it(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert result.returncode != 0 and len(lines) == 1, explain(result)
     assert "rank 1: last at 'epoch 1 step" in lines[0] and "has exited" in lines[0]
+
+
+@pytest.mark.parametrize("world", [0, 2])
+def test_skipping_has_a_bound_past_which_the_run_stops_with_its_last_good_state(tmp_path, world):
+    """lr 1e30 under --on_nonfinite skip skipped 7 of 8 steps, exited 0 and saved weights of size 1e30."""
+    run_dir = tmp_path / "run"
+    result = train(world, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, "--num_workers", "0",
+                   "--on_nonfinite", "skip", "--set", "optimizer.lr=1e30")
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(lines) == 1, explain(result)
+    assert "so the run stops as --on_nonfinite stop would; saved the last good state" in lines[0]
+    assert "--max_skip_share 0.1 allows (1)" in lines[0] or "in a row were skipped" in lines[0]
+    saved = ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)
+    assert len(saved) == 1
+    state = torch.load(run_dir / ckpt.step_state_name(saved[0]), weights_only=False)
+    assert len(state["skipped_steps"]) == 1  # the skip allowed; the one past the bound was not taken
+
+
+@pytest.mark.parametrize("world", [0, 2])
+def test_a_checkpoint_that_cannot_be_written_is_one_line_on_every_rank_and_loses_nothing(tmp_path, world):
+    """A full disk gave a traceback on 1 process, and on 2 rank 1 blamed a 'stalled' rank 0. Here the disk is
+    'full' for files over 25 kB (RLIMIT_FSIZE: a write past it fails with EFBIG, as ENOSPC would), which the
+    epoch-2 training state (30 kB) crosses while the logs and the weights (20 kB) do not."""
+    import resource
+
+    run_dir = tmp_path / "run"
+    first = train(0, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, "--num_workers", "0",
+                  "--set", "train_params.epoches=1")
+    assert first.returncode == 0, explain(first)
+    before = {p.name: p.read_bytes() for p in run_dir.glob("*.p*")}
+    limit = 25_000
+    command = ([sys.executable] if world == 0 else
+               [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"])
+    result = subprocess.run([*command, str(REPO / "tools" / "train_ddp.py"), "--model_dir", str(run_dir),
+                             "--num_workers", "0", "--set", "train_params.epoches=2"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(lines) == 1, explain(result)
+    assert f"cannot write a checkpoint into {run_dir}" in lines[0] and "MiB free on its disk" in lines[0]
+    assert "already saved are intact (net_epoch1.pth, net_epoch_bestval_at1.pth)" in lines[0]
+    assert "stalled" not in result.stderr and f'File "{REPO / "opencood_ddp"}' not in result.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.glob("*.p*")} == before  # nothing lost, no orphan
+    assert not [p for p in run_dir.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_first_checkpoint_that_cannot_be_written_says_what_it_needs(tmp_path):
+    """Before the run's first save there is no file to size the checkpoint by: the line estimates it from the
+    model (weights and Adam's two moments), never 'needs about 0 MiB'. The synthetic model's weights (20 kB) cross
+    a 10 kB limit; its config and log do not."""
+    import re
+    import resource
+
+    limit = 10_000
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "train_ddp.py"), "--hypes_yaml", str(SYNTHETIC),
+                             "--model_dir", str(tmp_path / "run"), "--num_workers", "0",
+                             "--set", "train_params.epoches=1"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(lines) == 1, explain(result)
+    assert "cannot write a checkpoint" in lines[0] and "already saved are intact (none)" in lines[0], lines[0]
+    assert lines[0].endswith("free space, then run the command again") and not (tmp_path / "run").exists()
+    needs = float(re.search(r"needs about ([0-9.e+-]+) MiB", lines[0]).group(1))
+    assert 0.03 < needs < 0.2, lines[0]  # 3 x the ~20 kB of weights

@@ -56,7 +56,8 @@ def step(title: str, cmd: list[str]) -> float:
 def generate_world(data: Path) -> float:
     """The demo world in `data`, generated unless a complete toy world is there already (of any scale or
     format: one made with tools/make_toy_opv2v.py --binary, or a smaller one for a quick try, is kept)."""
-    from opencood_ddp.data.toy import format_summary, generate_toy_opv2v, read_toy_manifest
+    from opencood_ddp.toy.manifest import read_toy_manifest
+    from opencood_ddp.toy.writer import format_summary, generate_toy_opv2v
 
     print(f"== toy world: {data}", flush=True)
     started = time.perf_counter()
