@@ -14,9 +14,12 @@ import yaml
 
 from launch import REPO, clean_env, explain, python, split_overrides, train
 
-from opencood_ddp.data.toy import read_toy_manifest
-from opencood_ddp.distributed.checkpoint import global_relative_difference, load_file, relative_differences
+from opencood_ddp.distributed.checkpoint import load_file
+from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.engine.logging import read_step_log
+from opencood_ddp.toy.manifest import read_toy_manifest
+
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 TOY_ATTFUSE = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"

@@ -20,6 +20,8 @@ import yaml
 
 from launch import REPO, explain, python, split_overrides, torchrun, train
 
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
+
 INFERENCE = REPO / "tools" / "inference_ddp.py"
 EPOCHS = 4
 

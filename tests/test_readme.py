@@ -18,7 +18,7 @@ from launch import REPO
 
 README = REPO / "README.md"
 # The engine's parsers behind the two entry points (the tools' files only call them).
-ENGINE_PARSERS = {"train_ddp.py": "opencood_ddp.engine.train", "inference_ddp.py": "opencood_ddp.engine.inference"}
+ENGINE_PARSERS = {"train_ddp.py": "opencood_ddp.engine.train"}
 
 
 def code_block_commands(text: str) -> list[str]:

@@ -12,8 +12,11 @@ import sys
 import pytest
 
 from launch import REPO, TRAIN, clean_env, explain
-from opencood_ddp.distributed.checkpoint import load_file, relative_differences
+from opencood_ddp.distributed.checkpoint import load_file
+from opencood_ddp.engine.parity import relative_differences
 from slurm_cluster import ClusterUnavailable, start_cluster
+
+pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 

@@ -27,8 +27,9 @@ from torch.utils.data import DataLoader
 
 from opencood_ddp.data.augment import WorldTransform
 from opencood_ddp.data.datasets import build_dataset
-from opencood_ddp.data.toy import generate_toy_opv2v
-from opencood_ddp.hypes import apply_overrides, load_hypes, run_yaml_parser
+from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.toy.writer import generate_toy_opv2v
+from opencood_ddp.yaml_parsers import run_yaml_parser
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_HYPES = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"

@@ -70,20 +70,19 @@ def worker(args: argparse.Namespace) -> int:
 def measure(args: argparse.Namespace, env) -> None:
     """Train warmup + steps with the engine's Trainer; rank 0 writes every rank's figures to --worker_out."""
     from opencood_ddp.distributed import comm
-    from opencood_ddp.engine.logging import NullWriter
     from opencood_ddp.engine.train import load_run_hypes, plan_batches, seed_everything
     from opencood_ddp.engine.trainer import Trainer, TrainSettings
     from opencood_ddp.tasks import build_task
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
     hypes, _ = load_run_hypes(args)
-    plan = plan_batches(hypes, args, env.world_size)
+    plan = plan_batches(hypes, args, env.world_size, args.per_gpu_batch)
     seed_everything(hypes["train_params"]["seed"])
     task = build_task(hypes, for_training=True)
     settings = TrainSettings.from_hypes(hypes, hypes["train_params"]["seed"], args.num_workers, args.half,
                                         sync_bn=True)
     with tempfile.TemporaryDirectory(prefix="benchmark_ddp_") as scratch:
-        trainer = Trainer(task, plan, env, settings, hypes, Path(scratch), NullWriter())
+        trainer = Trainer(task, plan, env, settings, hypes, Path(scratch))
         loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)
         measured = timed_steps(trainer, args.warmup, args.steps)
     result = dict(measured, rank=env.rank, loader_samples_per_s=loader_rate, device=device_name(env.device),
