@@ -129,6 +129,19 @@ def test_rank_killed_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
+def stop_in_the_middle_of_a_save(worker: subprocess.Popen, unfinished, attempts: int = 50) -> None:
+    """SIGSTOP the worker while a temporary checkpoint is on disk. Seeing the file and stopping the process are two
+    steps, and on a busy machine the save may rename it in between: then let it go on and try again, so that the
+    kill that follows always lands half way through a save."""
+    for _ in range(attempts):
+        wait_until(lambda: unfinished(), 60, "a save of epoch 2 in progress", interval=0.001)
+        worker.send_signal(signal.SIGSTOP)
+        if unfinished():
+            return
+        worker.send_signal(signal.SIGCONT)
+    raise AssertionError(f"no save was caught half way in {attempts} attempts")
+
+
 def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
     worker = subprocess.Popen([sys.executable, str(WORKERS / "save_worker.py"), str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
@@ -136,7 +149,7 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
         assert worker.stdout.readline().strip() == "saved epoch 1"
         unfinished = lambda: [p for p in tmp_path.iterdir() if ckpt.UNFINISHED_RE.match(p.name)  # noqa: E731
                               and p.stat().st_size > 0]
-        wait_until(lambda: unfinished(), 60, "a save of epoch 2 in progress", interval=0.001)
+        stop_in_the_middle_of_a_save(worker, unfinished)
         worker.kill()
     finally:
         worker.kill()
