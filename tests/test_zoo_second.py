@@ -7,7 +7,6 @@ that must survive the backbone's strided layers, and attention fusion per sample
 """
 from __future__ import annotations
 
-import copy
 import os
 import subprocess
 import sys
@@ -16,7 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zoo import REPO, assert_forward_backward, assert_key_error, hypes_of, reference_shapes, toy_batch
+from zoo import (REPO, assert_forward_backward, assert_key_error, hypes_of, lone_cav, reference_shapes,
+                 toy_batch)
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import load_hypes
@@ -57,15 +57,6 @@ def _collate(task, samples):
     return task.collate_train(samples)["ego"]
 
 
-def _lone_cav(sample: dict) -> dict:
-    """The sample with its ego CAV only (the cooperators' voxels dropped)."""
-    lone = copy.deepcopy(sample)
-    lidar = lone["ego"]["processed_lidar"]
-    for key in lidar:
-        lidar[key] = lidar[key][:1]
-    lone["ego"]["cav_num"] = 1
-    return lone
-
 
 def _calibrate_batchnorm(model: torch.nn.Module, batch: dict) -> None:
     """Running statistics of one training pass: a fresh model's (0, 1) shrink spconv's small initial
@@ -87,7 +78,7 @@ def test_a_sample_depends_only_on_its_own_cavs_and_a_lone_cav_works(toy_small):
     with torch.no_grad():
         both = model(_collate(task, [first, second]))
         alone = model(_collate(task, [first]))
-        lone = model(_collate(task, [_lone_cav(first), second]))
+        lone = model(_collate(task, [lone_cav(first), second]))
     for key in ("psm", "rm"):
         assert torch.allclose(both[key][:1], alone[key], atol=1e-5), key
         assert torch.allclose(both[key][1:], lone[key][1:], atol=1e-5), key

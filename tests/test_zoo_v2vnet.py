@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from zoo import REPO, assert_forward_backward, assert_key_error, hypes_of, reference_shapes, toy_batch
+from zoo import (REPO, assert_forward_backward, assert_key_error, hypes_of, lone_cav, reference_shapes,
+                 toy_batch)
 
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.v2vnet import V2VNetFusion, pairwise_affines, warp_all_pairs
@@ -31,17 +32,6 @@ def test_toy_forward_backward_gives_one_map_per_sample_on_the_anchor_grid(toy_sm
     assert out["psm"].shape == (2, 2, rows, cols) and out["rm"].shape == (2, 14, rows, cols)
 
 
-def _lone_cav(sample: dict) -> dict:
-    import copy
-
-    lone = copy.deepcopy(sample)
-    lidar = lone["ego"]["processed_lidar"]
-    for key in lidar:
-        lidar[key] = lidar[key][:1]
-    lone["ego"]["cav_num"] = 1
-    return lone
-
-
 def test_a_sample_depends_only_on_its_own_cavs_and_a_lone_cav_works(toy_small):
     batch, model, task = toy_batch(TOY, toy_small)
     model.eval()
@@ -50,7 +40,7 @@ def test_a_sample_depends_only_on_its_own_cavs_and_a_lone_cav_works(toy_small):
     with torch.no_grad():
         both = model(task.collate_train([first, second])["ego"])
         alone = model(task.collate_train([first])["ego"])
-        lone = model(task.collate_train([_lone_cav(first), second])["ego"])
+        lone = model(task.collate_train([lone_cav(first), second])["ego"])
     for key in ("psm", "rm"):
         assert torch.allclose(both[key][:1], alone[key], atol=1e-5), key
         assert torch.allclose(both[key][1:], lone[key][1:], atol=1e-5), key

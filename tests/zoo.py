@@ -106,6 +106,16 @@ def ego_batch(toy: tuple[object, list], *indices: int) -> dict:
     return task.collate_train([samples[i] for i in indices])["ego"]
 
 
+def lone_cav(sample: dict) -> dict:
+    """The sample with its ego CAV only (the cooperators' voxels dropped): a fused model must take one CAV."""
+    lone = copy.deepcopy(sample)
+    lidar = lone["ego"]["processed_lidar"]
+    for key in lidar:
+        lidar[key] = lidar[key][:1]
+    lone["ego"]["cav_num"] = 1
+    return lone
+
+
 def assert_forward_backward(config: Path, toy_root: Path) -> dict:
     """One training step's forward and backward; returns the model output for model-specific checks."""
     batch, model, task = toy_batch(config, toy_root)
