@@ -47,6 +47,12 @@ def test_options_split_the_batch_exactly_and_the_fewest_accumulation_steps_win()
     assert [o.per_rank for o in batch_fit.options(12, 2, model, 100 * GIB)] == [6, 3, 2, 1]
 
 
+def test_a_plan_with_accumulation_says_what_batchnorm_then_sees():
+    assert batch_fit.accumulation_note(PlanOption(2, 4, 1, GIB, True), 8) is None  # the baseline's training
+    note = batch_fit.accumulation_note(PlanOption(2, 2, 2, GIB, True), 8)
+    assert "normalises over 4 sample(s) per micro-step, not batch_size 8" in note and "ddp_semantics" in note
+
+
 def test_no_plan_says_why_and_what_would_fit():
     model = batch_fit.fit([Probe(1, 3 * GIB, 0.1), Probe(2, 5 * GIB, 0.2)])
     assert batch_fit.choose(batch_fit.options(8, 2, model, 2 * GIB)) is None
@@ -116,3 +122,20 @@ def test_train_per_gpu_batch_auto_refuses_when_nothing_fits(toy_small, tmp_path)
     assert result.returncode != 0 and len(errors) == 1, explain(result)  # torchrun's own code: issue 18
     assert "--per_gpu_batch auto: no plan fits: even per-GPU batch 1 needs" in errors[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_per_gpu_batch_auto_on_two_processes_follows_the_one_process_run(toy_small, tmp_path):
+    """The issue's promise, judged as tools/parity_check.py judges any run: the auto plan on 2 processes (batch 4 ->
+    per-GPU 2 or 1 x accumulation) against the 1-process run, with the reversed-batch run as the noise floor."""
+    work = tmp_path / "runs"
+    result = python(REPO / "tools" / "parity_check.py", "--hypes_yaml", TOY, "--world_sizes", "1,2", "--steps", "3",
+                    "--set", "train_params.batch_size=4", *split_overrides(toy_small), "--work_dir", work,
+                    "--train_args=--per_gpu_batch auto", timeout=900)
+    assert result.returncode == 0, explain(result)
+    assert "PASS: every world size follows the 1-process run." in result.stdout
+    world2 = next(line for line in result.stdout.splitlines() if line.strip().startswith("world2 |"))
+    assert "same training" in world2
+    chosen = re.search(r"--per_gpu_batch auto chose per-GPU batch (\d+) x (\d+) accumulation",
+                       (work / "world2.log").read_text())  # the run's own output
+    assert chosen and 2 * int(chosen[1]) * int(chosen[2]) == 4  # the plan ran, and it kept the batch

@@ -79,6 +79,9 @@ def plan(args: argparse.Namespace) -> int:
           f"torchrun --nproc_per_node={chosen.world} tools/train_ddp.py --hypes_yaml {args.hypes_yaml} "
           f"--per_gpu_batch {chosen.per_rank}{' --half' if args.half else ''}"
           + "".join(f" --set {override}" for override in args.overrides))
+    note = batch_fit.accumulation_note(chosen, batch_size)
+    if note:
+        print(note)
     return 0
 
 

@@ -185,6 +185,18 @@ def describe(batch_size: int, world: int, model: MemoryModel, capacity_bytes: fl
     return lines
 
 
+def accumulation_note(chosen: PlanOption, batch_size: int) -> Optional[str]:
+    """What a plan with accumulation changes: BatchNorm statistics of a micro-step cover world x per-GPU samples,
+    not the batch (docs/ddp_semantics.md). Measured on the toy AttFuse: 1 x 4 against 2 x 1 x 2 is a different
+    training (step-1 loss gap 6.8e-2) where 4 x 1 against 2 x 2 x 1 is the same one (docs/benchmarks.md)."""
+    if chosen.accumulation == 1:
+        return None
+    seen = chosen.world * chosen.per_rank
+    return (f"note: with {chosen.accumulation} accumulation steps a BatchNorm layer normalises over {seen} "
+            f"sample(s) per micro-step, not batch_size {batch_size}: the baseline's training up to float rounding "
+            f"only for models without BatchNorm (docs/ddp_semantics.md); more GPUs, or --half, avoid it")
+
+
 def no_plan_message(batch_size: int, world: int, model: Optional[MemoryModel], capacity_bytes: float) -> str:
     """Why nothing fits, and what would (`model` may be None when the batch does not split over `world`)."""
     if batch_size % world or model is None:
@@ -229,4 +241,5 @@ def auto_plan(hypes: dict, build_task: Callable[..., Task], world: int, device: 
     lines = describe(batch_size, world, model, capacity_bytes, found)
     lines.append(f"--per_gpu_batch auto chose per-GPU batch {chosen.per_rank} x {chosen.accumulation} accumulation "
                  f"step(s), peak about {gib(chosen.predicted_bytes)} of {gib(capacity_bytes)} usable per process")
-    return chosen, lines
+    note = accumulation_note(chosen, batch_size)
+    return chosen, lines + ([note] if note else [])
