@@ -1,26 +1,21 @@
 """The PointPillar family: upstream parameter names and shapes, and what each module computes."""
 from __future__ import annotations
 
-import ast
 import copy
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from zoo import assert_reference_state_dict, assert_upstream_checkpoint_loads, hypes_of
 
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes
-from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
 from opencood_ddp.models.modules.scatter import PointPillarScatter
 
 ROOT = Path(__file__).resolve().parents[1]
-# Upstream's parameter names and shapes per core_method (a copy of the project's shared reference lists, kept
-# in the repository so that a clean clone can run this test).
-REFERENCE = ROOT / "tests" / "reference" / "opencood_state_dict"
 BASELINES = {
     "point_pillar_early_fusion": "point_pillar",
     "point_pillar_late_fusion": "point_pillar",
@@ -31,35 +26,18 @@ TOY = ["point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_in
        "point_pillar_fcooper"]
 
 
-def hypes_of(path: Path, *overrides: str) -> dict:
-    return run_yaml_parser(apply_overrides(load_hypes(path), list(overrides)), str(path))
-
-
-def reference_shapes(core_method: str) -> list[tuple[str, list[int]]]:
-    rows = (REFERENCE / f"{core_method}.tsv").read_text().splitlines()
-    return [(name, ast.literal_eval(shape)) for name, shape in (row.split("\t") for row in rows)]
-
-
+# Upstream's parameter names and shapes per core_method: tests/reference/opencood_state_dict (a copy of the
+# project's shared reference lists, kept in the repository so that a clean clone can run these), checked as the
+# zoo's models are.
 @pytest.mark.parametrize("config", sorted(BASELINES))
 def test_baseline_state_dict_equals_upstream_reference(config):
-    hypes = hypes_of(ROOT / "hypes_yaml" / "opv2v" / f"{config}.yaml")
-    assert hypes["model"]["core_method"] == BASELINES[config]
-    model = create_model(hypes)
-    ours = [(name, list(tensor.shape)) for name, tensor in model.state_dict().items()]
-    assert ours == reference_shapes(BASELINES[config])  # names, shapes and order
+    assert_reference_state_dict(ROOT / "hypes_yaml" / "opv2v" / f"{config}.yaml", BASELINES[config])
 
 
 @pytest.mark.parametrize("config", sorted(BASELINES))
 def test_upstream_shaped_checkpoint_loads_strictly(config):
     """A state dict with upstream's keys (here: random values of the reference shapes) loads with strict=True."""
-    hypes = hypes_of(ROOT / "hypes_yaml" / "opv2v" / f"{config}.yaml")
-    model = create_model(hypes)
-    generator = torch.Generator().manual_seed(0)
-    upstream = {name: (torch.randint(0, 5, shape, generator=generator) if name.endswith("num_batches_tracked")
-                       else torch.randn(shape, generator=generator)) for name, shape in
-                reference_shapes(BASELINES[config])}
-    model.load_state_dict(upstream, strict=True)
-    assert torch.equal(model.state_dict()["cls_head.weight"], upstream["cls_head.weight"])
+    assert_upstream_checkpoint_loads(ROOT / "hypes_yaml" / "opv2v" / f"{config}.yaml", BASELINES[config])
 
 
 def _voxel_batch(num_images: int, cells_per_image: int = 30, points: int = 5, seed: int = 0,
