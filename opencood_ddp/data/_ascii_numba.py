@@ -20,10 +20,9 @@ When the token count or the row layout is wrong the status is non-zero and ``pcd
 
 from __future__ import annotations
 
-import warnings
-
-import numba
 import numpy as np
+
+from opencood_ddp.numerics.jit import jit
 
 # What the parser does with the tokens of a column (``modes``).
 SKIP = 0
@@ -43,17 +42,7 @@ _NEAR_TIE = 2.0**-48  # a ~3 ulp double approximation is only trusted this far (
 _RED_TO_INTENSITY = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
 
 
-def _jit(function):
-    """``njit(cache=True, nogil=True)``; without a writable cache folder, compile per process instead of failing."""
-    try:
-        return numba.njit(cache=True, nogil=True)(function)
-    except RuntimeError as error:  # numba: "cannot cache function ...: no locator available"
-        warnings.warn(f"numba cannot cache the pcd ascii parser ({error}); it is compiled in every process. "
-                      "Set NUMBA_CACHE_DIR to a writable folder to compile it once.", RuntimeWarning, stacklevel=2)
-        return numba.njit(nogil=True)(function)
-
-
-@_jit
+@jit
 def _parse_body(body, points, per_row, out_cols, modes, pow10, pow10_wide, red_to_intensity, out):
     """Fill ``out`` and return (status, flagged): flagged rows are (point, out column, token start, token end)."""
     n = body.shape[0]
