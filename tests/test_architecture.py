@@ -9,14 +9,15 @@ from typing import Iterator, Tuple
 from launch import REPO
 
 PACKAGE = REPO / "opencood_ddp"
-BASE = {"errors", "atomic", "hypes", "registry", "yaml_parsers", "schema"}
+BASE = {"errors", "atomic", "hypes", "registry", "yaml_parsers", "schema", "numerics"}
 PERCEPTION = {"data", "models", "loss", "postprocess", "metrics", "vis"}
 # What each part of the package may import from opencood_ddp (besides itself). Keep in step with the picture
 # in docs/architecture.md.
 ALLOWED = {
     "errors": set(), "atomic": set(), "hypes": {"errors", "atomic"}, "registry": {"errors", "hypes"},
     "yaml_parsers": {"errors", "hypes", "registry"}, "schema": {"errors", "hypes", "registry"},
-    "distributed": {"errors", "atomic"},
+    "numerics": set(),
+    "distributed": {"errors", "atomic", "numerics"},
     "engine": BASE | {"distributed"},
     "data": BASE, "models": BASE, "loss": BASE, "vis": BASE,
     "postprocess": BASE | {"data"},

@@ -33,11 +33,13 @@ def test_gloo_sync_batchnorm_equals_global_batchnorm(tmp_path, counts):
     result = torchrun(len(counts.split(",")), WORKERS / "sync_bn_worker.py", "--counts", counts, "--out", out)
     assert result.returncode == 0, explain(result)
     worst = json.loads(out.read_text())
-    assert set(worst) == {"bn2d", "bn1d_nc", "bn1d_ncl", "bn2d_cumulative"}
+    assert set(worst) == {"bn2d", "bn1d_nc", "bn1d_ncl", "bn2d_cumulative", "bn2d_channels_last"}
     for case, diffs in worst.items():
         assert diffs["num_batches_tracked"] == 0, case
         for key in ("output", "input_grad", "param_grad", "running_mean", "running_var"):
-            assert diffs[key] <= 1e-5, (case, key, diffs[key])
+            # Against float64: 3 float32 ulps at the running mean's magnitude (10). Native per-rank moments of
+            # the channels-last case were 8.2e-6 off in the outputs.
+            assert diffs[key] <= 3e-6, (case, key, diffs[key])
 
 
 @pytest.fixture(scope="module")

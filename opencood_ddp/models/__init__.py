@@ -7,6 +7,8 @@ module of this package is imported on the first lookup, so a new model is one ne
 the user's listed under the hypes' ``imports:``. The hypes must have been through their ``yaml_parser``.
 
 Two extensions of ours apply to every model: ``model.args.bn_momentum`` and ``model.args.cls_head_prior``.
+Every plain BatchNorm of the model gets accurate training statistics (``numerics/batch_norm.py``): PyTorch's
+CPU kernel accumulates them in float32 on our row and channels-last layouts, 1e-2 off in a step's outputs.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source, validate
+from opencood_ddp.numerics.batch_norm import use_accurate_batch_norm
 from opencood_ddp.registry import MODELS
 
 COMMON_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
@@ -38,7 +41,7 @@ def create_model(hypes: Mapping) -> nn.Module:
         set_bn_momentum(model, args["bn_momentum"], source)
     if "cls_head_prior" in args:
         init_cls_prior(model, args["cls_head_prior"], source)
-    return model
+    return use_accurate_batch_norm(model)
 
 
 def init_cls_prior(model: nn.Module, prior: float, source: str) -> None:

@@ -1,4 +1,5 @@
-"""torchrun worker: GlooSyncBatchNorm on each rank's shard vs one BatchNorm over the global batch.
+"""torchrun worker: GlooSyncBatchNorm (float32) on each rank's shard vs one BatchNorm over the global batch in
+float64, the exact statistics float32 must round to.
 
 Usage: torchrun --nproc_per_node=W sync_bn_worker.py --counts 3,5 --out result.json
 Rank 0 writes the largest absolute differences found (outputs, input grads, parameter grads, running stats).
@@ -14,43 +15,45 @@ from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import detect_from_process, distributed_session
 from opencood_ddp.distributed.sync_bn import GlooSyncBatchNorm, convert_sync_batchnorm
 
-CASES = {  # name: (BatchNorm class, per-sample shape after the channel dim, momentum)
-    "bn2d": (nn.BatchNorm2d, (5, 7), 0.1),
-    "bn1d_nc": (nn.BatchNorm1d, (), 0.1),
-    "bn1d_ncl": (nn.BatchNorm1d, (9,), 0.3),
-    "bn2d_cumulative": (nn.BatchNorm2d, (4, 4), None),
+CASES = {  # name: (BatchNorm class, per-sample shape after the channel dim, momentum, memory format)
+    "bn2d": (nn.BatchNorm2d, (5, 7), 0.1, torch.contiguous_format),
+    "bn1d_nc": (nn.BatchNorm1d, (), 0.1, torch.contiguous_format),
+    "bn1d_ncl": (nn.BatchNorm1d, (9,), 0.3, torch.contiguous_format),
+    "bn2d_cumulative": (nn.BatchNorm2d, (4, 4), None, torch.contiguous_format),
+    # The BEV canvas' layout, with thousands of rows per rank: where float32 per-channel sums drift.
+    "bn2d_channels_last": (nn.BatchNorm2d, (40, 60), 0.1, torch.channels_last),
 }
 CHANNELS, ITERATIONS = 6, 3
 
 
 def run_case(name, counts, rank):
-    bn_cls, tail, momentum = CASES[name]
+    bn_cls, tail, momentum, memory_format = CASES[name]
     gen = torch.Generator().manual_seed(1234)
-    reference = bn_cls(CHANNELS, momentum=momentum)
+    reference = bn_cls(CHANNELS, momentum=momentum).double()
     with torch.no_grad():
         reference.weight.copy_(torch.rand(CHANNELS, generator=gen) + 0.5)
         reference.bias.copy_(torch.randn(CHANNELS, generator=gen))
     synced, _ = convert_sync_batchnorm(nn.Sequential(bn_cls(CHANNELS, momentum=momentum)), len(counts), "cpu")
-    synced[0].load_state_dict(reference.state_dict())
+    synced[0].load_state_dict({key: value.to(torch.int64 if key.endswith("tracked") else torch.float32)
+                               for key, value in reference.state_dict().items()})
     assert isinstance(synced[0], GlooSyncBatchNorm)
     start, stop = sum(counts[:rank]), sum(counts[:rank + 1])
     worst = {}
     for _ in range(ITERATIONS):
         # Channel means far from 0 and unequal scales: the regime where naive variance formulas drift.
-        x = (torch.randn(sum(counts), CHANNELS, *tail, generator=gen) * 3 + 10).requires_grad_(True)
-        upstream = torch.randn(x.shape, generator=gen)
+        x = (torch.randn(sum(counts), CHANNELS, *tail, generator=gen) * 3 + 10).double().requires_grad_(True)
+        upstream = torch.randn(x.shape, generator=gen).double()
         out_ref = reference(x)
         out_ref.backward(upstream)
-        local_x = x.detach()[start:stop].clone().requires_grad_(True)
+        local_x = x.detach()[start:stop].float().contiguous(memory_format=memory_format).requires_grad_(True)
         out = synced(local_x)
-        out.backward(upstream[start:stop])
+        out.backward(upstream[start:stop].float().contiguous(memory_format=memory_format))
         grads = torch.cat([synced[0].weight.grad, synced[0].bias.grad])
         dist.all_reduce(grads)  # DDP would average; the sum over ranks is the global-batch gradient
         ref_grads = torch.cat([reference.weight.grad, reference.bias.grad])
         diffs = {
             "output": (out - out_ref[start:stop]).abs().max().item() if stop > start else 0.0,
             "input_grad": (local_x.grad - x.grad[start:stop]).abs().max().item() if stop > start else 0.0,
-            # Relative: both sides sum 100+ float32 products per channel (native kernels), ~1e-6 apart.
             "param_grad": ((grads - ref_grads).abs().max() / ref_grads.abs().max()).item(),
             "running_mean": (synced[0].running_mean - reference.running_mean).abs().max().item(),
             "running_var": (synced[0].running_var - reference.running_var).abs().max().item(),
