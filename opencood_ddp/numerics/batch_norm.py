@@ -93,13 +93,16 @@ def _row_input_gradient(grad_rows, rows, mean, invstd, scale, mean_dy, mean_dy_x
 _COMPILED_DTYPES = (torch.float32, torch.float64)
 
 
+def _channels_innermost(t: torch.Tensor) -> torch.Tensor:
+    """t (N, C, ...) permuted to (N, ..., C): a view, contiguous when C is innermost in memory."""
+    return t if t.dim() == 2 else t.permute([0] + list(range(2, t.dim())) + [1])
+
+
 def row_view(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x (N, C, ...) as a C-contiguous (rows, C) view when the channels are innermost in memory (2-D,
     channels-last, or a transposed (N, L, C) buffer); None for any other layout."""
-    if x.dim() == 2:
-        return x if x.is_contiguous() else None
-    channels_last = x.permute([0] + list(range(2, x.dim())) + [1])
-    return channels_last.reshape(-1, x.shape[1]) if channels_last.is_contiguous() else None
+    permuted = _channels_innermost(x)
+    return permuted.reshape(-1, x.shape[1]) if permuted.is_contiguous() else None
 
 
 def _rows_for_kernel(x: torch.Tensor) -> Optional[np.ndarray]:
@@ -109,17 +112,17 @@ def _rows_for_kernel(x: torch.Tensor) -> Optional[np.ndarray]:
     return rows.detach().numpy()
 
 
-def stat_dtype(x: torch.Tensor) -> torch.dtype:
+def _stat_dtype(x: torch.Tensor) -> torch.dtype:
     """Per-channel tensors stay float32 for a bf16/fp16 input: the mixed-type CPU kernels want that."""
     return x.dtype if x.dtype in _COMPILED_DTYPES else torch.float32
 
 
-def per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _per_channel(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Reshape a (C,) tensor to broadcast against x of shape (N, C, ...)."""
     return t.reshape([1, -1] + [1] * (x.dim() - 2))
 
 
-def affine(x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor) -> torch.Tensor:
+def _affine(x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor) -> torch.Tensor:
     """slope * x + intercept per channel in one fused pass: eval-mode batch_norm with mean 0, var 1, eps 0."""
     if x.numel() == 0:  # the native kernels divide by the element count
         return torch.empty_like(x)
@@ -147,7 +150,7 @@ def local_moments(x: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.full_like(mean, float(count)), mean, var]).to(x.device)
 
 
-def local_gradient_sums(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
+def _native_gradient_sums(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
                         invstd: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 rows: sum(dy) and sum(dy * xhat) of each channel of a layout that is not rows (the
     native backward's weight-gradient reduction is exactly these two sums, and exact on (N, C, L))."""
@@ -158,7 +161,7 @@ def local_gradient_sums(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Ten
     return torch.stack([sum_dy.double(), sum_dy_xhat.double()])
 
 
-def row_gradient_sums(grad_rows: np.ndarray, rows: np.ndarray, mean: torch.Tensor,
+def _row_gradient_totals(grad_rows: np.ndarray, rows: np.ndarray, mean: torch.Tensor,
                       invstd: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 rows: sum(dy) and sum(dy * xhat) of each column of (rows, C) arrays; mean and invstd
     float64."""
@@ -166,13 +169,6 @@ def row_gradient_sums(grad_rows: np.ndarray, rows: np.ndarray, mean: torch.Tenso
     _row_gradient_sums(grad_rows, rows, mean.numpy(), sums[0].numpy(), sums[1].numpy())
     sums[1] *= invstd
     return sums
-
-
-def per_channel_last(t: torch.Tensor) -> torch.Tensor:
-    """A C-contiguous (rows, C) copy of t (N, C, ...), rows in the order row_view gives them."""
-    if t.dim() == 2:
-        return t.contiguous()
-    return t.permute([0] + list(range(2, t.dim())) + [1]).contiguous().reshape(-1, t.shape[1])
 
 
 # ------------------------------------------------------------------------------------------- combination
@@ -232,8 +228,8 @@ class BatchNormFunction(torch.autograd.Function):
         ctx.count, ctx.reduction = count, reduction
         rows = _rows_for_kernel(x)
         if rows is None:
-            dtype = stat_dtype(x)
-            return affine(x, scale.to(dtype), (shift - mean * scale).to(dtype))
+            dtype = _stat_dtype(x)
+            return _affine(x, scale.to(dtype), (shift - mean * scale).to(dtype))
         out = torch.empty_like(x)
         _row_normalise(rows, mean.numpy(), scale.numpy(), shift.numpy(), row_view(out).numpy())
         return out
@@ -242,12 +238,12 @@ class BatchNormFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, mean, invstd, scale = ctx.saved_tensors
         rows = _rows_for_kernel(x)
-        dtype = stat_dtype(x)
+        dtype = _stat_dtype(x)
         if rows is None:
-            local = local_gradient_sums(grad_out, x, mean.to(dtype), invstd.to(dtype))
+            local = _native_gradient_sums(grad_out, x, mean.to(dtype), invstd.to(dtype))
         else:
             grad_rows = _grad_rows(grad_out)
-            local = row_gradient_sums(grad_rows, rows, mean, invstd)
+            local = _row_gradient_totals(grad_rows, rows, mean, invstd)
         # Parameter gradients stay local: DDP averages them over ranks like every other parameter.
         grad_weight = local[1].to(weight.dtype) if weight is not None else None
         grad_bias = local[0].to(weight.dtype) if weight is not None else None
@@ -262,8 +258,8 @@ class BatchNormFunction(torch.autograd.Function):
         # dx = (dy - mean(dy) - xhat * mean(dy xhat)) * invstd * w, regrouped as k1 * dy + k2 * x + k3.
         k2 = -scale * mean_dy_xhat * invstd
         k3 = -scale * mean_dy - k2 * mean
-        grad_in = affine(grad_out, scale.to(dtype), k3.to(dtype))
-        grad_in.addcmul_(x, per_channel(k2, x).to(grad_in.dtype))
+        grad_in = _affine(grad_out, scale.to(dtype), k3.to(dtype))
+        grad_in.addcmul_(x, _per_channel(k2, x).to(grad_in.dtype))
         return grad_in, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -271,7 +267,9 @@ def _grad_rows(grad_out: torch.Tensor) -> np.ndarray:
     """The incoming gradient as a (rows, C) array in the input's row order: autograd may hand it over in
     another layout than the input's, which then costs one copy."""
     rows = row_view(grad_out)
-    return (rows if rows is not None else per_channel_last(grad_out)).detach().numpy()
+    if rows is None:
+        rows = _channels_innermost(grad_out).contiguous().reshape(-1, grad_out.shape[1])
+    return rows.detach().numpy()
 
 
 # ------------------------------------------------------------------------------------------------ modules
@@ -327,3 +325,15 @@ def use_accurate_batch_norm(model: nn.Module) -> nn.Module:
         if accurate is not None:
             module.__class__ = accurate
     return model
+
+
+def use_native_batch_norm(model: nn.Module) -> nn.Module:
+    """The inverse of ``use_accurate_batch_norm``, in place: torch's own kernels again (benchmarks that measure
+    what the accurate statistics change)."""
+    native = {accurate: plain for plain, accurate in _ACCURATE.items()}
+    for module in model.modules():
+        plain = native.get(type(module))
+        if plain is not None:
+            module.__class__ = plain
+    return model
+
