@@ -1,6 +1,7 @@
 """What users type, run for real: the 1-vs-N parity of tools/train_ddp.py on the toy AttFuse config (through
-tools/parity_check.py), two torchrun launchers as two nodes, --max_steps and train_steps.csv, the scaling
-benchmark, and `make demo`'s script on the small toy world."""
+tools/parity_check.py), two torchrun launchers as two nodes, --max_steps and train_steps.csv (the lr of every step
+against upstream's loop, on 2 accumulating ranks, through a resume), the scaling benchmark, and `make demo`'s
+script on the small toy world."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import torch
 import yaml
 
 from launch import REPO, clean_env, explain, python, split_overrides, train
+from upstream_loop import upstream_step_lrs
 
 from opencood_ddp.distributed.checkpoint import load_file
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
@@ -110,19 +112,30 @@ def test_two_torchrun_nodes_equal_two_processes(parity_runs, toy_small, tmp_path
 
 
 # ------------------------------------------------------------------------------------------------ max_steps
-def test_max_steps_saves_net_step_and_resume_rewinds_the_step_log(tmp_path):
+# synthetic_bn.yaml's lr 0.05 under upstream's cosineannealwarm: warm-up over epoch 1, the cosine over both epochs.
+COSINE = {"core_method": "cosineannealwarm", "epoches": 2, "warmup_epoches": 1, "warmup_lr": 0.005, "lr_min": 0.001}
+
+
+def test_max_steps_then_resume_on_two_accumulating_ranks_logs_upstreams_lr_at_every_step(tmp_path):
+    """--max_steps 13 stops in epoch 2 (10 steps per epoch) with net_step13.pth; the resume rewinds
+    train_steps.csv to it and goes on. 2 ranks x 2 samples x 2 accumulation steps = the global batch 8, so each
+    logged lr is the one of that optimizer step in upstream's loop (tests/upstream_loop.py), through the stop."""
     run_dir = tmp_path / "run"
-    cut = train(0, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, "--num_workers", "0", "--max_steps", "13")
+    common = ("--model_dir", run_dir, "--num_workers", "0", "--per_gpu_batch", "2")
+    cut = train(2, "--hypes_yaml", SYNTHETIC, *common, "--max_steps", "13", "--set",
+                "lr_scheduler={" + ", ".join(f"{k}: {v}" for k, v in COSINE.items()) + "}")
     assert cut.returncode == 0, explain(cut)
     assert "stopped after 13 optimizer steps (--max_steps)" in cut.stdout
+    assert "2 process(es) x 2 per rank x 2 accumulation step(s)" in cut.stdout
     assert (run_dir / "net_step13.pth").is_file() and not (run_dir / "net_epoch2.pth").exists()
     assert [row["step"] for row in read_step_log(run_dir / "train_steps.csv")] == list(range(1, 14))
-    resumed = train(0, "--model_dir", run_dir, "--num_workers", "0")
+    resumed = train(2, *common)
     assert resumed.returncode == 0, explain(resumed)
+    assert "resumed from net_step13.pth (step 13)" in resumed.stdout
     rows = read_step_log(run_dir / "train_steps.csv")
-    # steps 11-13 of the cut run are trained again from epoch 1's checkpoint: each step appears once
-    assert [row["step"] for row in rows] == list(range(1, 21))
+    assert [row["step"] for row in rows] == list(range(1, 21))  # each step once
     assert {"loss", "lr", "seconds", "data_seconds", "samples_per_s"} <= rows[0].keys()
+    assert [row["lr"] for row in rows] == pytest.approx(upstream_step_lrs(COSINE, 0.05, 10, 2), rel=1e-6)
 
 
 def test_max_steps_must_be_positive(tmp_path):

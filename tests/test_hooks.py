@@ -21,6 +21,7 @@ from opencood_ddp.engine.logging import read_step_log, setup_logging
 from opencood_ddp.engine.trainer import Trainer, TrainSettings
 from opencood_ddp.errors import CheckpointError
 from opencood_ddp.tasks import build_task
+from upstream_loop import upstream_step_lrs
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNTHETIC = ROOT / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
@@ -52,16 +53,23 @@ class Recorder(TrainHook):
         self.calls.append((self.name, "close"))
 
 
-def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2) -> Trainer:
+def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2, lr_scheduler=None, per_rank=None,
+             max_steps=None) -> Trainer:
+    """The synthetic task's trainer on one process (batch 8: num_train / 8 steps per epoch); `lr_scheduler`
+    replaces the hypes' section, `per_rank` < 8 accumulates."""
     hypes = hypes_lib.load_hypes(SYNTHETIC)
     hypes["synthetic"]["num_train"] = num_train
     hypes["train_params"]["epoches"] = epochs
+    if lr_scheduler is not None:
+        hypes["lr_scheduler"] = lr_scheduler
     env = detect_dist_env({})  # one process, no process group
     setup_logging(env.rank)
     torch.manual_seed(0)
     task = build_task(hypes, for_training=True)
-    plan = make_batch_plan(hypes["train_params"]["batch_size"], 1, float(hypes["optimizer"]["lr"]))
-    return Trainer(task, plan, env, TrainSettings(epochs=epochs, seed=0), hypes, run_dir, hooks)
+    plan = make_batch_plan(hypes["train_params"]["batch_size"], 1, float(hypes["optimizer"]["lr"]),
+                           per_gpu_batch=per_rank)
+    settings = TrainSettings(epochs=epochs, seed=0, max_steps=max_steps)
+    return Trainer(task, plan, env, settings, hypes, run_dir, hooks)
 
 
 def _record(step: int, loss: float = 1.0) -> StepRecord:
@@ -308,3 +316,65 @@ def test_a_resumed_run_tells_tensorboard_to_purge_the_steps_past_its_checkpoint(
     # TensorBoard drops the earlier files' events from the step of a START session log on (its purge rule)
     assert starts(tmp_path / "b") == [(3, event_pb2.SessionLog.START)]
     assert starts(tmp_path / "a") == []
+
+
+# ------------------------------------------------------------------------------------------------ the lr of a step
+# 4 steps per epoch (32 samples, batch 8), 4 epochs: warm-up over epoch 1, the cosine over epochs 1-3, lr_min in 4.
+COSINE = {"core_method": "cosineannealwarm", "epoches": 3, "warmup_epoches": 1, "warmup_lr": 0.005, "lr_min": 0.001}
+BASE_LR, STEPS_PER_EPOCH = 0.05, 4  # synthetic_bn.yaml's lr; num_train 32 / batch 8
+
+
+def _logged_lrs(run_dir: Path) -> list:
+    return [row["lr"] for row in read_step_log(run_dir / "train_steps.csv")]
+
+
+def _tensorboard_lrs(run_dir: Path) -> list:
+    events = [e for path in sorted(run_dir.glob("events.out.tfevents.*")) for e in _events(path)]
+    return [value.simple_value for e in events for value in e.summary.value if value.tag == "train/lr"]
+
+
+@pytest.mark.parametrize("section, per_rank", [(COSINE, None), (COSINE, 4), (None, None)],
+                         ids=["cosine", "cosine-accumulating-2", "multistep"])
+def test_each_step_logs_the_lr_it_ran_with_as_upstreams_loop_sets_it(tmp_path, section, per_rank):
+    """train_steps.csv and TensorBoard against upstream's loop replayed by hand; with accumulation the schedule
+    moves per optimizer step, not per micro-batch."""
+    trainer = _trainer(tmp_path, default_hooks(tmp_path, is_main=True), epochs=4, lr_scheduler=section,
+                       per_rank=per_rank)
+    assert trainer.plan.accumulation == (2 if per_rank else 1) and trainer.steps_per_epoch == STEPS_PER_EPOCH
+    trainer.fit()
+    trainer.hooks.close()
+    expected = upstream_step_lrs(section or hypes_lib.load_hypes(SYNTHETIC)["lr_scheduler"], BASE_LR,
+                                 STEPS_PER_EPOCH, 4)
+    assert _logged_lrs(tmp_path) == pytest.approx(expected, rel=1e-6)
+    assert _tensorboard_lrs(tmp_path) == pytest.approx(expected, rel=1e-6)  # float32 scalars
+
+
+def _resume(run_dir: Path) -> Trainer:
+    """A new trainer on the run folder, resumed as tools/train_ddp.py does, then fitted to the end (4 epochs)."""
+    trainer = _trainer(run_dir, default_hooks(run_dir, is_main=True), epochs=4, lr_scheduler=COSINE)
+    trainer.resume()
+    trainer.hooks.on_resume(trainer.progress.global_step)
+    trainer.fit()
+    trainer.hooks.close()
+    return trainer
+
+
+def test_cosine_resumed_mid_epoch_goes_on_at_the_exact_step(tmp_path):
+    first = _trainer(tmp_path, default_hooks(tmp_path, is_main=True), epochs=4, lr_scheduler=COSINE, max_steps=6)
+    first.fit()
+    first.hooks.close()
+    assert (tmp_path / "net_step6.pth").is_file()  # step 2 of epoch 2
+    _resume(tmp_path)
+    assert _logged_lrs(tmp_path) == pytest.approx(upstream_step_lrs(COSINE, BASE_LR, STEPS_PER_EPOCH, 4), rel=1e-6)
+
+
+def test_cosine_resumed_from_weights_alone_starts_the_epoch_as_upstream(tmp_path):
+    """An upstream run folder holds net_epoch{N}.pth only: upstream's loop sets t = N x steps per epoch."""
+    first = _trainer(tmp_path, default_hooks(tmp_path, is_main=True), epochs=2, lr_scheduler=COSINE)
+    first.fit()
+    first.hooks.close()
+    for state in tmp_path.glob("training_state_*.pt"):
+        state.unlink()
+    resumed = _resume(tmp_path)
+    assert resumed.progress.global_step == 4 * STEPS_PER_EPOCH
+    assert _logged_lrs(tmp_path) == pytest.approx(upstream_step_lrs(COSINE, BASE_LR, STEPS_PER_EPOCH, 4), rel=1e-6)

@@ -1,5 +1,6 @@
-"""The registries: lookup and its errors, per-entry schemas, upstream's yaml parsers and cosineannealwarm,
-preprocess.core_method, and an out-of-tree model brought in by the hypes' ``imports:`` that trains on 2 ranks."""
+"""The registries: lookup and its errors, per-entry schemas, upstream's yaml parsers, the lr schedulers against
+upstream's loop replayed by hand (tests/upstream_loop.py), preprocess.core_method, and an out-of-tree model brought
+in by the hypes' ``imports:`` that trains on 2 ranks."""
 from __future__ import annotations
 
 import copy
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from launch import REPO, TRAIN, explain, python, split_overrides, torchrun
+from upstream_loop import upstream_step_lrs
 from opencood_ddp import registry as R
 from opencood_ddp.data.datasets import build_dataset, fusion_methods
 from opencood_ddp.engine.optim import build_scheduler
@@ -133,41 +135,63 @@ def _optimizer(lr: float = 0.001) -> torch.optim.Optimizer:
     return torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))], lr=lr)
 
 
-def _lrs(scheduler, optimizer, epochs: int) -> list:
+def _lrs(schedule, optimizer, epochs: int, steps_per_epoch: int, first_step: int = 0) -> list:
+    """The lr of each optimizer step, the schedule moved as the trainer moves it (from step `first_step` of the
+    first epoch)."""
     lrs = []
-    for _ in range(epochs):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+    for epoch in range(epochs):
+        for _ in range(first_step if epoch == 0 else 0, steps_per_epoch):
+            lrs.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            schedule.after_optimizer_step()
+        schedule.after_epoch()
     return lrs
 
 
-def test_cosineannealwarm_follows_upstreams_per_epoch_values():
-    """CoBEVT's schedule: lr 1e-3, warm-up from 2e-4 over 10 of 90 epochs, floor 2e-5. Upstream's timm
-    scheduler, moved once per epoch, gives warm-up steps of 8e-5 and a cosine over all 90 epochs."""
+def test_cosineannealwarm_follows_upstreams_per_step_values():
+    """CoBEVT's schedule: lr 1e-3, warm-up from 2e-4 over 10 of 90 epochs, floor 2e-5; 7 steps per epoch.
+    Upstream's timm scheduler moves after every optimizer step, steps 0 and 1 of an epoch sharing one value."""
     hypes = load_hypes(UPSTREAM / "point_pillar_cobevt.yaml")
     optimizer = _optimizer(hypes["optimizer"]["lr"])
-    lrs = _lrs(build_scheduler(hypes, optimizer), optimizer, 95)
-    assert lrs[0] == pytest.approx(2e-4) and lrs[5] == pytest.approx(6e-4) and lrs[9] == pytest.approx(9.2e-4)
-    assert lrs[10] == pytest.approx(2e-5 + 0.5 * 9.8e-4 * (1 + math.cos(math.pi / 9)))
-    assert lrs[45] == pytest.approx(2e-5 + 0.5 * 9.8e-4)
-    assert lrs[89] == pytest.approx(2e-5 + 0.5 * 9.8e-4 * (1 + math.cos(math.pi * 89 / 90)))
-    assert lrs[90:] == pytest.approx([2e-5] * 5)
+    schedule = build_scheduler(hypes, optimizer, steps_per_epoch=7)
+    assert schedule.per_step
+    lrs = _lrs(schedule, optimizer, 95, 7)
+    assert lrs == pytest.approx(upstream_step_lrs(hypes["lr_scheduler"], 1e-3, 7, 95), rel=1e-12)
+    # By hand: warm-up steps of 8e-4 / 70 per update; t = 70 (epoch 10, step 0 and 1) starts the cosine over 630.
+    assert lrs[0] == lrs[1] == pytest.approx(2e-4) and lrs[2] == pytest.approx(2e-4 + 8e-4 / 70)
+    assert lrs[7] == lrs[8] == pytest.approx(2e-4 + 8e-4 * 7 / 70) and lrs[6] == pytest.approx(2e-4 + 8e-4 * 5 / 70)
+    assert lrs[70] == lrs[71] == pytest.approx(2e-5 + 0.5 * 9.8e-4 * (1 + math.cos(math.pi * 70 / 630)))
+    assert lrs[630:] == pytest.approx([2e-5] * 35)
 
 
-def test_cosineannealwarm_resumes_on_the_same_curve():
+def test_cosineannealwarm_resumes_mid_epoch_on_the_same_step():
     hypes = load_hypes(UPSTREAM / "point_pillar_where2comm.yaml")
-    optimizer = _optimizer(hypes["optimizer"]["lr"])
-    scheduler = build_scheduler(hypes, optimizer)
-    whole = _lrs(scheduler, optimizer, 30)
-    first = _optimizer(hypes["optimizer"]["lr"])
-    early = build_scheduler(hypes, first)
-    _lrs(early, first, 12)
-    resumed_optimizer = _optimizer(hypes["optimizer"]["lr"])  # the trainer's order: build both, then load both
-    resumed = build_scheduler(hypes, resumed_optimizer)
+    lr, n = hypes["optimizer"]["lr"], 5
+    optimizer = _optimizer(lr)
+    whole = _lrs(build_scheduler(hypes, optimizer, n), optimizer, 30, n)
+    first = _optimizer(lr)
+    early = build_scheduler(hypes, first, n)
+    _lrs(early, first, 12, n)
+    for _ in range(3):  # three steps into epoch 13
+        first.step()
+        early.after_optimizer_step()
+    resumed_optimizer = _optimizer(lr)  # the trainer's order: build both, then load both
+    resumed = build_scheduler(hypes, resumed_optimizer, n)
     resumed_optimizer.load_state_dict(first.state_dict())
     resumed.load_state_dict(early.state_dict())
-    assert _lrs(resumed, resumed_optimizer, 18) == pytest.approx(whole[12:], rel=1e-12)
+    assert resumed.steps_taken() == 12 * n + 3
+    assert _lrs(resumed, resumed_optimizer, 18, n, first_step=3) == pytest.approx(whole[12 * n + 3:], rel=1e-12)
+
+
+@pytest.mark.parametrize("section", [{"core_method": "multistep", "gamma": 0.5, "step_size": [2, 4]},
+                                     {"core_method": "multistep", "step_size": 3},
+                                     {"core_method": "step", "gamma": 0.3, "step_size": 2},
+                                     {"core_method": "exponential", "gamma": 0.9}])
+def test_per_epoch_schedulers_follow_upstreams_closed_form(section):
+    optimizer = _optimizer(0.01)
+    schedule = build_scheduler({"lr_scheduler": section}, optimizer, steps_per_epoch=4)
+    assert not schedule.per_step
+    assert _lrs(schedule, optimizer, 6, 4) == pytest.approx(upstream_step_lrs(section, 0.01, 4, 6), rel=1e-12)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -179,16 +203,27 @@ def test_cosineannealwarm_resumes_on_the_same_curve():
 def test_cosineannealwarm_errors_name_the_key(override, key):
     hypes = apply_overrides(load_hypes(UPSTREAM / "point_pillar_cobevt.yaml"), [override])
     with pytest.raises(ConfigError, match=key):
-        build_scheduler(hypes, _optimizer())
+        build_scheduler(hypes, _optimizer(), steps_per_epoch=3)
 
 
 def test_plain_schedulers_keep_their_defaults():
     optimizer = _optimizer(1.0)
-    scheduler = build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": 2}}, optimizer)
-    assert _lrs(scheduler, optimizer, 4) == pytest.approx([1.0, 1.0, 0.1, 0.1])
-    assert build_scheduler({"lr_scheduler": None}, optimizer) is None
+    schedule = build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": 2}}, optimizer, 1)
+    assert _lrs(schedule, optimizer, 4, 1) == pytest.approx([1.0, 1.0, 0.1, 0.1])
+    assert build_scheduler({"lr_scheduler": None}, optimizer, 1) is None
     with pytest.raises(ConfigError, match="lr_scheduler.step_size"):
-        build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": ["x"]}}, optimizer)
+        build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": ["x"]}}, optimizer, 1)
+
+
+def test_a_scheduler_declares_when_it_moves(monkeypatch):
+    assert {entry.name: entry.meta.get("interval", "epoch") for entry in R.SCHEDULERS.entries()} == {
+        "cosineannealwarm": "step", "exponential": "epoch", "multistep": "epoch", "step": "epoch"}
+    # an out-of-tree entry with an interval the loop does not know (taken out again when the test ends)
+    monkeypatch.setitem(R.SCHEDULERS._entries, "hourly",
+                        R.Entry("hourly", lambda section, optimizer: None, meta={"interval": "hour"}))
+    with pytest.raises(ConfigError) as info:
+        build_scheduler({"lr_scheduler": {"core_method": "hourly"}}, _optimizer(), 1)
+    assert "interval='epoch' or interval='step'" in str(info.value) and "\n" not in str(info.value)
 
 
 # ------------------------------------------------------------------------------------------ preprocess

@@ -169,8 +169,9 @@ def local_processes(env: DistEnv) -> int:
 
 def check_optimization(hypes: dict, task: Task, plan: BatchPlan) -> None:
     """Build the optimizer and scheduler once on a throw-away optimizer, so that a value torch refuses
-    (optimizer.lr -0.1) fails before the run folder exists and not after (nothing of the model changes)."""
-    build_scheduler(hypes, build_optimizer(hypes, task.model.parameters(), plan.effective_lr))
+    (optimizer.lr -0.1) fails before the run folder exists and not after (nothing of the model changes). The
+    values checked do not depend on the steps per epoch, which the trainer's sampler gives later: 1 stands in."""
+    build_scheduler(hypes, build_optimizer(hypes, task.model.parameters(), plan.effective_lr), steps_per_epoch=1)
 
 
 def seed_everything(seed: int) -> None:

@@ -11,7 +11,8 @@ Invariants that make an N-rank run follow the 1-rank run:
 - the loss is a mean over the local batch and DDP averages gradients over equal-sized rank batches, so the
   gradient is the global-batch mean; with accumulation the loss is divided by the number of micro-steps and
   DDP synchronises only on the last one (`no_sync`);
-- the optimizer, scheduler, checkpoints and validation use `model_without_ddp`;
+- the optimizer, scheduler, checkpoints and validation use `model_without_ddp`; the scheduler moves after each
+  epoch or each optimizer step, as its registry entry declares (upstream's lr at every step);
 - whatever can happen on one rank alone (a frame that fails to load, a stop signal, a non-finite loss) is
   agreed on by all ranks at a step boundary, so they stop, skip or go on together (docs/reliability.md).
 """
@@ -106,12 +107,14 @@ class Trainer:
             task.model.to(self.device), env.world_size, env.device, enabled=settings.sync_bn)
         self.model = self._wrap(self.model_without_ddp)
         self.optimizer = build_optimizer(hypes, self.model_without_ddp.parameters(), plan.effective_lr)
-        self.scheduler = build_scheduler(hypes, self.optimizer)
         self.scaler = torch.amp.GradScaler("cuda") if settings.half and self.device.type == "cuda" else None
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
                                                       settings.seed, plan.accumulation,
                                                       reverse=settings.reverse_batch_order)
         self.steps_per_epoch = steps_per_epoch(self.batch_sampler, plan.accumulation)
+        self._new_schedule = lambda: build_scheduler(hypes, self.optimizer, self.steps_per_epoch)
+        self.schedule = self._new_schedule()  # None: constant lr
+        self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]  # the lr the latest optimizer step ran with
         self.progress = Progress()
         self.config_digests = section_digests(hypes)  # saved with each checkpoint, compared on resume
         self.stop_signal: Optional[StopSignal] = None  # installed by the recipe; checked at every step boundary
@@ -144,16 +147,12 @@ class Trainer:
         if state is None:  # an upstream run: weights only
             epoch = saved.number
             self.log.warning(f"no {ckpt.state_name(epoch)} in {self.run_dir}: resuming from the weights alone "
-                             f"(optimizer restarts, lr schedule advanced to epoch {epoch})")
-            for _ in range(epoch):
-                if self.scheduler is not None:
-                    self.scheduler.step()
+                             f"(optimizer restarts, lr schedule advanced to the start of epoch {epoch + 1})")
             self.progress = Progress(epoch=epoch, global_step=epoch * self.steps_per_epoch)
+            self._restore_schedule(None, saved)
             return
         self._check_config_change(saved, state.get("config_digests"))
         self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and state.get("lr_scheduler") is not None:
-            self.scheduler.load_state_dict(state["lr_scheduler"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         rng = state["rng"]
@@ -164,6 +163,26 @@ class Trainer:
                                  skipped_steps=list(state.get("skipped_steps", [])))
         self._epoch_carry = state.get("epoch_sums")
         self._warn_plan_change(state.get("batch_plan", {}))
+        self._restore_schedule(state.get("lr_scheduler"), saved)
+
+    def _restore_schedule(self, saved_state: Optional[dict], saved: ckpt.SavedCheckpoint) -> None:
+        """The lr schedule where an uninterrupted run is at the restored progress: the checkpoint's scheduler
+        state when it is there (the exact step), else a fresh schedule advanced to that place, as upstream's
+        loop is when it resumes from weights alone (cosineannealwarm: t = epoch x steps per epoch)."""
+        if self.schedule is None:
+            return
+        place = self.schedule.steps_at(self.progress.epoch, self.progress.step_in_epoch)
+        if saved_state is not None:
+            self.schedule.load_state_dict(saved_state)
+            if self.schedule.steps_taken() == place:
+                return
+            # A checkpoint whose scheduler moved at another interval (cosineannealwarm moved once per epoch before
+            # it moved per optimizer step) or another number of steps per epoch (another global batch).
+            self.log.warning(f"the lr schedule saved with {saved.weights.name} was stepped "
+                             f"{self.schedule.steps_taken()} times where this run's position needs {place}: "
+                             f"rebuilt at that position")
+        self.schedule = self._new_schedule()
+        self.schedule.advance(place)
 
     def _check_config_change(self, saved: ckpt.SavedCheckpoint, digests: Optional[dict]) -> None:
         """A model or data section edited since the checkpoint (config.yaml, or --set on resume): refused, since
@@ -202,13 +221,13 @@ class Trainer:
         return self.progress
 
     def _finish_epoch(self, epoch: int, train_means: dict, timing: str) -> None:
-        if self.scheduler is not None:
-            self.scheduler.step()
+        if self.schedule is not None:
+            self.schedule.after_epoch()
         val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
         self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
         self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
         self.hooks.on_epoch_end(EpochSummary(epoch + 1, self.settings.epochs, train_means, val_means,
-                                             self.optimizer.param_groups[0]["lr"], timing))
+                                             self._lr_of_last_step, timing))
         self._save(epoch + 1, val_means)
 
     def _max_steps_reached(self) -> bool:
@@ -368,12 +387,17 @@ class Trainer:
             self._agree_to_go_on(error, epoch)
             self._mark(f"{where}: forward/backward (SyncBN, DDP gradient all-reduce)")
             offset = (step - first) * accumulation
+            # The lr this step runs with, read before the scheduler moves past it.
+            self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]
             means, step_sums, skipped = self._train_step(micro_batches, batches[offset:offset + accumulation], where)
             self.progress.global_step += 1
             self.progress.step_in_epoch = step + 1
+            if self.schedule is not None:
+                # Also after a skipped step: the lr is a function of the step's place in the run, as upstream's.
+                self.schedule.after_optimizer_step()
             if into is not None and not skipped:
                 into.merge(step_sums)
-            yield StepRecord(self.progress.global_step, epoch, means, self.optimizer.param_groups[0]["lr"],
+            yield StepRecord(self.progress.global_step, epoch, means, self._lr_of_last_step,
                              time.perf_counter() - started, waited, skipped)
 
     def train_one_epoch(self, epoch: int) -> Optional[tuple[dict, str]]:
@@ -431,7 +455,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- output
     def training_state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),
-                "lr_scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "lr_scheduler": self.schedule.state_dict() if self.schedule is not None else None,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "global_step": self.progress.global_step, "best_val": self.progress.best_val,
                 "best_epoch": self.progress.best_epoch, "history": self.progress.history,
