@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from zoo import assert_reference_state_dict, assert_upstream_checkpoint_loads, hypes_of
+from zoo import (assert_reference_state_dict, assert_upstream_checkpoint_loads,
+                 assert_zero_gradients_are_the_unused_groups, hypes_of)
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.models import create_model
@@ -162,6 +163,7 @@ def test_toy_models_forward_backward_every_parameter(config):
     (out["psm"].sum() + out["rm"].sum()).backward()
     missing = [name for name, p in model.named_parameters() if p.grad is None]
     assert missing == []
+    assert_zero_gradients_are_the_unused_groups(model)
 
 
 def test_fusion_model_sample_depends_only_on_its_own_cavs():

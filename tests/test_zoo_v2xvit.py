@@ -7,13 +7,14 @@ import math
 import pytest
 import torch
 
-from launch import REPO
+from launch import REPO, WORKERS, explain, torchrun
 from zoo import assert_forward_backward, assert_key_error, toy_batch
 
 from opencood_ddp.models.modules.v2xvit_agents import INFRASTRUCTURE, VEHICLE, Agents
 from opencood_ddp.models.modules.v2xvit_hmsa import HeteroCavAttention
 from opencood_ddp.models.modules.v2xvit_mswin import WindowAttention
 from opencood_ddp.models.modules.v2xvit_sttf import SpatialAligner
+from opencood_ddp.models.parameter_use import take_parameter_use
 
 CORE = "point_pillar_transformer"
 OPV2V = REPO / "hypes_yaml" / "opv2v" / "point_pillar_v2xvit.yaml"
@@ -167,13 +168,23 @@ def test_hetero_attention_equals_upstream_pairwise_formula():
     assert torch.allclose(ours, _pairwise_hmsa(att, x, agents, visible), atol=1e-5)
 
 
-def test_every_agent_kind_gets_a_gradient_when_one_kind_is_absent():
-    """DDP needs every parameter in the graph: a batch of vehicles only still reaches the infrastructure weights."""
+def test_an_absent_agent_kind_runs_on_no_cav_and_is_recorded_unused():
+    """DDP needs every parameter in the graph: a batch of vehicles only still reaches the infrastructure weights
+    (zero gradients). The record says which kinds upstream's graph held, so the engine can drop the others."""
     att = HeteroCavAttention(dim=8, heads=2, dim_head=4, dropout=0.0)
     agents = _agents([2, 1], [VEHICLE] * 3)
     att(torch.randn(3, 2, 2, 8), agents, torch.ones(3, 2, 2, dtype=torch.bool)).sum().backward()
     assert all(p.grad is not None for p in att.parameters())
     assert att.q_linears[INFRASTRUCTURE].weight.grad.abs().sum() == 0
+    groups = take_parameter_use(att)
+    assert [used for _, used in groups] == [True, False]  # vehicle, infrastructure
+    infra = {id(p) for linears in (att.q_linears, att.k_linears, att.v_linears, att.a_linears)
+             for p in linears[INFRASTRUCTURE].parameters()}
+    assert {id(p) for p in groups[INFRASTRUCTURE][0]} == infra
+    assert [used for _, used in take_parameter_use(att)] == [False, False]  # taking the record clears it
+    att(torch.randn(2, 2, 2, 8), _agents([2], [VEHICLE, INFRASTRUCTURE]), torch.ones(2, 2, 2, dtype=torch.bool))
+    assert [used for _, used in take_parameter_use(att)] == [True, True]
+    assert "_kinds_met" not in str(att.state_dict().keys())  # the record is not state: upstream's keys only
 
 
 # ------------------------------------------------------------------------------------------ window attention
@@ -293,3 +304,55 @@ def test_split_attention_needs_three_windows_naive_takes_any():
         create_model(hypes_of(TOY, *two))
     model = create_model(hypes_of(TOY, *two, ENC + "pwindow_att_config.fusion_method=naive"))
     assert len(model.fusion_net.encoder.layers[0][0].layers[0][1].fn.pwmsa) == 2
+
+
+# ------------------------------------------------------------------------------------------ steps without an RSU
+UNUSED_WORKER = WORKERS / "unused_params_worker.py"
+
+
+def _check_steps_without_and_with_a_road_side_unit(result: dict) -> None:
+    """tests/workers/unused_params_worker.py's steps 1 and 3 (no rank has a road-side unit) and 2 (rank 0 has)."""
+    infra = sorted(result["infra_initial"])
+    assert len(infra) == 4 * 2  # depth 1 x q/k/v/a x weight and bias
+    first, second, third = result["steps"]
+    frozen = second["none"]
+    assert frozen and all("prior_feed" in n for n in frozen)  # upstream's never-called projection
+    for step in (first, third):  # the infrastructure projections were not called: grad None, Adam skips them
+        assert step["none"] == sorted(infra + frozen)
+    # bit-equal: no weight decay, and after step 2 no momentum either
+    assert all(torch.equal(first["infra"][n], result["infra_initial"][n]) for n in infra)
+    assert all(torch.equal(third["infra"][n], second["infra"][n]) for n in infra)
+    assert not any(torch.equal(second["infra"][n], first["infra"][n]) for n in infra)
+    # step 2: the gradient stepped with is DDP's average of the ranks' own gradients (rank 1's infra zeros included)
+    assert result["average_gap"] <= 1e-5, result["average_gap"]
+
+
+def _unused_params_worker():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("unused_params_worker", UNUSED_WORKER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_adam_leaves_the_infrastructure_projections_alone_without_a_road_side_unit(toy_small, tmp_path):
+    """1 process: the engine's steps on vehicles-only batches leave them bit-equal, then a road-side unit moves
+    them (the gradient the step used is the batch's own)."""
+    from opencood_ddp.distributed.env import detect_dist_env
+
+    _check_steps_without_and_with_a_road_side_unit(_unused_params_worker().run(toy_small, tmp_path,
+                                                                               detect_dist_env({})))
+
+
+@pytest.mark.slow
+def test_on_two_ranks_unused_everywhere_is_skipped_and_used_on_one_is_ddps_average(toy_small, tmp_path):
+    """2 ranks (gloo): no rank has a road-side unit in steps 1 and 3; in step 2 rank 0 has one and rank 1 not,
+    and both step with DDP's average, rank 1's zeros included, so the replicas stay equal."""
+    result = torchrun(2, UNUSED_WORKER, "--toy", toy_small, "--out", tmp_path, timeout=600)
+    assert result.returncode == 0, explain(result)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
+    for rank in ranks:
+        _check_steps_without_and_with_a_road_side_unit(rank)
+    last = [rank["steps"][-1]["infra"] for rank in ranks]
+    assert all(torch.equal(last[0][n], last[1][n]) for n in last[0])

@@ -127,9 +127,24 @@ def assert_forward_backward(config: Path, toy_root: Path) -> dict:
     assert not no_grad, f"parameters without a gradient: {no_grad[:8]}"
     bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
     assert not bad, f"non-finite gradients: {bad[:8]}"
+    assert_zero_gradients_are_the_unused_groups(model)
     model.eval()
     with torch.no_grad():
         return model(batch["ego"])
+
+
+def assert_zero_gradients_are_the_unused_groups(model: torch.nn.Module) -> None:
+    """After a forward and backward: the parameters whose whole gradient is zero are exactly those of the groups
+    the model reports unused (models/parameter_use.py), which the engine gives grad None as upstream's graph
+    leaves them out. A layer that runs on an empty input without reporting it would show up here, and Adam
+    would move it where upstream does not."""
+    from opencood_ddp.models.parameter_use import take_parameter_use
+
+    unused = {id(p) for group, used in take_parameter_use(model) if not used for p in group}
+    zero = {id(p) for p in model.parameters() if p.grad is not None and not p.grad.any()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert zero == unused, (f"zero gradient, not reported unused: {sorted(names[i] for i in zero - unused)[:8]}; "
+                            f"reported unused with a gradient: {sorted(names[i] for i in unused - zero)[:8]}")
 
 
 def assert_key_error(config: Path, override: str, key: str) -> None:

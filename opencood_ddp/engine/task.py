@@ -8,7 +8,7 @@ a builder `build(hypes, for_training) -> Task`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -40,6 +40,11 @@ class Task:
     step: StepFn
     batch_size_of: Callable[[Any], int]
     move_to: Callable[[Any, torch.device], Any]
+    # For a model whose forward may leave parameters out of the step's graph while running them on empty inputs
+    # (so that DDP needs no find_unused_parameters): parameter_use(model) -> [(parameters, used since the last
+    # call)], the same groups in the same order on every rank, the record cleared. The fit loop gives the groups
+    # no rank used grad None, as a graph without them would. None: every parameter is used in every step.
+    parameter_use: Optional[Callable[[nn.Module], Sequence[Tuple[Sequence[nn.Parameter], bool]]]] = None
 
 
 class TaskBuilder(Protocol):

@@ -322,15 +322,20 @@ class Trainer:
         """Forward/backward of every micro-batch, then the step's one all-reduce of the losses and of the
         non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
         snapshot = BufferSnapshot(self.model_without_ddp)
+        self._take_parameter_use()  # what forwards outside a step (validation) recorded is not this step's
         step_sums, losses = LossSums(), []
         for micro, batch in enumerate(micro_batches):
             losses.append(self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums))
+        groups = self._take_parameter_use()
         # With a GradScaler, overflowing fp16 gradients are its business: it skips the step and lowers the scale.
         grads_ok = self.scaler is not None or gradients_finite(self.model_without_ddp)
         finite = grads_ok and all(math.isfinite(loss) for loss in losses)
         self._mark(f"{where}: loss all-reduce")
-        means, (bad_ranks,) = step_sums.reduced_means_and_flags(flags=[0.0 if finite else 1.0])
+        # One all-reduce: the losses, the non-finite flag and, per parameter group, how many ranks used it.
+        means, (bad_ranks, *ranks_using) = step_sums.reduced_means_and_flags(
+            flags=[0.0 if finite else 1.0] + [1.0 if used else 0.0 for _, used in groups])
         if not bad_ranks:
+            _drop_gradients_no_rank_used(groups, ranks_using)
             self._optimizer_step()
             return means, step_sums, False
         reports = comm.all_gather_objects(rank_report(self.env.rank, indices, losses, grads_ok))
@@ -350,6 +355,10 @@ class Trainer:
                                  f"last good state: {path}; fix the data or the lr")
         self.log.warning(f"{message}; every rank skipped this step (--on_nonfinite skip)")
         return means, step_sums, True
+
+    def _take_parameter_use(self) -> list:
+        take = self.task.parameter_use
+        return list(take(self.model_without_ddp)) if take is not None else []
 
     def _skips_past_the_bound(self) -> str:
         """Why skipping has gone too far ('' while it has not): a run that skips most of its steps would exit 0
@@ -481,6 +490,16 @@ class Trainer:
                                                 lambda: dict(self.training_state(), epoch_sums=epoch_sums),
                                                 self.progress.global_step, self.progress.epoch,
                                                 self.progress.step_in_epoch)
+
+
+def _drop_gradients_no_rank_used(groups: list, ranks_using: list) -> None:
+    """grad None for the parameter groups that no rank's forward used (Task.parameter_use): torch's optimizers then
+    skip them, no momentum and no weight decay, as in a step whose graph leaves them out (upstream's). A group used
+    on some ranks keeps DDP's average, the other ranks' zeros included, as with find_unused_parameters."""
+    for (parameters, _), ranks in zip(groups, ranks_using):
+        if ranks == 0:
+            for parameter in parameters:
+                parameter.grad = None
 
 
 def _timing(records: list[StepRecord], global_batch: int) -> str:

@@ -31,6 +31,7 @@ from opencood_ddp.hypes import hypes_source
 from opencood_ddp.loss import create_loss
 from opencood_ddp.metrics import FrameStats, eval_summary, frame_stats, pr_curve
 from opencood_ddp.models import COMMON_OPTIONAL_KEYS as MODEL_COMMON_KEYS, create_model
+from opencood_ddp.models.parameter_use import take_parameter_use
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
 from opencood_ddp.registry import import_modules
@@ -86,7 +87,7 @@ def build_task(hypes: dict, for_training: bool) -> Task:
     return Task(train_set=train_set, val_set=val_set,
                 collate_train=train_set.collate_batch_train if train_set is not None else None,
                 collate_val=val_set.collate_batch_train, model=model, step=DetectionStep(create_loss(hypes)),
-                batch_size_of=batch_size_of, move_to=move_tensors)
+                batch_size_of=batch_size_of, move_to=move_tensors, parameter_use=take_parameter_use)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation

@@ -12,7 +12,10 @@ Keys are masked where a CAV's warped map has no data and in padded slots; the eg
 is masked entirely. Upstream loops over samples, CAVs and CAV pairs in Python; here each agent kind's
 projection runs once on that kind's CAVs, and the edge matrices are gathered per key CAV for each query kind
 present in the batch. Every projection runs each step, on no CAV at all when the batch has none of its
-kind (zero gradients), so DDP sees every parameter used without ``find_unused_parameters``.
+kind (zero gradients), so DDP sees every parameter used without ``find_unused_parameters``. Upstream calls a
+kind's projections only for CAVs of that kind, so on a batch without a road-side unit the infrastructure
+projections are not in its graph and keep grad None: the module records the kinds it met, and the engine sets
+the gradients of a kind that no rank met to None before the optimizer step (``models/parameter_use.py``).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.models.modules.v2xvit_agents import NUM_KINDS, Agents
+from opencood_ddp.models.parameter_use import TracksParameterUse
 
 
 def typed_linear(x: torch.Tensor, kind: torch.Tensor, linears: nn.ModuleList) -> torch.Tensor:
@@ -55,7 +59,7 @@ def gather_messages(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhwmij,bjhwmc->bihwmc", weights, v)
 
 
-class HeteroCavAttention(nn.Module):
+class HeteroCavAttention(nn.Module, TracksParameterUse):
     """HMSA: agent attention with weights per agent kind and per edge kind (see the module docstring)."""
 
     def __init__(self, dim: int, heads: int, dim_head: int, dropout: float, num_kinds: int = NUM_KINDS):
@@ -74,6 +78,17 @@ class HeteroCavAttention(nn.Module):
         self.relation_msg = nn.Parameter(torch.empty(edges, heads, dim_head, dim_head))
         nn.init.xavier_uniform_(self.relation_att)
         nn.init.xavier_uniform_(self.relation_msg)
+        self._kinds_met = [False] * num_kinds  # since the last take_use(); not state: checkpoints keep upstream's
+
+    def parameter_groups(self) -> list:
+        """Per agent kind, its query, key, value and output projections: upstream calls them for that kind's CAVs
+        only. The edge matrices are one parameter each, in upstream's graph whenever any edge is."""
+        return [[p for linears in (self.q_linears, self.k_linears, self.v_linears, self.a_linears)
+                 for p in linears[kind].parameters()] for kind in range(self.num_kinds)]
+
+    def take_use(self) -> list:
+        met, self._kinds_met = self._kinds_met, [False] * self.num_kinds
+        return met
 
     def edge_matrices(self, relation: torch.Tensor, agents: Agents, query_kind: int) -> torch.Tensor:
         """(B, L, M, d, d): the matrix of the edge (query_kind -> key CAV) for every key slot."""
@@ -88,6 +103,7 @@ class HeteroCavAttention(nn.Module):
         query_kind = agents.pad(agents.kind)[:, :, None, None, None, None]  # (B, L, 1, 1, 1, 1)
         out = torch.zeros_like(q)
         for kind in agents.kinds_present():
+            self._kinds_met[kind] = True
             k_edge = torch.einsum("bjhwmq,bjmpq->bjhwmp", k, self.edge_matrices(self.relation_att, agents, kind))
             v_edge = torch.einsum("bjhwmp,bjmpc->bjhwmc", v, self.edge_matrices(self.relation_msg, agents, kind))
             messages = gather_messages(attend(q, k_edge, mask, self.scale), v_edge)
