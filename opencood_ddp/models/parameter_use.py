@@ -4,7 +4,7 @@
 Upstream's graph leaves some parameters out of a step: V2X-ViT's infrastructure projections on a batch without a
 road-side unit are never called. Their gradient stays None and torch's optimizers skip them: no momentum, no weight
 decay, the values stay where they are. Here such layers run on an empty input instead, so that DDP finds every
-parameter in every step's graph and needs no ``find_unused_parameters`` (docs/benchmarks.md measured both); that
+parameter in every step's graph and needs no ``find_unused_parameters`` (docs/benchmarks.md measured both ways); that
 gives them zero gradients, which Adam would turn into a move (weight decay, momentum).
 
 So a module whose forward may leave parameters out subclasses ``TracksParameterUse``: it names its groups of such
