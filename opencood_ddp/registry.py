@@ -62,16 +62,24 @@ class Registry:
 
     def register(self, name: str, *, required: Optional[Iterable[Tuple[str, str]]] = None,
                  optional: Optional[Iterable[Tuple[str, str]]] = None,
-                 check: Optional[Callable[[Mapping, str], None]] = None, **meta: Any) -> Callable[[Any], Any]:
+                 check: Optional[Callable[[Mapping, str], None]] = None,
+                 add_required: Iterable[Tuple[str, str]] = (), add_optional: Iterable[Tuple[str, str]] = (),
+                 **meta: Any) -> Callable[[Any], Any]:
         """Decorator: ``@REG.register("name", required=..., optional=..., check=..., **meta)``.
 
         Left out, ``required`` and ``optional`` are the class's own ``required_keys`` and ``optional_keys``
-        (the datasets declare theirs as class attributes, which subclasses extend).
+        (the datasets declare theirs as class attributes, which subclasses extend), or else, for a subclass of a
+        class registered here, the nearest such base's: its keys, its check (run before this entry's own
+        ``check``) and its meta (which this entry's ``meta`` may override). ``add_required`` and
+        ``add_optional`` extend whichever keys the entry ends up with, so a subclass of a built-in model that
+        reads one more key declares that key alone.
         """
 
         def add(obj: Any) -> Any:
-            needed = tuple(required if required is not None else getattr(obj, "required_keys", ()))
-            accepted = tuple(optional if optional is not None else getattr(obj, "optional_keys", ()))
+            base = self._registered_base(obj) if required is None and optional is None else None
+            needed = self._declared(obj, required, "required_keys", base.required if base else ())
+            accepted = self._declared(obj, optional, "optional_keys", base.optional if base else ())
+            needed, accepted = _extended(needed, add_required), _extended(accepted, add_optional)
             for key, kind in needed + accepted:
                 if kind not in KIND_CHECKS:
                     raise ValueError(f"{self.kind} {name!r}: key {key} has unknown kind {kind!r}; "
@@ -82,10 +90,29 @@ class Registry:
             if known is not None and _qualified(known.obj) != _qualified(obj):
                 raise ValueError(f"{self.kind} {name!r} is registered twice: {_qualified(known.obj)} and "
                                  f"{_qualified(obj)}; rename one")
-            self._entries[name] = Entry(name, obj, needed, accepted, check, dict(meta))
+            inherited_meta = dict(base.meta) if base else {}
+            self._entries[name] = Entry(name, obj, needed, accepted, _chained(base.check if base else None, check),
+                                        {**inherited_meta, **meta})
             return obj
 
         return add
+
+    def _registered_base(self, obj: Any) -> Optional[Entry]:
+        """The entry of the nearest base class of `obj` registered here (None for a function or a new root)."""
+        for base in getattr(obj, "__mro__", ())[1:]:
+            for entry in self._entries.values():
+                if entry.obj is base:
+                    return entry
+        return None
+
+    @staticmethod
+    def _declared(obj: Any, given: Optional[Iterable[Tuple[str, str]]], attribute: str,
+                  inherited: KeySpec) -> KeySpec:
+        if given is not None:
+            return tuple(given)
+        if hasattr(obj, attribute):
+            return tuple(getattr(obj, attribute))
+        return tuple(inherited)
 
     def names(self) -> List[str]:
         self._load_builtins()
@@ -121,6 +148,26 @@ class Registry:
         self._builtins_loaded = True  # set first: the modules imported below call register() on this registry
         for package in self.packages:
             import_package(package)
+
+
+def _extended(keys: KeySpec, more: Iterable[Tuple[str, str]]) -> KeySpec:
+    """`keys` and then `more`; a key in both takes the kind given in `more`."""
+    more = tuple(more)
+    added = {key for key, _ in more}
+    return tuple(spec for spec in keys if spec[0] not in added) + more
+
+
+def _chained(first: Optional[Callable[[Mapping, str], None]],
+             then: Optional[Callable[[Mapping, str], None]]) -> Optional[Callable[[Mapping, str], None]]:
+    """One check that runs `first` (a base entry's) and then `then` (the subclass's own)."""
+    if first is None or then is None or first is then:
+        return then or first
+
+    def both(hypes: Mapping, source: str) -> None:
+        first(hypes, source)
+        then(hypes, source)
+
+    return both
 
 
 def _qualified(obj: Any) -> str:

@@ -25,6 +25,7 @@ from opencood_ddp.yaml_parsers import run_yaml_parser
 UPSTREAM = REPO / "tests" / "reference" / "upstream_hypes"
 TOY = REPO / "hypes_yaml" / "toy"
 EXAMPLE = REPO / "examples" / "tiny_maxfuse.yaml"
+GATED = REPO / "examples" / "gated_attfuse.yaml"
 
 
 # ------------------------------------------------------------------------------------------ the Registry
@@ -71,6 +72,74 @@ def test_a_class_declares_its_keys_as_attributes_and_a_check_runs_after_the_kind
     registry.lookup({"widget": {"core_method": "square", "n": 3}}, "w")
     with pytest.raises(ConfigError, match="at most 10"):
         registry.lookup({"widget": {"core_method": "square", "n": 11}}, "w")
+
+
+def test_a_subclass_registered_without_keys_takes_its_nearest_registered_bases():
+    """Keys, check and facts come from the nearest registered base; add_* extend them, the subclass's own check
+    runs after the base's, its meta overrides; keys given outright replace (no inheritance)."""
+    reg = R.Registry("widget", "widget.core_method")
+    calls = []
+
+    @reg.register("root", required=(("widget.a", "int"),), optional=(("widget.b", "str"),),
+                  check=lambda h, s: calls.append("root"), fusion="early", colour="red")
+    class Root:
+        pass
+
+    class Unregistered(Root):
+        pass
+
+    @reg.register("child", add_optional=(("widget.c", "number"), ("widget.b", "int")),
+                  check=lambda h, s: calls.append("child"), colour="blue")
+    class Child(Unregistered):
+        pass
+
+    @reg.register("grandchild")
+    class Grandchild(Child):
+        pass
+
+    @reg.register("replaced", optional=(("widget.z", "int"),))
+    class Replaced(Root):
+        pass
+
+    child = reg.get("child")
+    assert child.required == (("widget.a", "int"),)
+    assert child.optional == (("widget.c", "number"), ("widget.b", "int"))  # widget.b's kind taken from add_optional
+    assert dict(child.meta) == {"fusion": "early", "colour": "blue"}
+    child.validate({"widget": {"a": 1, "c": 0.5}}, "h")
+    assert calls == ["root", "child"]
+    assert reg.get("grandchild").keys == child.keys and dict(reg.get("grandchild").meta) == dict(child.meta)
+    calls.clear()
+    reg.get("grandchild").validate({"widget": {"a": 1}}, "h")
+    assert calls == ["root", "child"]
+    assert reg.get("replaced").keys == (("widget.z", "int"),) and reg.get("replaced").check is None
+    with pytest.raises(ConfigError, match="widget.a"):
+        child.validate({"widget": {"c": 0.5}}, "h")
+
+
+def test_an_out_of_tree_subclass_of_attfuse_keeps_attfuses_keys_and_checks(monkeypatch):
+    """examples/gated_attfuse.py declares one key of its own: AttFuse's keys stay known and checked, its own key
+    is accepted, a misspelt one is refused, and the model is AttFuse's parameters plus the gate."""
+    from opencood_ddp.models import create_model
+    from opencood_ddp.schema import check_known_keys
+    from opencood_ddp.tasks.opencood import TASK_KEYS
+
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    hypes = run_yaml_parser(load_hypes(GATED))
+    assert R.import_modules(hypes) == ["gated_attfuse"]
+    entry, parent = R.MODELS.get("gated_attfuse"), R.MODELS.get("point_pillar_intermediate")
+    assert set(entry.keys) == set(parent.keys) | {("model.args.gate_init", "number")}
+    assert entry.meta["fusion"] == parent.meta["fusion"]
+    check_known_keys(hypes, "gated", extra=TASK_KEYS)  # what the task builder calls before training
+    with pytest.raises(ConfigError, match=r"model.args.gate_int \(did you mean model.args.gate_init\?\)"):
+        check_known_keys(apply_overrides(hypes, ["model.args.gate_int=1.0"]), "gated", extra=TASK_KEYS)
+    with pytest.raises(ConfigError, match="compression"):  # AttFuse's own check still runs
+        create_model(apply_overrides(hypes, ["model.args.base_bev_backbone.compression=32"]))
+    model, attfuse = create_model(hypes), create_model(apply_overrides(
+        hypes, ["model.core_method=point_pillar_intermediate"]))
+    names = dict(model.named_parameters())
+    assert set(names) == set(dict(attfuse.named_parameters())) | {"gate"}
+    assert torch.allclose(names["gate"], torch.full_like(names["gate"], 2.0))
+    sys.modules.pop("gated_attfuse", None)
 
 
 def test_two_objects_under_one_name_and_unknown_kinds_are_refused():
@@ -283,6 +352,19 @@ def test_an_out_of_tree_model_trains_on_two_ranks(toy_small, tmp_path):
     state = torch.load(run_dir / "net_step2.pth", map_location="cpu")
     assert {"conv.0.weight", "cls_head.weight", "reg_head.weight", "pillar_vfe.pfn_layers.0.linear.weight"} <= set(state)
     assert "hypes: " in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_an_out_of_tree_subclass_of_attfuse_trains_on_two_ranks(toy_small, tmp_path):
+    """examples/gated_attfuse.py, a subclass registered with one key of its own, trains 2 steps on 2 ranks through
+    `imports:`; its gate is in the checkpoint and has moved."""
+    run_dir = tmp_path / "run"
+    result = torchrun(2, TRAIN, "--hypes_yaml", GATED, "--model_dir", run_dir, "--max_steps", "2",
+                      "--num_workers", "0", *split_overrides(toy_small), extra_env=_pythonpath(REPO / "examples"))
+    assert result.returncode == 0, explain(result)
+    state = torch.load(run_dir / "net_step2.pth", map_location="cpu")
+    assert {"gate", "cls_head.weight", "pillar_vfe.pfn_layers.0.linear.weight"} <= set(state)
+    assert not torch.allclose(state["gate"], torch.full_like(state["gate"], 2.0))
 
 
 @pytest.mark.slow
