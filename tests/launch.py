@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from opencood_ddp.distributed.env import environ_without_launcher
+from opencood_ddp.distributed.launch import launcher_prefix
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
@@ -26,8 +27,7 @@ def clean_env(extra: Optional[dict] = None) -> dict:
 
 def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300,
              extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(script), *map(str, args)]
+    cmd = [*launcher_prefix(nproc), str(script), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_env(extra_env))
 
 
@@ -62,11 +62,7 @@ class Background:
                  extra_env: Optional[dict] = None):
         folder.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = folder / "stdout.txt", folder / "stderr.txt"
-        if nproc:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   *torchrun_args, str(TRAIN), *map(str, args)]
-        else:
-            cmd = [sys.executable, str(TRAIN), *map(str, args)]
+        cmd = [*launcher_prefix(nproc, launcher_args=torchrun_args), str(TRAIN), *map(str, args)]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=clean_env(extra_env),
                                          start_new_session=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from launch import REPO, clean_env, explain, python, split_overrides, train
 from upstream_loop import upstream_step_lrs
 
 from opencood_ddp.distributed.checkpoint import load_file
+from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.engine.logging import read_step_log
 from opencood_ddp.toy.manifest import read_toy_manifest
@@ -95,8 +95,7 @@ def test_two_torchrun_nodes_equal_two_processes(parity_runs, toy_small, tmp_path
     _, work = parity_runs
     run_dir = tmp_path / "two_nodes"
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=e2e_two_nodes",
+    cmd = [*launcher_prefix(1, nodes=2, endpoint=endpoint, run_id="e2e_two_nodes"),
            str(REPO / "tools" / "train_ddp.py"), "--hypes_yaml", str(TOY_ATTFUSE), "--model_dir", str(run_dir),
            "--max_steps", str(STEPS), "--num_workers", "0", *map(str, split_overrides(toy_small))]
     nodes = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -13,6 +13,7 @@ import torch
 
 from launch import REPO, WORKERS, Background, explain, train, wait_until
 from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.engine.parity import global_relative_difference
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
 from opencood_ddp.engine.logging import read_step_log
@@ -311,8 +312,7 @@ def test_a_checkpoint_that_cannot_be_written_is_one_line_on_every_rank_and_loses
     assert first.returncode == 0, explain(first)
     before = {p.name: p.read_bytes() for p in run_dir.glob("*.p*")}
     limit = 25_000
-    command = ([sys.executable] if world == 0 else
-               [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"])
+    command = launcher_prefix(world)
     result = subprocess.run([*command, str(REPO / "tools" / "train_ddp.py"), "--model_dir", str(run_dir),
                              "--num_workers", "0", "--set", "train_params.epoches=2"],
                             capture_output=True, text=True, cwd=REPO, timeout=300,

@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 import yaml
 
+from opencood_ddp.distributed.launch import launcher_prefix
+
 REPO = Path(__file__).resolve().parents[1]
 # model -> (toy and opv2v config name, --fusion_method, fusion kind for the table, extra --set for the toy run)
 MODELS = {
@@ -57,8 +59,7 @@ def run(command: list, timeout: float = 7200) -> subprocess.CompletedProcess:
 
 
 def torchrun(script: str, *args) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            REPO / "tools" / script, *args]
+    return [*launcher_prefix(2), REPO / "tools" / script, *args]
 
 
 def splits(data: Path) -> list:

@@ -226,6 +226,8 @@ def _fusion_of(config: str) -> str:
 
 
 def check_baseline(config: str, device: torch.device, data: Path, work: Path, half: bool) -> tuple[str, dict]:
+    from opencood_ddp.distributed.launch import launcher_prefix
+
     run_dir = work / config.replace("/", "_")
     hypes = REPO / "hypes_yaml" / f"{config}.yaml"
     flags = ["--half"] if half else []
@@ -238,8 +240,7 @@ def check_baseline(config: str, device: torch.device, data: Path, work: Path, ha
     fusion = _fusion_of(config)
     results = {}
     for world in (1, 2):
-        launcher = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                        "--standalone", "--nproc_per_node=2"]
+        launcher = launcher_prefix(world, torchrun=world > 1)
         backend = [] if world == 1 else ["--dist_backend", "gloo"]
         _run([*launcher, REPO / "tools" / "inference_ddp.py", "--model_dir", run_dir, "--fusion_method", fusion,
               "--epoch", "1", "--dataset_dir", data / "test", "--num_workers", "0", *backend], device)

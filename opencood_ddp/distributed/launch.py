@@ -1,4 +1,5 @@
-"""Command lines for the tools that start training processes themselves (parity check, benchmark, demo).
+"""Command lines for whatever starts training processes itself: the tools (parity check, benchmarks, demo,
+gpu check) and the tests, all through `launcher_prefix`.
 
 The processes are started the way users start them: plain `python` for one process, torchrun for more.
 """
@@ -6,15 +7,25 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Optional, Sequence
 
 from opencood_ddp.errors import ConfigError
 
 
-def launcher_prefix(nproc: int, torchrun: bool = True) -> list[str]:
-    """The interpreter, under `torchrun --standalone --nproc_per_node=nproc` unless torchrun is False."""
-    if not torchrun:
+def launcher_prefix(nproc: int, torchrun: bool = True, *, nodes: int = 1, endpoint: Optional[str] = None,
+                    run_id: str = "opencood_ddp", launcher_args: Sequence[str] = ()) -> list[str]:
+    """The interpreter, under torchrun with `nproc` processes per node unless `torchrun` is False or `nproc` is 0
+    (plain `python`, no launcher). One node is `--standalone`; more meet through c10d rendezvous at `endpoint`
+    (host:port) under `run_id`, one such command per node. `launcher_args` go to torchrun itself."""
+    if not torchrun or nproc == 0:
         return [sys.executable]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if nodes == 1:
+        where = ["--standalone"]
+    elif endpoint is None:
+        raise ValueError("a multi-node launch needs the rendezvous endpoint (host:port)")
+    else:
+        where = [f"--nnodes={nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc_per_node={nproc}", *launcher_args]
 
 
 def parse_world_sizes(text: str) -> list[int]:
