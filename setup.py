@@ -31,6 +31,8 @@ setup(
         # CUDA stack: spconv's CUDA wheel depends on the installed torch's CUDA version, which an extra cannot
         # know; `make venv EXTRAS=cuda` adds the one `tools/pins.py spconv` names (spconv-cu118 ... cu126).
         "cuda": ["open3d-cpu==0.20.0"],
-        "test": ["pytest>=7"],
+        # pytest-timeout: a test that hangs (a rank waiting on a collective that never comes) fails alone after
+        # pytest.ini's timeout instead of stalling the whole CI run.
+        "test": ["pytest>=7", "pytest-timeout==2.3.1"],
     },
 )
