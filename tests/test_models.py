@@ -219,3 +219,29 @@ def test_toy_extensions_set_bn_momentum_and_class_prior_only_where_asked():
     for key, value in (("bn_momentum", 0), ("cls_head_prior", 1.0)):
         with pytest.raises(ConfigError, match=f"model.args.{key} must be in"):
             create_model(_toy_model_hypes("point_pillar_early_fusion", f"model.args.{key}={value}"))
+
+
+SHRINK_MODELS = ("point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_cobevt", "point_pillar_where2comm",
+                 "point_pillar_v2xvit")
+
+
+@pytest.mark.parametrize("config", SHRINK_MODELS)
+@pytest.mark.parametrize("override, fragment", [
+    ("model.args.shrink_header.input_dim=100", "model.args.shrink_header.input_dim (100) must equal the backbone's"),
+    ("model.args.shrink_header.padding=[1, 1]", "kernal_size, stride, padding and dim must be lists of one integer"),
+    ("model.args.shrink_header.stride=[0]", "kernal_size, stride, padding and dim must be lists of one integer"),
+])
+def test_every_model_with_a_shrink_header_refuses_it_alike(config, override, fragment):
+    """models/checks.py: one shrink-header rule and one error line for the five models that take one."""
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override)
+    with pytest.raises(ConfigError) as caught:
+        create_model(hypes)
+    message = str(caught.value)
+    assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
+
+
+@pytest.mark.parametrize("config", ("point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"))
+def test_every_model_with_cav_slots_checks_max_cav_alike(config):
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", "train_params.max_cav=3")
+    with pytest.raises(ConfigError, match=r"model.args.max_cav \(\d+\) must equal train_params.max_cav \(3: the "):
+        create_model(hypes)

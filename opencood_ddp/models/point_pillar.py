@@ -19,6 +19,7 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
+from opencood_ddp.models.checks import check_shrink_header
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
@@ -125,8 +126,14 @@ class PointPillarIntermediate(PointPillar):
     fusion_factory = AttFusion
 
 
+def check_fcooper_args(hypes: Mapping, source: str) -> None:
+    """The pillar rules, and a shrink header (when there is one) that takes the backbone's output."""
+    check_pillar_args(hypes, source)
+    check_shrink_header(hypes["model"]["args"], source)
+
+
 @MODELS.register("point_pillar_fcooper", fusion="intermediate (max)", required=PILLAR_KEYS,
-                 optional=FCOOPER_OPTIONAL_KEYS, check=check_pillar_args)
+                 optional=FCOOPER_OPTIONAL_KEYS, check=check_fcooper_args)
 class PointPillarFCooper(PointPillar):
     """F-Cooper: max fusion of the CAVs' backbone output (after the optional shrink header)."""
 

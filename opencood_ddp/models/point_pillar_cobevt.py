@@ -18,14 +18,11 @@ from typing import Mapping, Tuple
 
 import torch
 
-from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.models.checks import check_anchor_stride, check_max_cav, check_shrink_header, head_stride, refuse
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
 from opencood_ddp.models.modules.where2comm import ego_frame_affines, ego_rows, warp_to_ego
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
-from opencood_ddp.models.point_pillar_where2comm import (UPSTREAM_DEFAULT_MAX_CAV, backbone_channels,
-                                                         head_channels, head_stride)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -43,46 +40,26 @@ COBEVT_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + tuple((_ARGS + key, kind) for key,
 
 
 # ------------------------------------------------------------------------------------------ hypes checks
-def _fail(source: str, text: str) -> None:
-    raise ConfigError(f"{source}: {text}; fix the hypes")
-
-
 def _check_block(source: str, args: Mapping) -> None:
     fax = args["fax_fusion"]
     if fax.get("mask", False) is not True:
-        _fail(source, f"{FAX}.mask must be true (upstream's unmasked block, its default when the key is absent, "
-                      f"lets padded CAV slots into the attention and is not built)")
+        refuse(source, f"{FAX}.mask must be true (upstream's unmasked block, its default when the key is absent, "
+                       f"lets padded CAV slots into the attention and is not built)")
     if fax["input_dim"] % fax["dim_head"] != 0:
-        _fail(source, f"{FAX}.input_dim ({fax['input_dim']}) must be a multiple of {FAX}.dim_head "
-                      f"({fax['dim_head']}): the heads split the channels")
+        refuse(source, f"{FAX}.input_dim ({fax['input_dim']}) must be a multiple of {FAX}.dim_head "
+                       f"({fax['dim_head']}): the heads split the channels")
     if not 0 <= fax["drop_out"] < 1:
-        _fail(source, f"{FAX}.drop_out must be in [0, 1), got {fax['drop_out']}")
+        refuse(source, f"{FAX}.drop_out must be in [0, 1), got {fax['drop_out']}")
 
 
 def _check_widths(source: str, args: Mapping) -> None:
-    shrink = args.get("shrink_header")
-    if shrink:
-        lengths = {len(shrink.get(k) or []) for k in ("kernal_size", "stride", "padding", "dim")}
-        if len(lengths) != 1 or 0 in lengths:
-            _fail(source, "model.args.shrink_header kernal_size, stride, padding and dim must be non-empty lists "
-                          "of the same length")
-        if shrink.get("input_dim") != backbone_channels(args):
-            _fail(source, f"model.args.shrink_header.input_dim ({shrink.get('input_dim')}) must equal the "
-                          f"backbone's output channels ({backbone_channels(args)}: sum of num_upsample_filter)")
-    if args["fax_fusion"]["input_dim"] != head_channels(args):
-        _fail(source, f"{FAX}.input_dim ({args['fax_fusion']['input_dim']}) must equal the channels of the fused "
-                      f"map ({head_channels(args)}: model.args.shrink_header.dim[-1], else the backbone's output)")
-
-
-def _check_max_cav(hypes: Mapping, source: str) -> None:
-    args = hypes["model"]["args"]
-    data = get_key(hypes, "train_params.max_cav", UPSTREAM_DEFAULT_MAX_CAV)
-    if args["max_cav"] != data:
-        _fail(source, f"model.args.max_cav ({args['max_cav']}) must equal train_params.max_cav ({data}, the most "
-                      f"CAVs the dataset gives a sample)")
+    channels = check_shrink_header(args, source)
+    if args["fax_fusion"]["input_dim"] != channels:
+        refuse(source, f"{FAX}.input_dim ({args['fax_fusion']['input_dim']}) must equal the channels of the fused "
+                       f"map ({channels}: model.args.shrink_header.dim[-1], else the backbone's output)")
     if args["fax_fusion"]["agent_size"] != args["max_cav"]:
-        _fail(source, f"{FAX}.agent_size ({args['fax_fusion']['agent_size']}) must equal model.args.max_cav "
-                      f"({args['max_cav']}): one attention slot per CAV")
+        refuse(source, f"{FAX}.agent_size ({args['fax_fusion']['agent_size']}) must equal model.args.max_cav "
+                       f"({args['max_cav']}): one attention slot per CAV")
 
 
 def _check_map(hypes: Mapping, source: str) -> None:
@@ -90,19 +67,16 @@ def _check_map(hypes: Mapping, source: str) -> None:
     args = hypes["model"]["args"]
     stride = head_stride(args)
     if stride is None:
-        _fail(source, "model.args.base_bev_backbone.upsample_strides must have one entry per layer_strides entry "
-                      "(the extra deblock is not built with fax_fusion)")
-    anchors = get_key(hypes, "postprocess.anchor_args.feature_stride")
-    if anchors is not None and anchors != stride:
-        _fail(source, f"postprocess.anchor_args.feature_stride ({anchors}) must equal the stride of the fused map "
-                      f"({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
+        refuse(source, "model.args.base_bev_backbone.upsample_strides must have one entry per layer_strides entry "
+                       "(the extra deblock is not built with fax_fusion)")
+    check_anchor_stride(hypes, source, stride)
     grid = args["point_pillar_scatter"]["grid_size"]
     sides = (grid[0] / stride, grid[1] / stride)  # (W, H) cells of the fused map
     window = args["fax_fusion"]["window_size"]
     if any(side != int(side) or int(side) % window for side in sides):
-        _fail(source, f"{FAX}.window_size ({window}) must divide both sides of the fused BEV map "
-                      f"({sides[1]:g} x {sides[0]:g}: model.args.point_pillar_scatter.grid_size {list(grid[:2])} "
-                      f"over the stride {stride:g}); change window_size or lidar_range")
+        refuse(source, f"{FAX}.window_size ({window}) must divide both sides of the fused BEV map "
+                       f"({sides[1]:g} x {sides[0]:g}: model.args.point_pillar_scatter.grid_size {list(grid[:2])} "
+                       f"over the stride {stride:g}); change window_size or lidar_range")
 
 
 def check_cobevt_args(hypes: Mapping, source: str) -> None:
@@ -111,7 +85,7 @@ def check_cobevt_args(hypes: Mapping, source: str) -> None:
     args = hypes["model"]["args"]
     _check_block(source, args)
     _check_widths(source, args)
-    _check_max_cav(hypes, source)
+    check_max_cav(hypes, source)
     _check_map(hypes, source)
 
 

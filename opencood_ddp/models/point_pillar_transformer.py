@@ -15,12 +15,11 @@ width instead of a hard-coded 256; a dataset without ``proj_first`` gets its map
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence, Tuple
+from typing import Mapping, Tuple
 
 import torch
 
-from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.models.checks import check_max_cav, check_shrink_header, positive_ints, refuse
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_encoder import V2XTransformer
@@ -51,36 +50,6 @@ V2XVIT_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = PILLAR_OPTIONAL_KEYS + (
     (_SHRINK + "padding", "list"), (_SHRINK + "dim", "list"), (_SHRINK + "input_dim", "positive_int"))
 FUSION_METHODS = ("split_attn", "naive")
 SPLIT_ATTN_BRANCHES = 3
-DATA_DEFAULT_MAX_CAV = 7  # the datasets' (and upstream's) max_cav when train_params.max_cav is absent
-
-
-def _refuse(source: str, message: str) -> None:
-    raise ConfigError(f"{source}: {message}; fix the hypes")
-
-
-def _positive_ints(values: Sequence) -> bool:
-    return all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
-
-
-def _check_shrink_header(args: Mapping, source: str) -> int:
-    """The shrink header's keys agree with the backbone; returns the channels it hands the transformer."""
-    backbone_out = sum(args["base_bev_backbone"]["num_upsample_filter"])
-    shrink = args.get("shrink_header")
-    if shrink is None:
-        return backbone_out
-    lists = ("kernal_size", "stride", "padding", "dim")
-    for key in lists + ("input_dim",):
-        if key not in shrink:
-            _refuse(source, f"key {_SHRINK}{key} is missing (upstream's shrink_header has kernal_size, stride, "
-                            f"padding, dim: one entry per block, and input_dim)")
-    if len({len(shrink[key]) for key in lists}) != 1 or not shrink["dim"] or \
-            not all(_positive_ints(shrink[key]) for key in ("kernal_size", "stride", "dim")):
-        _refuse(source, f"{_SHRINK}kernal_size, stride, padding and dim must be lists of one positive integer per "
-                        f"block, of equal length; got {[shrink[key] for key in lists]}")
-    if shrink["input_dim"] != backbone_out:
-        _refuse(source, f"{_SHRINK}input_dim ({shrink['input_dim']}) must equal the backbone's output channels "
-                        f"(sum of model.args.base_bev_backbone.num_upsample_filter = {backbone_out})")
-    return int(shrink["dim"][-1])
 
 
 def feature_map_size(args: Mapping) -> Tuple[int, int]:
@@ -111,33 +80,33 @@ def _check_transformer(hypes: Mapping, args: Mapping, source: str) -> None:
     for key, value in (("cav_att_config.dropout", cav["dropout"]), ("pwindow_att_config.dropout", win["dropout"]),
                        ("feed_forward.dropout", feed["dropout"])):
         if not 0 <= value < 1:
-            _refuse(source, f"{_ENC}{key} must be in [0, 1), got {value!r}")
+            refuse(source, f"{_ENC}{key} must be in [0, 1), got {value!r}")
     for key in ("use_RTE", "RTE_ratio"):
         if enc[key] != cav[key]:
-            _refuse(source, f"{_ENC}{key} ({enc[key]!r}) must equal {_CAV}{key} ({cav[key]!r}); upstream reads "
-                            f"the latter and its configs set both from one anchor")
+            refuse(source, f"{_ENC}{key} ({enc[key]!r}) must equal {_CAV}{key} ({cav[key]!r}); upstream reads "
+                           f"the latter and its configs set both from one anchor")
     if cav["use_RTE"] and cav["dim"] % 2:
-        _refuse(source, f"{_CAV}dim must be even with use_RTE (sine and cosine columns of the delay table), got "
-                        f"{cav['dim']}")
+        refuse(source, f"{_CAV}dim must be even with use_RTE (sine and cosine columns of the delay table), got "
+                       f"{cav['dim']}")
     if win["dim"] != cav["dim"]:
-        _refuse(source, f"{_WIN}dim ({win['dim']}) must equal {_CAV}dim ({cav['dim']}): both attentions work on "
-                        f"the same features")
+        refuse(source, f"{_WIN}dim ({win['dim']}) must equal {_CAV}dim ({cav['dim']}): both attentions work on "
+                       f"the same features")
     lists = {key: win[key] for key in ("heads", "dim_head", "window_size")}
-    if len({len(v) for v in lists.values()}) != 1 or not lists["heads"] or not all(map(_positive_ints, lists.values())):
-        _refuse(source, f"{_WIN}heads, dim_head and window_size must be lists of positive integers, one per window "
-                        f"branch, of equal length; got {list(lists.values())}")
+    if len({len(v) for v in lists.values()}) != 1 or not lists["heads"] or not all(map(positive_ints, lists.values())):
+        refuse(source, f"{_WIN}heads, dim_head and window_size must be lists of positive integers, one per window "
+                       f"branch, of equal length; got {list(lists.values())}")
     if win["fusion_method"] not in FUSION_METHODS:
-        _refuse(source, f"{_WIN}fusion_method must be one of {', '.join(FUSION_METHODS)}, got "
-                        f"{win['fusion_method']!r}")
+        refuse(source, f"{_WIN}fusion_method must be one of {', '.join(FUSION_METHODS)}, got "
+                       f"{win['fusion_method']!r}")
     if win["fusion_method"] == "split_attn" and len(win["window_size"]) != SPLIT_ATTN_BRANCHES:
-        _refuse(source, f"{_WIN}window_size needs exactly {SPLIT_ATTN_BRANCHES} windows with fusion_method "
-                        f"split_attn, got {win['window_size']}; use 3 windows or fusion_method naive")
-    channels = _check_shrink_header(args, source)
+        refuse(source, f"{_WIN}window_size needs exactly {SPLIT_ATTN_BRANCHES} windows with fusion_method "
+                       f"split_attn, got {win['window_size']}; use 3 windows or fusion_method naive")
+    channels = check_shrink_header(args, source)
     if channels != cav["dim"]:
         where = f"{_SHRINK}dim[-1]" if args.get("shrink_header") else \
             "the sum of model.args.base_bev_backbone.num_upsample_filter"
-        _refuse(source, f"{_CAV}dim ({cav['dim']}) must equal the channels of the maps it fuses ({where} = "
-                        f"{channels})")
+        refuse(source, f"{_CAV}dim ({cav['dim']}) must equal the channels of the maps it fuses ({where} = "
+                       f"{channels})")
     _check_geometry(hypes, args, source)
 
 
@@ -149,19 +118,19 @@ def _check_geometry(hypes: Mapping, args: Mapping, source: str) -> None:
     numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in list(sttf["voxel_size"]) + voxel)
     if not numbers or len(sttf["voxel_size"]) < 2 or not math.isclose(sttf["voxel_size"][0], voxel[0]) or \
             not math.isclose(voxel[0], voxel[1]):
-        _refuse(source, f"{_ENC}sttf.voxel_size ({sttf['voxel_size']}) must start with model.args.voxel_size's x "
-                        f"size ({voxel}), and the voxels must be square in x and y (the warp uses one cell size)")
+        refuse(source, f"{_ENC}sttf.voxel_size ({sttf['voxel_size']}) must start with model.args.voxel_size's x "
+                       f"size ({voxel}), and the voxels must be square in x and y (the warp uses one cell size)")
     grid = args["point_pillar_scatter"]["grid_size"]
     height, width = feature_map_size(args)
     if sttf["downsample_rate"] * width != grid[0] or sttf["downsample_rate"] * height != grid[1]:
-        _refuse(source, f"{_ENC}sttf.downsample_rate ({sttf['downsample_rate']}) must be the fused map's stride: "
-                        f"point_pillar_scatter.grid_size {grid[0]} x {grid[1]} becomes {width} x {height} after "
-                        f"the backbone and shrink_header")
+        refuse(source, f"{_ENC}sttf.downsample_rate ({sttf['downsample_rate']}) must be the fused map's stride: "
+                       f"point_pillar_scatter.grid_size {grid[0]} x {grid[1]} becomes {width} x {height} after "
+                       f"the backbone and shrink_header")
     bad = [s for s in win["window_size"] if height % s or width % s]
     if bad:
-        _refuse(source, f"{_WIN}window_size {win['window_size']} must divide the fused map ({height} rows x "
-                        f"{width} columns: model.args.lidar_range / voxel_size / sttf.downsample_rate); "
-                        f"{bad} do not: change window_size or lidar_range")
+        refuse(source, f"{_WIN}window_size {win['window_size']} must divide the fused map ({height} rows x "
+                       f"{width} columns: model.args.lidar_range / voxel_size / sttf.downsample_rate); "
+                       f"{bad} do not: change window_size or lidar_range")
 
 
 def check_v2xvit_args(hypes: Mapping, source: str) -> None:
@@ -169,11 +138,7 @@ def check_v2xvit_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     _check_transformer(hypes, args, source)
-    data_max_cav = get_key(hypes, "train_params.max_cav", DATA_DEFAULT_MAX_CAV)
-    if args["max_cav"] != data_max_cav:
-        _refuse(source, f"{_ARGS}max_cav ({args['max_cav']}) must equal train_params.max_cav ({data_max_cav}"
-                        f"{'' if get_key(hypes, 'train_params.max_cav') is not None else ', the default'}): the "
-                        f"batch's per-CAV keys have that many rows")
+    check_max_cav(hypes, source)
 
 
 @MODELS.register("point_pillar_transformer", fusion="intermediate (V2X-ViT)", required=V2XVIT_KEYS,

@@ -16,12 +16,10 @@ from typing import Mapping
 
 import torch
 
-from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.models.checks import check_anchor_stride, check_shrink_header, head_stride, refuse
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
-from opencood_ddp.models.point_pillar_where2comm import backbone_channels, head_channels, head_stride
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -37,60 +35,39 @@ V2VNET_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + tuple((_ARGS + key, kind) for key,
     ("v2vfusion.conv_gru.H", "positive_int"), ("v2vfusion.conv_gru.W", "positive_int")))
 
 
-def _fail(source: str, text: str) -> None:
-    raise ConfigError(f"{source}: {text}; fix the hypes")
-
-
-def _check_shrink(source: str, args: Mapping) -> None:
-    shrink = args.get("shrink_header")
-    if not shrink:
-        return
-    lengths = {len(shrink.get(k) or []) for k in ("kernal_size", "stride", "padding", "dim")}
-    if len(lengths) != 1 or 0 in lengths:
-        _fail(source, "model.args.shrink_header kernal_size, stride, padding and dim must be non-empty lists of "
-                      "the same length")
-    if shrink.get("input_dim") != backbone_channels(args):
-        _fail(source, f"model.args.shrink_header.input_dim ({shrink.get('input_dim')}) must equal the backbone's "
-                      f"output channels ({backbone_channels(args)}: sum of num_upsample_filter)")
-
-
 def _check_fusion(hypes: Mapping, source: str, args: Mapping) -> None:
-    block = args["v2vfusion"]
-    if block["in_channels"] != head_channels(args):
-        _fail(source, f"model.args.v2vfusion.in_channels ({block['in_channels']}) must equal the channels the "
-                      f"heads see ({head_channels(args)}: model.args.shrink_header.dim[-1], else the backbone's output)")
+    block, channels = args["v2vfusion"], check_shrink_header(args, source)
+    if block["in_channels"] != channels:
+        refuse(source, f"model.args.v2vfusion.in_channels ({block['in_channels']}) must equal the channels the "
+                       f"heads see ({channels}: model.args.shrink_header.dim[-1], else the backbone's output)")
     if block["agg_operator"] not in AGGREGATORS:
-        _fail(source, f"model.args.v2vfusion.agg_operator {block['agg_operator']!r} must be one of "
-                      f"{', '.join(AGGREGATORS)}")
+        refuse(source, f"model.args.v2vfusion.agg_operator {block['agg_operator']!r} must be one of "
+                       f"{', '.join(AGGREGATORS)}")
     if not block["gru_flag"]:
-        _fail(source, "model.args.v2vfusion.gru_flag false is not supported (upstream still builds the ConvGRU, "
-                      "whose parameters would get no gradient); set it to true")
+        refuse(source, "model.args.v2vfusion.gru_flag false is not supported (upstream still builds the ConvGRU, "
+                       "whose parameters would get no gradient); set it to true")
     gru = block["conv_gru"]
     kernels = gru["kernel_size"]
     if len(kernels) not in (1, gru["num_layers"]) or not all(
             isinstance(k, list) and len(k) == 2 and all(isinstance(v, int) and v > 0 and v % 2 == 1 for v in k)
             for k in kernels):
-        _fail(source, f"model.args.v2vfusion.conv_gru.kernel_size must be a list of 1 or num_layers "
-                      f"({gru['num_layers']}) [height, width] pairs of odd positive integers, got {kernels!r}")
+        refuse(source, f"model.args.v2vfusion.conv_gru.kernel_size must be a list of 1 or num_layers "
+                       f"({gru['num_layers']}) [height, width] pairs of odd positive integers, got {kernels!r}")
     if "voxel_size" in block and list(block["voxel_size"]) != list(args["voxel_size"]):
-        _fail(source, f"model.args.v2vfusion.voxel_size {block['voxel_size']} must equal model.args.voxel_size "
-                      f"{args['voxel_size']}")
+        refuse(source, f"model.args.v2vfusion.voxel_size {block['voxel_size']} must equal model.args.voxel_size "
+                       f"{args['voxel_size']}")
     stride = head_stride(args)
     rate = block.get("downsample_rate")
     if rate is not None and stride is not None and rate != stride:
-        _fail(source, f"model.args.v2vfusion.downsample_rate ({rate}) must equal the stride of the fused map "
-                      f"({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
-    anchors = get_key(hypes, "postprocess.anchor_args.feature_stride")
-    if anchors is not None and stride is not None and anchors != stride:
-        _fail(source, f"postprocess.anchor_args.feature_stride ({anchors}) must equal the stride of the heads' map "
-                      f"({stride:g})")
+        refuse(source, f"model.args.v2vfusion.downsample_rate ({rate}) must equal the stride of the fused map "
+                       f"({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
+    check_anchor_stride(hypes, source, stride)
 
 
 def check_v2vnet_args(hypes: Mapping, source: str) -> None:
     """The pillar rules, then a shrink header and a fusion block whose widths and strides agree."""
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
-    _check_shrink(source, args)
     _check_fusion(hypes, source, args)
 
 

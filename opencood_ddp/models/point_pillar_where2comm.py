@@ -37,7 +37,6 @@ Two spellings of the fusion block build the same model: OpenCOOD's ``where2comm_
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Tuple
 
@@ -45,6 +44,8 @@ import torch
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, validate
+from opencood_ddp.models.checks import (check_anchor_stride, check_max_cav, check_shrink_header, head_channels,
+                                        head_stride, refuse)
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Where2commFusion, ego_rows
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
@@ -52,7 +53,6 @@ from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
 OPENCOOD_BLOCK, WHERE2COMM_BLOCK = "where2comm_fusion", "fusion_args"
-UPSTREAM_DEFAULT_MAX_CAV = 7  # train_params.max_cav when absent (the dataset's default, as upstream)
 
 
 def _keys(prefix: str, pairs: Sequence[Tuple[str, str]]) -> Tuple[Tuple[str, str], ...]:
@@ -122,36 +122,6 @@ class Where2commSpec:
 
 
 # ------------------------------------------------------------------------------------------ hypes checks
-def backbone_channels(args: Mapping) -> int:
-    """Channels of the base backbone's output (BaseBEVBackbone's rule)."""
-    bev = args["base_bev_backbone"]
-    return int(sum(bev["num_upsample_filter"])) if bev["num_upsample_filter"] else int(bev["num_filters"][-1])
-
-
-def head_channels(args: Mapping) -> int:
-    """Channels of the map the heads see: the shrink header's last width, else the backbone's output."""
-    shrink = args.get("shrink_header")
-    return int(shrink["dim"][-1]) if shrink else backbone_channels(args)
-
-
-def head_stride(args: Mapping) -> Optional[float]:
-    """Stride of the heads' map over the voxel grid, or None when the backbone adds its extra deblock."""
-    bev = args["base_bev_backbone"]
-    if len(bev["upsample_strides"]) != len(bev["layer_strides"]):
-        return None
-    if bev["upsample_strides"]:
-        stride = float(bev["layer_strides"][0]) / float(bev["upsample_strides"][0])
-    else:
-        stride = float(math.prod(bev["layer_strides"]))
-    for step in (args.get("shrink_header") or {}).get("stride", []):
-        stride *= int(step)
-    return stride
-
-
-def _fail(source: str, text: str) -> None:
-    raise ConfigError(f"{source}: {text}; fix the hypes")
-
-
 def _check_block_keys(hypes: Mapping, source: str, name: str, block: Mapping) -> None:
     required = OPENCOOD_REQUIRED if name == OPENCOOD_BLOCK else WHERE2COMM_REQUIRED
     if block.get("multi_scale") is True:
@@ -169,74 +139,54 @@ def _check_block_keys(hypes: Mapping, source: str, name: str, block: Mapping) ->
 def _check_communication(source: str, key: str, block: Mapping) -> None:
     communication = block.get("communication") or {}
     if communication.get("round", 1) != 1:
-        _fail(source, f"{key}.communication.round must be 1 (multi-round communication is not built, and "
-                      f"upstream's single-round code ignores the key); set it to 1")
+        refuse(source, f"{key}.communication.round must be 1 (multi-round communication is not built, and "
+                       f"upstream's single-round code ignores the key); set it to 1")
     smooth = communication.get("gaussian_smooth")
     if smooth is not None:
         if smooth["k_size"] % 2 != 1:
-            _fail(source, f"{key}.communication.gaussian_smooth.k_size must be odd (the smoothed map keeps the "
-                          f"confidence map's size), got {smooth['k_size']}")
+            refuse(source, f"{key}.communication.gaussian_smooth.k_size must be odd (the smoothed map keeps the "
+                           f"confidence map's size), got {smooth['k_size']}")
         if not smooth["c_sigma"] > 0:
-            _fail(source, f"{key}.communication.gaussian_smooth.c_sigma must be > 0, got {smooth['c_sigma']}")
+            refuse(source, f"{key}.communication.gaussian_smooth.c_sigma must be > 0, got {smooth['c_sigma']}")
     mode = get_key(block, "agg_operator.mode")
     if mode is not None and mode not in AGGREGATORS:
-        _fail(source, f"{key}.agg_operator.mode {mode!r} is not one of {', '.join(AGGREGATORS)} (Transformer "
-                      f"aggregation is not built)")
+        refuse(source, f"{key}.agg_operator.mode {mode!r} is not one of {', '.join(AGGREGATORS)} (Transformer "
+                       f"aggregation is not built)")
 
 
 def _check_widths(hypes: Mapping, source: str, key: str, block: Mapping) -> None:
     args = hypes["model"]["args"]
-    bev, heads = args["base_bev_backbone"], head_channels(args)
+    bev, heads = args["base_bev_backbone"], check_shrink_header(args, source)
     if list(block["voxel_size"]) != list(args["voxel_size"]):
-        _fail(source, f"{key}.voxel_size {block['voxel_size']} must equal model.args.voxel_size {args['voxel_size']}")
+        refuse(source, f"{key}.voxel_size {block['voxel_size']} must equal model.args.voxel_size {args['voxel_size']}")
     if block["multi_scale"]:
         for name in ("layer_nums", "num_filters"):
             if list(block[name]) != list(bev[name]):
-                _fail(source, f"{key}.{name} {block[name]} must equal model.args.base_bev_backbone.{name} "
-                              f"{bev[name]} (the fusion runs the backbone's levels)")
+                refuse(source, f"{key}.{name} {block[name]} must equal model.args.base_bev_backbone.{name} "
+                               f"{bev[name]} (the fusion runs the backbone's levels)")
     widths = [(f"{key}.in_channels", block.get("in_channels")), (_ARGS + "head_dim", args.get("head_dim"))]
     if get_key(block, "agg_operator.mode") == "ATTEN" and not block["multi_scale"]:
         widths.append((f"{key}.agg_operator.feature_dim", get_key(block, "agg_operator.feature_dim")))
     for name, value in widths:
         if value is not None and value != heads:
-            _fail(source, f"{name} ({value}) must equal the channels the heads see ({heads}: "
-                          f"model.args.shrink_header.dim[-1], else the backbone's output)")
-    shrink = args.get("shrink_header")
-    if shrink:
-        lengths = {len(shrink.get(k) or []) for k in ("kernal_size", "stride", "padding", "dim")}
-        if len(lengths) != 1 or 0 in lengths:
-            _fail(source, "model.args.shrink_header kernal_size, stride, padding and dim must be non-empty "
-                          "lists of the same length")
-        if shrink.get("input_dim") != backbone_channels(args):
-            _fail(source, f"model.args.shrink_header.input_dim ({shrink.get('input_dim')}) must equal the "
-                          f"backbone's output channels ({backbone_channels(args)}: sum of num_upsample_filter)")
+            refuse(source, f"{name} ({value}) must equal the channels the heads see ({heads}: "
+                           f"model.args.shrink_header.dim[-1], else the backbone's output)")
 
 
 def _check_strides(hypes: Mapping, source: str, key: str, block: Mapping) -> None:
     stride = head_stride(hypes["model"]["args"])
-    anchors = get_key(hypes, "postprocess.anchor_args.feature_stride")
-    if stride is not None and anchors is not None and stride != anchors:
-        _fail(source, f"postprocess.anchor_args.feature_stride ({anchors}) must equal the stride of the heads' "
-                      f"map ({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
+    check_anchor_stride(hypes, source, stride)
     if not block["multi_scale"] and stride is not None and block["downsample_rate"] != stride:
-        _fail(source, f"{key}.downsample_rate ({block['downsample_rate']}) must equal the stride of the fused "
-                      f"map ({stride:g}) when multi_scale is false")
-
-
-def _check_max_cav(hypes: Mapping, source: str) -> None:
-    data = get_key(hypes, "train_params.max_cav", UPSTREAM_DEFAULT_MAX_CAV)
-    model = hypes["model"]["args"]["max_cav"]
-    if model != data:
-        _fail(source, f"model.args.max_cav ({model}) must equal train_params.max_cav ({data}, the size of the "
-                      f"dataset's pairwise_t_matrix)")
+        refuse(source, f"{key}.downsample_rate ({block['downsample_rate']}) must equal the stride of the fused "
+                       f"map ({stride:g}) when multi_scale is false")
 
 
 def _check_unbuilt_options(source: str, args: Mapping) -> None:
     if get_key(args, "base_bev_backbone.resnet"):
-        _fail(source, "model.args.base_bev_backbone.resnet is not built (the ResNet backbone of the Where2comm "
-                      "repository); remove it")
+        refuse(source, "model.args.base_bev_backbone.resnet is not built (the ResNet backbone of the Where2comm "
+                       "repository); remove it")
     if "dcn" in args:
-        _fail(source, "model.args.dcn (deformable convolution) is not built; remove it")
+        refuse(source, "model.args.dcn (deformable convolution) is not built; remove it")
 
 
 def check_where2comm_args(hypes: Mapping, source: str) -> None:
@@ -250,7 +200,7 @@ def check_where2comm_args(hypes: Mapping, source: str) -> None:
     _check_unbuilt_options(source, args)
     _check_widths(hypes, source, key, block)
     _check_strides(hypes, source, key, block)
-    _check_max_cav(hypes, source)
+    check_max_cav(hypes, source)
 
 
 # ------------------------------------------------------------------------------------------ the model
