@@ -62,6 +62,7 @@ def _load_batch(config: str, data: Path, batch_size: int):
 
 def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
     from opencood_ddp.engine.memory import PeakMemory
+    from opencood_ddp.engine.step import Precision
     from opencood_ddp.engine.task import move_tensors
 
     torch.manual_seed(0)
@@ -69,14 +70,14 @@ def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
     task, batch = _load_batch(config, Path(args.data), args.batch_size)
     model = task.model.to(device).train()
     batch = move_tensors(batch, device)
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    precision = Precision(args.half, device)
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()
-        with torch.autocast(device.type, dtype=dtype, enabled=args.half):
+        with precision.autocast():
             out = task.step(model, batch)
         out.total.backward()
         if device.type == "cuda":

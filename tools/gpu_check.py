@@ -135,28 +135,32 @@ def check_sync_batchnorm(device: torch.device) -> tuple[str, dict]:
 
 
 def check_half(device: torch.device, folder: Path) -> tuple[str, dict]:
+    """The engine's --half policy (engine/step.py) through a few steps of a small BatchNorm network."""
+    from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
+    from opencood_ddp.engine.task import LossOutput
+
     net = _bn_net().to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
-    if device.type != "cuda":
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = net(torch.randn(2, 3, 16, 16)).float().square().mean()
-        loss.backward()
-        optimizer.step()
-        return "bf16 autocast on the CPU (no GradScaler: bf16 has fp32's range)", {"dtype": "bfloat16"}
-    scaler = torch.amp.GradScaler("cuda")
+    precision = Precision(True, device)
+    scaler = precision.new_scaler()
+
+    def step(model, x):
+        return LossOutput(model(x).float().square().mean())
+
     for _ in range(3):
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = net(torch.randn(2, 3, 16, 16, device=device)).float().square().mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        forward_backward(step, net, torch.randn(2, 3, 16, 16, device=device), precision, scaler)
+        optimizer_step(optimizer, scaler)
+    dtype = str(precision.autocast_dtype).replace("torch.", "")
+    if scaler is None:
+        return f"{dtype} autocast on the {device.type.upper()} (no GradScaler: {dtype} has float32's range)", \
+            {"dtype": dtype}
     path = folder / "scaler.pt"
     torch.save(scaler.state_dict(), path)
-    resumed = torch.amp.GradScaler("cuda")
+    resumed = precision.new_scaler()
     resumed.load_state_dict(torch.load(path, weights_only=False))
     assert resumed.get_scale() == scaler.get_scale(), (resumed.get_scale(), scaler.get_scale())
-    return f"fp16 autocast + GradScaler, scale {scaler.get_scale():g} saved and resumed", {"scale": scaler.get_scale()}
+    return f"{dtype} autocast + GradScaler, scale {scaler.get_scale():g} saved and resumed", \
+        {"dtype": dtype, "scale": scaler.get_scale()}
 
 
 def check_voxelizer(device: torch.device) -> tuple[str, dict]:

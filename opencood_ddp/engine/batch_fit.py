@@ -22,6 +22,7 @@ import torch
 
 from opencood_ddp.engine.memory import PeakMemory
 from opencood_ddp.engine.optim import build_optimizer
+from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import ConfigError
 
@@ -71,12 +72,6 @@ def probe_sizes(batch_size: int, world: int, largest: int = 4) -> list[int]:
     return sizes
 
 
-def _autocast(device: torch.device, half: bool):
-    if not half:
-        return torch.autocast(device_type=device.type, enabled=False)
-    return torch.autocast(device_type=device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
-
-
 def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, device: torch.device,
                half: bool) -> Probe:
     task = build_task(hypes, for_training=True)
@@ -88,25 +83,19 @@ def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, devi
     meter.start()
     model = task.model.to(device).train()
     optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]))
-    scaler = torch.amp.GradScaler("cuda") if half and device.type == "cuda" else None
+    precision = Precision(half, device)
+    scaler = precision.new_scaler()
     moved = task.move_to(batch, device)
     started = time.perf_counter()
     for _ in range(2):  # the second step holds the optimizer's state as every later one does
         started = time.perf_counter()
-        with _autocast(device, half):
-            loss = task.step(model, moved).total
-        (scaler.scale(loss) if scaler else loss).backward()
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        out = forward_backward(task.step, model, moved, precision, scaler)
+        optimizer_step(optimizer, scaler)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
     peak = meter.growth()
-    del model, optimizer, moved, batch, task, loss
+    del model, optimizer, moved, batch, task, out
     release_freed_memory(device)
     return Probe(per_rank, int(peak), seconds)
 

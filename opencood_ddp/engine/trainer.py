@@ -42,6 +42,7 @@ from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
+from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import ConfigError, NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
@@ -107,7 +108,8 @@ class Trainer:
             task.model.to(self.device), env.world_size, env.device, enabled=settings.sync_bn)
         self.model = self._wrap(self.model_without_ddp)
         self.optimizer = build_optimizer(hypes, self.model_without_ddp.parameters(), plan.effective_lr)
-        self.scaler = torch.amp.GradScaler("cuda") if settings.half and self.device.type == "cuda" else None
+        self.precision = Precision(settings.half, self.device)
+        self.scaler = self.precision.new_scaler()
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
                                                       settings.seed, plan.accumulation,
                                                       reverse=settings.reverse_batch_order)
@@ -259,31 +261,15 @@ class Trainer:
                           self.epoch_batches(epoch), collate_fn=self.task.collate_train,
                           pin_memory=self.device.type == "cuda", **self._loader_options())
 
-    def _autocast(self):
-        if not self.settings.half:
-            return contextlib.nullcontext()
-        dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
-        return torch.autocast(device_type=self.device.type, dtype=dtype)
-
     def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> float:
         """Forward and backward of one micro-batch; returns its loss (non-finite ones included)."""
         batch = self.task.move_to(batch, self.device)
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
         with no_sync() if no_sync else contextlib.nullcontext():
-            with self._autocast():
-                out = self.task.step(self.model, batch)
-            loss = out.total / self.plan.accumulation
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            out = forward_backward(self.task.step, self.model, batch, self.precision, self.scaler,
+                                   self.plan.accumulation)
         sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
         return float(out.total.detach())
-
-    def _optimizer_step(self) -> None:
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------------------------------- one step, agreed
     def _fetch(self, batches: Iterator) -> tuple[list, Optional[OpencoodDdpError]]:
@@ -336,7 +322,7 @@ class Trainer:
             flags=[0.0 if finite else 1.0] + [1.0 if used else 0.0 for _, used in groups])
         if not bad_ranks:
             _drop_gradients_no_rank_used(groups, ranks_using)
-            self._optimizer_step()
+            optimizer_step(self.optimizer, self.scaler)
             return means, step_sums, False
         reports = comm.all_gather_objects(rank_report(self.env.rank, indices, losses, grads_ok))
         message = describe_nonfinite(where, self.progress.global_step + 1, reports)
@@ -445,7 +431,7 @@ class Trainer:
         try:
             for batch in loader:
                 batch = self.task.move_to(batch, self.device)
-                with self._autocast():
+                with self.precision.autocast():
                     out = self.task.step(model, batch)
                 sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
         except OpencoodDdpError as exc:  # a frame one rank cannot read: every rank stops with its message

@@ -1,0 +1,64 @@
+"""The mechanics of one training step, shared by the fit loop (`engine/trainer.py`) and the batch-fit probes
+(`engine/batch_fit.py`), so that a probe measures the step the run will take.
+
+- `Precision` is the ``--half`` policy: autocast to float16 on CUDA (with a GradScaler, since float16 gradients
+  underflow) and to bfloat16 on the CPU (no scaler: bfloat16 has float32's exponent range). Without ``--half``
+  everything stays float32.
+- `forward_backward` runs the task's step on a micro-batch under that policy and back-propagates its loss
+  divided by the number of micro-batches of the step.
+- `optimizer_step` steps the optimizer (through the scaler when there is one) and drops the gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ContextManager, Optional
+
+import torch
+from torch import nn
+
+from opencood_ddp.engine.task import LossOutput, StepFn
+
+
+@dataclass(frozen=True)
+class Precision:
+    half: bool
+    device: torch.device
+
+    @property
+    def autocast_dtype(self) -> Optional[torch.dtype]:
+        if not self.half:
+            return None
+        return torch.float16 if self.device.type == "cuda" else torch.bfloat16
+
+    def autocast(self) -> ContextManager:
+        dtype = self.autocast_dtype
+        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
+
+    def new_scaler(self) -> Optional[torch.amp.GradScaler]:
+        return torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
+
+
+def forward_backward(step: StepFn, model: nn.Module, batch: Any, precision: Precision,
+                     scaler: Optional[torch.amp.GradScaler], micro_batches: int = 1) -> LossOutput:
+    """The task's step output for `batch`, its total loss / `micro_batches` back-propagated (scaled if a scaler
+    is given), so that the gradients summed over a step's micro-batches are the mean over its batch."""
+    with precision.autocast():
+        out = step(model, batch)
+    loss = out.total / micro_batches
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    return out
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> None:
+    """Step with the accumulated gradients (the scaler skips a step whose float16 gradients overflowed and lowers
+    its scale), then drop them: set to None, so that a parameter the next step does not use stays untouched."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+__all__ = ["Precision", "forward_backward", "optimizer_step"]
