@@ -39,16 +39,39 @@ def test_spconv_wheel_follows_torch_cuda_and_python(cuda, python, expected):
 def test_every_table_entry_is_checked_for_the_pythons_it_serves():
     checked = dict(pins.every_pin("2.13.0"))
     assert checked["spconv-cu120==2.3.6"] == ("3.11",)
-    for name, version, pythons in pins.SPCONV_CUDA.values():
+    for name, version, pythons, _ in pins.SPCONV_CUDA.values():
         assert checked[f"{name}=={version}"] == pythons
     assert checked["torch==2.13.0"] == ("3.11", "3.12")
     assert {"numba==0.68.1", "open3d-cpu==0.20.0", "spconv==2.3.8"} <= set(checked)  # setup.py's pins
 
 
+@pytest.mark.parametrize("cuda, glibc, expected", [
+    ("12.6", (2, 28), "spconv-cu126==2.3.8"),
+    ("12.6", (2, 27), "spconv-cu121==2.3.8"),  # cu124 and cu126 are manylinux_2_28 wheels only
+    ("12.4", (2, 17), "spconv-cu121==2.3.8"),
+    ("12.1", (2, 17), "spconv-cu121==2.3.8"),  # cu118, cu120, cu121 and the CPU wheel are manylinux2014
+    ("11.8", (2, 17), "spconv-cu118==2.3.8"),
+])
+def test_spconv_wheel_installs_on_the_machines_glibc(cuda, glibc, expected):
+    requirement, note = pins.spconv_requirement(cuda, "3.11", glibc)
+    assert requirement == expected
+    if glibc < (2, 28) and cuda >= "12.4":
+        assert "needs glibc 2.28 or newer" in note and f"here is {glibc[0]}.{glibc[1]}" in note, note
+
+
 def test_spconv_command_prints_one_requirement():
-    result = subprocess.run([sys.executable, PINS, "spconv", "--cuda", "12.4", "--python", "3.12"],
+    result = subprocess.run([sys.executable, PINS, "spconv", "--cuda", "12.4", "--python", "3.12", "--glibc", "2.28"],
                             capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout == "spconv-cu124==2.3.8\n", result.stderr
+    older = subprocess.run([sys.executable, PINS, "spconv", "--cuda", "12.4", "--python", "3.12", "--glibc", "2.17"],
+                           capture_output=True, text=True)
+    assert older.returncode == 0 and older.stdout == "spconv-cu121==2.3.8\n", older.stderr
+    assert "needs glibc 2.28" in older.stderr
+
+
+def test_this_machines_glibc_is_read():
+    found = pins.machine_glibc()
+    assert found is None or (found[0] == 2 and found[1] >= 17), found
 
 
 def test_check_fails_on_a_pin_that_does_not_exist_and_passes_on_one_that_does():

@@ -17,45 +17,76 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 SPCONV_VERSION = "2.3.8"
 PYTHONS = ("3.11", "3.12")
-# torch.version.cuda (major, minor) -> spconv's package, version, and the Pythons it has wheels for. spconv's
-# wheels carry their own CUDA kernels and run under any driver of a CUDA version at or above their build, so a
-# torch built for a CUDA version spconv does not publish takes the newest spconv build at or below it.
+# torch.version.cuda (major, minor) -> spconv's package, version, the Pythons it has wheels for, and the oldest
+# glibc its wheels install on (their manylinux tag: 2014 is glibc 2.17; cu124 and cu126 are built on 2.28 only, which
+# many clusters' older systems lack). spconv's wheels carry their own CUDA kernels and run under any driver of a CUDA
+# version at or above their build, so a torch built for a CUDA version spconv does not publish, or whose build does
+# not install on this glibc, takes the newest spconv build at or below it that does.
 SPCONV_CUDA = {
-    (11, 8): ("spconv-cu118", SPCONV_VERSION, PYTHONS),
-    (12, 0): ("spconv-cu120", "2.3.6", ("3.11",)),  # spconv-cu120 stops at 2.3.6, with no Python 3.12 wheel
-    (12, 1): ("spconv-cu121", SPCONV_VERSION, PYTHONS),
-    (12, 4): ("spconv-cu124", SPCONV_VERSION, PYTHONS),
-    (12, 6): ("spconv-cu126", SPCONV_VERSION, PYTHONS),
+    (11, 8): ("spconv-cu118", SPCONV_VERSION, PYTHONS, (2, 17)),
+    (12, 0): ("spconv-cu120", "2.3.6", ("3.11",), (2, 17)),  # cu120 stops at 2.3.6, with no Python 3.12 wheel
+    (12, 1): ("spconv-cu121", SPCONV_VERSION, PYTHONS, (2, 17)),
+    (12, 4): ("spconv-cu124", SPCONV_VERSION, PYTHONS, (2, 28)),
+    (12, 6): ("spconv-cu126", SPCONV_VERSION, PYTHONS, (2, 28)),
 }
 SPCONV_CPU = ("spconv", SPCONV_VERSION, PYTHONS)
 # manylinux x86_64, every glibc level a wheel of ours may be tagged with (open3d's start at 2.27 or later).
 PLATFORMS = ("manylinux2014_x86_64", *(f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)))
 
 
-def spconv_requirement(cuda: Optional[str], python: str = PYTHONS[0]) -> tuple[str, str]:
-    """(requirement, note) for torch.version.cuda `cuda` (None or '': a CPU build of torch) on `python`."""
+def spconv_requirement(cuda: Optional[str], python: str = PYTHONS[0],
+                       glibc: Optional[Tuple[int, int]] = None) -> tuple[str, str]:
+    """(requirement, note) for torch.version.cuda `cuda` (None or '': a CPU build of torch) on `python`, for a
+    machine with `glibc` (major, minor; None: any)."""
     if not cuda:
         return f"spconv=={SPCONV_VERSION}", "CPU torch: spconv's CPU wheel"
     major, minor = (int(part) for part in cuda.split(".")[:2])
-    usable = [key for key, (_, _, pythons) in SPCONV_CUDA.items() if python in pythons and key <= (major, minor)]
-    same_major = [key for key in usable if key[0] == major]
-    # Only CUDA 12.0 on Python 3.12 has no build of its own major: a CUDA 12 driver runs the 11.8 build.
-    build = max(same_major) if same_major else (max(usable) if major == 12 and usable else None)
+    build = _newest_build(major, minor, python, glibc)
     if build is None:
         return (f"spconv=={SPCONV_VERSION}",
                 f"no spconv wheel is built for CUDA {cuda}: spconv's CPU wheel instead; the data pipeline and "
                 f"the PointPillar models work, SECOND (sparse 3-D convolutions) cannot run on the GPU")
-    name, version, _ = SPCONV_CUDA[build]
-    return f"{name}=={version}", f"CUDA {cuda}, Python {python}: {name} {version} (a CUDA {build[0]}.{build[1]} build)"
+    name, version, _, _ = SPCONV_CUDA[build]
+    note = f"CUDA {cuda}, Python {python}: {name} {version} (a CUDA {build[0]}.{build[1]} build)"
+    preferred = _newest_build(major, minor, python, None)
+    if preferred != build:
+        wanted, _, _, needs = SPCONV_CUDA[preferred]
+        note += (f"; {wanted} would match better but needs glibc {needs[0]}.{needs[1]} or newer, and the glibc "
+                 f"here is {glibc[0]}.{glibc[1]}")
+    return f"{name}=={version}", note
+
+
+def _newest_build(major: int, minor: int, python: str, glibc: Optional[Tuple[int, int]]) -> Optional[tuple]:
+    """The SPCONV_CUDA key to use for a torch of CUDA major.minor, or None when no CUDA build fits."""
+    usable = [key for key, (_, _, pythons, needs) in SPCONV_CUDA.items()
+              if python in pythons and key <= (major, minor) and (glibc is None or glibc >= needs)]
+    same_major = [key for key in usable if key[0] == major]
+    # Only CUDA 12.0 on Python 3.12 has no build of its own major: a CUDA 12 driver runs the 11.8 build.
+    return max(same_major) if same_major else (max(usable) if major == 12 and usable else None)
+
+
+def machine_glibc() -> Optional[Tuple[int, int]]:
+    """This machine's glibc (major, minor), or None where it is not glibc (musl, macOS)."""
+    try:
+        text = os.confstr("CS_GNU_LIBC_VERSION") or ""  # 'glibc 2.36'
+    except (AttributeError, ValueError, OSError):
+        return None
+    return parse_glibc(text.split()[-1]) if text.startswith("glibc") else None
+
+
+def parse_glibc(text: str) -> Tuple[int, int]:
+    major, minor = text.split(".")[:2]
+    return int(major), int(minor)
 
 
 def installed_torch_cuda() -> Optional[str]:
@@ -79,7 +110,7 @@ def every_pin(torch_version: str) -> list[tuple[str, tuple[str, ...]]]:
     """(requirement, the Pythons it must resolve for): setup.py's pins and torch's for every Python, each spconv
     build of the table for the Pythons it serves."""
     pins = {(req, PYTHONS) for req in setup_pins() + [f"torch=={torch_version}"]}
-    pins |= {(f"{name}=={version}", pythons) for name, version, pythons in [*SPCONV_CUDA.values(), SPCONV_CPU]}
+    pins |= {(f"{name}=={version}", pythons) for name, version, pythons, *_ in [*SPCONV_CUDA.values(), SPCONV_CPU]}
     return sorted(pins)
 
 
@@ -124,6 +155,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     spconv.add_argument("--cuda", help="a torch.version.cuda value instead of the installed torch's ('' = CPU)")
     spconv.add_argument("--python", default=f"{sys.version_info[0]}.{sys.version_info[1]}",
                         help="the Python the wheel is for (default: this one)")
+    spconv.add_argument("--glibc", type=parse_glibc, default=None,
+                        help="the glibc the wheel must install on, e.g. 2.17 (default: this machine's)")
     checker = sub.add_parser("check", help="resolve every pinned requirement without installing")
     checker.add_argument("--torch", default="2.13.0", help="the torch version the Makefile installs")
     checker.add_argument("--python", default=",".join(PYTHONS),
@@ -133,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "spconv":
         requirement, note = spconv_requirement(installed_torch_cuda() if args.cuda is None else args.cuda,
-                                               args.python)
+                                               args.python, args.glibc or machine_glibc())
         print(note, file=sys.stderr)
         print(requirement)
         return 0
