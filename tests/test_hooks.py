@@ -352,8 +352,7 @@ def test_each_step_logs_the_lr_it_ran_with_as_upstreams_loop_sets_it(tmp_path, s
 def _resume(run_dir: Path) -> Trainer:
     """A new trainer on the run folder, resumed as tools/train_ddp.py does, then fitted to the end (4 epochs)."""
     trainer = _trainer(run_dir, default_hooks(run_dir, is_main=True), epochs=4, lr_scheduler=COSINE)
-    trainer.resume()
-    trainer.hooks.on_resume(trainer.progress.global_step)
+    trainer.resume()  # also rewinds the hooks, as tools/train_ddp.py's resume
     trainer.fit()
     trainer.hooks.close()
     return trainer

@@ -1,4 +1,6 @@
-"""RunCheckpointer: every file of a run that is not a log, written by rank 0, and the resume that reads them back.
+"""RunCheckpointer: every file of a run that is not a log, written by rank 0, and the resume that reads them back,
+with what a resume decides: which checkpoint to continue from, a history without one refused, a changed model or
+data section refused (or allowed with a warning), another effective batch warned about.
 
 It writes config.yaml, the epoch checkpoints (`net_epoch{N}.pth` with its training state), the one best-val
 weights file and the mid-epoch checkpoints (stop signal, --max_steps, a non-finite stop), all atomically through
@@ -8,6 +10,7 @@ a barrier ends each save, so that no rank starts the next epoch, or exits, while
 """
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +22,11 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
-from opencood_ddp.engine.logging import get_logger
+from opencood_ddp.distributed.elastic import elastic_attempt
+from opencood_ddp.engine.logging import STEP_LOG_NAME, get_logger
 from opencood_ddp.engine.run_dir import CONFIG_NAME
-from opencood_ddp.errors import CheckpointError, first_line
+from opencood_ddp.errors import CheckpointError, ConfigError, first_line
+from opencood_ddp.hypes import changed_sections
 
 
 @dataclass
@@ -34,9 +39,21 @@ class Resumed:
     passed_over: list = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ResumeRules:
+    """What a resume checks against: the hypes sections' digests of this run, its effective batch, whether a
+    changed model or data section is accepted (--allow_config_change), and whether a history without a checkpoint
+    is trained anew (--restart)."""
+
+    config_digests: Optional[dict] = None  # None: nothing is compared
+    global_batch: Optional[int] = None
+    allow_config_change: bool = False
+    restart: bool = False  # a history without a checkpoint is trained anew (--restart)
+
+
 class RunCheckpointer:
-    def __init__(self, run_dir: Path, is_main: bool, keep_states: int = 2):
-        self.run_dir, self.is_main, self.keep_states = Path(run_dir), is_main, keep_states
+    def __init__(self, run_dir: Path, is_main: bool, keep_states: int = 2, rules: ResumeRules = ResumeRules()):
+        self.run_dir, self.is_main, self.keep_states, self.rules = Path(run_dir), is_main, keep_states, rules
         self.last_weights: Optional[Path] = None  # the newest weights this run wrote (same value on every rank)
         self.log = get_logger()
 
@@ -64,12 +81,48 @@ class RunCheckpointer:
             except (ckpt.CorruptCheckpointError, ckpt.ForeignCheckpointError) as exc:
                 rejected.append(_what_it_holds(exc, saved, model))
                 continue
+            if state is not None:
+                self._check_state(saved, state)
             return Resumed(saved, state, [exc.problem for exc in rejected])
         if rejected:
             more = f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""
             raise CheckpointError(f"{rejected[0].problem}{more}, and no earlier checkpoint of this run loads; restore "
                                   f"or delete those files to train {self.run_dir} from the start")
+        self._refuse_a_history_without_checkpoint()
         return Resumed()
+
+    def _check_state(self, saved: ckpt.SavedCheckpoint, state: dict) -> None:
+        """A model or data section edited since the checkpoint (config.yaml, or --set on resume) is refused, since
+        weights that happen to fit another model would train on silently as that model; --allow_config_change
+        resumes with a warning. Checkpoints written before digests were recorded are not checked. Another
+        effective batch is allowed, with a warning: the resumed part is not the same training."""
+        digests, rules = state.get("config_digests"), self.rules
+        changed = changed_sections(digests, rules.config_digests) if None not in (digests, rules.config_digests) \
+            else []
+        if changed:
+            what = (f"{saved.weights.name} was trained with other hypes sections {', '.join(changed)} than this run "
+                    f"has now")
+            if not rules.allow_config_change:
+                raise ConfigError(f"{what}; restore them in {self.run_dir / CONFIG_NAME} (or drop the --set), or "
+                                  f"pass --allow_config_change to resume anyway")
+            self.log.warning(f"{what}; resuming anyway (--allow_config_change)")
+        trained = state.get("batch_plan", {}).get("global_batch")
+        if trained is not None and rules.global_batch is not None and trained != rules.global_batch:
+            self.log.warning(f"this run was trained with effective batch {trained}; the resumed part uses "
+                             f"{rules.global_batch}: not the same training")
+
+    def _refuse_a_history_without_checkpoint(self) -> None:
+        """A run folder whose train_steps.csv has steps but that holds no checkpoint (they were deleted, or the
+        job died before its first save) would train from scratch under the word "resuming" and replace that
+        history. Refused unless --restart, or unless this is torchrun restarting the job that wrote it."""
+        steps_file = self.run_dir / STEP_LOG_NAME
+        steps = max(0, len(steps_file.read_text().splitlines()) - 1) if steps_file.is_file() else 0
+        attempt = elastic_attempt(os.environ)
+        if not steps or self.rules.restart or (attempt is not None and attempt.restart):
+            return
+        raise ConfigError(f"run folder {self.run_dir} has a history ({STEP_LOG_NAME}: {steps} steps) but no "
+                          f"checkpoint (net_epoch<N>.pth or net_step<K>.pth); restore its checkpoints, or pass "
+                          f"--restart to train it from the start and replace that history")
 
     # ------------------------------------------------------------------------------------------------ saves
     def save_epoch(self, epoch: int, model: nn.Module, training_state: Callable[[], dict], due: bool,

@@ -9,6 +9,7 @@ split, all ranks].
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import random
@@ -32,7 +33,7 @@ from opencood_ddp.engine.inference import EvalBuilder, evaluate_checkpoint
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.engine.checkpointer import RunCheckpointer
 from opencood_ddp.engine.hooks import default_hooks
-from opencood_ddp.engine.logging import STEP_LOG_NAME, attach_log_file, get_logger
+from opencood_ddp.engine.logging import attach_log_file, get_logger
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import (CONFIG_NAME, RunFolder, create_run_folder, lock_run_folder,
@@ -208,27 +209,10 @@ def open_run_folder(args: argparse.Namespace, hypes: dict, plan: BatchPlan) -> R
     return comm.on_main_then_broadcast(make)
 
 
-def refuse_a_history_without_checkpoint(folder: RunFolder, restart: bool) -> None:
-    """A run folder whose train_steps.csv has steps but that holds no checkpoint (they were deleted, or the job
-    died before its first save) would train from scratch under the word "resuming" and replace that history.
-    Refused unless --restart, or unless this is torchrun restarting the job that wrote the history."""
-    steps_file = folder.path / STEP_LOG_NAME
-    steps = max(0, len(steps_file.read_text().splitlines()) - 1) if steps_file.is_file() else 0
-    attempt = elastic_attempt(os.environ)
-    if not steps or restart or (attempt is not None and attempt.restart):
-        return
-    raise ConfigError(f"run folder {folder.path} has a history ({STEP_LOG_NAME}: {steps} steps) but no checkpoint "
-                      f"(net_epoch<N>.pth or net_step<K>.pth); restore its checkpoints, or pass --restart to train "
-                      f"it from the start and replace that history")
-
-
-def resume_run(trainer: Trainer, folder: RunFolder, hypes: dict, plan: BatchPlan,
-               args_restart: bool = False) -> list[tuple[int, str]]:
+def resume_run(trainer: Trainer, hypes: dict, plan: BatchPlan) -> list[tuple[int, str]]:
     """Load the newest checkpoint that loads (every rank); only then does rank 0 touch the run's files.
     Returns the (logging level, message) pairs to log once the run's log file is attached."""
     saved, rejected = trainer.resume()
-    if saved is None:
-        refuse_a_history_without_checkpoint(folder, args_restart)
     notes = [(logging.WARNING, f"{reason}: fell back to the checkpoint before it") for reason in rejected]
     removed = trainer.checkpointer.remove_unfinished_saves()
     if removed:
@@ -322,11 +306,11 @@ def fit_in_folder(args: argparse.Namespace, env: DistEnv, hypes: dict, source: s
                                         allow_config_change=args.allow_config_change,
                                         max_skips_in_a_row=args.max_skips_in_a_row,
                                         max_skip_share=args.max_skip_share)
-    trainer = Trainer(task, plan, env, settings, hypes, folder.path)
-    notes = resume_run(trainer, folder, hypes, plan, args.restart) if folder.resume else []
-    trainer.hooks = default_hooks(folder.path, env.is_main)
-    if folder.resume:  # train_steps.csv loses the rows past the checkpoint, which are trained again
-        trainer.hooks.on_resume(trainer.progress.global_step)
+    settings = dataclasses.replace(settings, restart=args.restart)
+    stop_signal = StopSignal()
+    trainer = Trainer(task, plan, env, settings, hypes, folder.path, default_hooks(folder.path, env.is_main),
+                      stop_signal)
+    notes = resume_run(trainer, hypes, plan) if folder.resume else []
     attach_log_file(folder.path, env.rank)
     log.info(f"hypes: {source}")
     for level, note in notes:
@@ -335,7 +319,7 @@ def fit_in_folder(args: argparse.Namespace, env: DistEnv, hypes: dict, source: s
     if env.is_main:
         log.info(describe_start(env, plan, task, folder, trainer, devices))
     try:
-        with StopSignal() as trainer.stop_signal:
+        with stop_signal:
             try:
                 trainer.fit()
             except OpencoodDdpError as exc:

@@ -36,7 +36,7 @@ from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
-from opencood_ddp.engine.checkpointer import RunCheckpointer
+from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
 from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
@@ -45,8 +45,8 @@ from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_work
 from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
 from opencood_ddp.engine.task import Task
-from opencood_ddp.errors import ConfigError, NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
-from opencood_ddp.hypes import changed_sections, get_key, section_digests
+from opencood_ddp.errors import NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
+from opencood_ddp.hypes import get_key, section_digests
 
 
 @dataclass
@@ -66,6 +66,7 @@ class TrainSettings:
     reverse_batch_order: bool = False  # same batches, samples reversed: a rounding-only change (parity noise floor)
     on_nonfinite: str = "stop"  # a non-finite loss or gradient: "stop" (save, exit 3) or "skip" the step
     allow_config_change: bool = False  # resume although a model or data section of the hypes changed
+    restart: bool = False  # train a run folder that has a history but no checkpoint from the start (--restart)
     max_skips_in_a_row: int = 10  # --on_nonfinite skip: more consecutive skipped steps stop the run as "stop" does
     max_skip_share: float = 0.1  # ... and so does a larger share of an epoch's steps skipped
 
@@ -99,10 +100,14 @@ class Progress:
 
 class Trainer:
     def __init__(self, task: Task, plan: BatchPlan, env: DistEnv, settings: TrainSettings, hypes: dict,
-                 run_dir: Path, hooks: Optional[Hooks] = None):
+                 run_dir: Path, hooks: Optional[Hooks] = None, stop_signal: Optional[StopSignal] = None):
+        """Complete once built: `hooks` (what the loop reports to; they write nothing before the first step or a
+        resume) and `stop_signal` (checked at every step boundary; the caller enters it around `fit`)."""
         self.task, self.plan, self.env, self.settings = task, plan, env, settings
         self.run_dir, self.hooks, self.log = Path(run_dir), hooks or Hooks(), get_logger()
-        self.checkpointer = RunCheckpointer(self.run_dir, env.is_main, settings.keep_states)
+        self.stop_signal = stop_signal
+        self.checkpointer = RunCheckpointer(self.run_dir, env.is_main, settings.keep_states, ResumeRules(
+            section_digests(hypes), plan.global_batch, settings.allow_config_change, settings.restart))
         self.device = torch.device(env.device)
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=settings.sync_bn)
@@ -118,8 +123,7 @@ class Trainer:
         self.schedule = self._new_schedule()  # None: constant lr
         self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]  # the lr the latest optimizer step ran with
         self.progress = Progress()
-        self.config_digests = section_digests(hypes)  # saved with each checkpoint, compared on resume
-        self.stop_signal: Optional[StopSignal] = None  # installed by the recipe; checked at every step boundary
+        self.config_digests = self.checkpointer.rules.config_digests  # saved with each checkpoint
         self.phase = "start"  # where this rank is, published for peers that must explain a failed collective
         self._epoch_carry: Optional[dict] = None  # loss sums of the epoch a mid-epoch checkpoint interrupted
         self._epoch_sums = LossSums()  # this rank's loss sums of the epoch in progress
@@ -139,10 +143,12 @@ class Trainer:
 
     def resume(self) -> tuple[Optional[ckpt.SavedCheckpoint], list[str]]:
         """Continue from the newest checkpoint that loads (RunCheckpointer.resume): (that checkpoint or None,
-        why newer ones were passed over)."""
+        why newer ones were passed over). The hooks then drop what they recorded past it, which is trained
+        again (with no checkpoint, everything)."""
         found = self.checkpointer.resume(self.model_without_ddp, self.steps_per_epoch)
         if found.saved is not None:
             self._restore_training(found.saved, found.state)
+        self.hooks.on_resume(self.progress.global_step)
         return found.saved, found.passed_over
 
     def _restore_training(self, saved: ckpt.SavedCheckpoint, state: Optional[dict]) -> None:
@@ -153,7 +159,6 @@ class Trainer:
             self.progress = Progress(epoch=epoch, global_step=epoch * self.steps_per_epoch)
             self._restore_schedule(None, saved)
             return
-        self._check_config_change(saved, state.get("config_digests"))
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
@@ -164,7 +169,6 @@ class Trainer:
                                  best_epoch=state["best_epoch"], history=list(state.get("history", [])),
                                  skipped_steps=list(state.get("skipped_steps", [])))
         self._epoch_carry = state.get("epoch_sums")
-        self._warn_plan_change(state.get("batch_plan", {}))
         self._restore_schedule(state.get("lr_scheduler"), saved)
 
     def _restore_schedule(self, saved_state: Optional[dict], saved: ckpt.SavedCheckpoint) -> None:
@@ -185,25 +189,6 @@ class Trainer:
                              f"rebuilt at that position")
         self.schedule = self._new_schedule()
         self.schedule.advance(place)
-
-    def _check_config_change(self, saved: ckpt.SavedCheckpoint, digests: Optional[dict]) -> None:
-        """A model or data section edited since the checkpoint (config.yaml, or --set on resume): refused, since
-        weights that happen to fit another model would train on silently as that model; --allow_config_change
-        resumes with a warning. Checkpoints written before digests were recorded are not checked."""
-        changed = changed_sections(digests, self.config_digests) if digests is not None else []
-        if not changed:
-            return
-        what = (f"{saved.weights.name} was trained with other hypes sections {', '.join(changed)} than this run "
-                f"has now")
-        if not self.settings.allow_config_change:
-            raise ConfigError(f"{what}; restore them in {self.run_dir / 'config.yaml'} (or drop the --set), or "
-                              f"pass --allow_config_change to resume anyway")
-        self.log.warning(f"{what}; resuming anyway (--allow_config_change)")
-
-    def _warn_plan_change(self, saved: dict) -> None:
-        if saved and saved.get("global_batch") != self.plan.global_batch:
-            self.log.warning(f"this run was trained with effective batch {saved.get('global_batch')}; the resumed "
-                             f"part uses {self.plan.global_batch}: not the same training")
 
     # ----------------------------------------------------------------------------------------------- loop
     def fit(self) -> Progress:
