@@ -123,7 +123,6 @@ class Trainer:
         self.schedule = self._new_schedule()  # None: constant lr
         self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]  # the lr the latest optimizer step ran with
         self.progress = Progress()
-        self.config_digests = self.checkpointer.rules.config_digests  # saved with each checkpoint
         self.phase = "start"  # where this rank is, published for peers that must explain a failed collective
         self._epoch_carry: Optional[dict] = None  # loss sums of the epoch a mid-epoch checkpoint interrupted
         self._epoch_sums = LossSums()  # this rank's loss sums of the epoch in progress
@@ -441,7 +440,7 @@ class Trainer:
                 "best_epoch": self.progress.best_epoch, "history": self.progress.history,
                 "skipped_steps": self.progress.skipped_steps,
                 "batch_plan": self.plan.as_dict(), "world_size": self.env.world_size, "seed": self.settings.seed,
-                "config_digests": self.config_digests}
+                "config_digests": self.checkpointer.rules.config_digests}
 
     def _save(self, epoch: int, val: Optional[dict]) -> None:
         self._mark(f"epoch {epoch}: checkpoint")

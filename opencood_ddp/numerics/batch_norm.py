@@ -12,9 +12,10 @@ back to the native kernel.
 What we do instead, on CPU in training mode: the per-channel moments of the forward pass and the two
 per-channel sums of the backward pass are accumulated in float64 by compiled loops over the rows (one pass,
 shifted by the first row so that no cancellation is left; 12x faster than the native float32 kernel on the
-PFN layer above, single-threaded, and deterministic at any thread count). Contiguous (N, C, L) inputs keep
-the native kernel, which is exact on them. Normalising and the input gradient are elementwise (the native
-eval-mode kernel and one addcmul), so they need no extra care.
+PFN layer above, single-threaded, and deterministic at any thread count). On those row layouts the
+normalisation and the input gradient are compiled float64 loops too, rounded once to the input's type.
+Contiguous (N, C, L) inputs keep the native kernels, which are exact on them (statistics), with the native
+eval-mode kernel and one addcmul for the elementwise parts.
 
 BatchNorm's semantics are kept: the biased variance normalises, the unbiased one enters the running
 variance, momentum (None: cumulative average) and eps as configured, num_batches_tracked counts, an empty
@@ -151,7 +152,7 @@ def local_moments(x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_gradient_sums(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.Tensor,
-                        invstd: torch.Tensor) -> torch.Tensor:
+                          invstd: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 rows: sum(dy) and sum(dy * xhat) of each channel of a layout that is not rows (the
     native backward's weight-gradient reduction is exactly these two sums, and exact on (N, C, L))."""
     if x.numel() == 0:
@@ -162,7 +163,7 @@ def _native_gradient_sums(grad_out: torch.Tensor, x: torch.Tensor, mean: torch.T
 
 
 def _row_gradient_totals(grad_rows: np.ndarray, rows: np.ndarray, mean: torch.Tensor,
-                      invstd: torch.Tensor) -> torch.Tensor:
+                         invstd: torch.Tensor) -> torch.Tensor:
     """(2, C) float64 rows: sum(dy) and sum(dy * xhat) of each column of (rows, C) arrays; mean and invstd
     float64."""
     sums = torch.zeros(2, rows.shape[1], dtype=torch.float64)
