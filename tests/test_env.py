@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 
 from opencood_ddp.distributed.env import DistEnv, detect_dist_env, expand_slurm_nodelist
-from opencood_ddp.engine.train import build_parser
+from opencood_ddp.engine.options import parse_train_options
 from opencood_ddp.errors import ConfigError
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "abc",
@@ -202,13 +202,13 @@ def test_expand_slurm_nodelist(nodelist, hosts):
 @pytest.mark.parametrize("argv", [["--local_rank", "3"], ["--local-rank=3"], ["--local_rank=3"],
                                   ["--local-rank", "3"]])
 def test_parser_accepts_both_local_rank_spellings(argv):
-    args = build_parser().parse_args(argv)
-    assert args.local_rank == 3
-    assert isinstance(args.local_rank, int)
+    launch = parse_train_options(argv).launch
+    assert launch.local_rank == 3
+    assert isinstance(launch.local_rank, int)
 
 
 def test_parser_local_rank_default_is_none():
-    assert build_parser().parse_args([]).local_rank is None
+    assert parse_train_options([]).launch.local_rank is None
 
 
 def test_a_local_rank_without_a_gpu_is_one_error_naming_the_counts():

@@ -18,7 +18,7 @@ from launch import REPO
 
 README = REPO / "README.md"
 # The engine's parsers behind the two entry points (the tools' files only call them).
-ENGINE_PARSERS = {"train_ddp.py": "opencood_ddp.engine.train"}
+ENGINE_PARSERS = {"train_ddp.py": "opencood_ddp.engine.options"}  # tool -> module with its parser
 
 
 def code_block_commands(text: str) -> list[str]:
@@ -51,7 +51,9 @@ def parse_with_tool(tool: str, args: list[str]) -> None:
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
         spec.loader.exec_module(module)
-    if hasattr(module, "build_parser"):
+    if hasattr(module, "train_parser"):
+        module.train_parser().parse_args(args)
+    elif hasattr(module, "build_parser"):
         module.build_parser().parse_args(args)
     else:
         module.parse_args(args)

@@ -61,13 +61,20 @@ def worker(args: argparse.Namespace) -> int:
     """One process of one run, started by the driver (plain or under torchrun)."""
     from opencood_ddp.engine.entry import run_distributed
 
-    # What the engine's recipes read from their own command lines; the benchmark keeps the defaults.
-    args.model_dir, args.batch_semantics, args.scale_lr = None, "global", "none"
-    args.local_rank, args.dist_backend, args.dist_timeout = None, None, 30.0
-    return run_distributed(args, measure)
+    options = training_options(args)
+    return run_distributed(options.launch, lambda env: measure(options, args, env))
 
 
-def measure(args: argparse.Namespace, env) -> None:
+def training_options(args: argparse.Namespace):
+    """The engine's options of the run this benchmark times: its defaults but for the flags given here."""
+    from opencood_ddp.engine.options import LaunchOptions, TrainOptions
+
+    return TrainOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides),
+                        per_gpu_batch=args.per_gpu_batch, half=args.half, seed=args.seed,
+                        launch=LaunchOptions(num_workers=args.num_workers))
+
+
+def measure(options, args: argparse.Namespace, env) -> None:
     """Train warmup + steps with the engine's Trainer; rank 0 writes every rank's figures to --worker_out."""
     from opencood_ddp.distributed import comm
     from opencood_ddp.engine.train import load_run_hypes, plan_batches, seed_everything
@@ -75,12 +82,11 @@ def measure(args: argparse.Namespace, env) -> None:
     from opencood_ddp.tasks import build_task
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    hypes, _ = load_run_hypes(args)
-    plan = plan_batches(hypes, args, env.world_size, args.per_gpu_batch)
+    hypes, _ = load_run_hypes(options)
+    plan = plan_batches(hypes, options, env.world_size, options.per_gpu_batch)
     seed_everything(hypes["train_params"]["seed"])
     task = build_task(hypes, for_training=True)
-    settings = TrainSettings.from_hypes(hypes, hypes["train_params"]["seed"], args.num_workers, args.half,
-                                        sync_bn=True)
+    settings = TrainSettings.from_hypes(hypes, options)
     with tempfile.TemporaryDirectory(prefix="benchmark_ddp_") as scratch:
         trainer = Trainer(task, plan, env, settings, hypes, Path(scratch))
         loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)

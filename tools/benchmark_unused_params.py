@@ -51,14 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------- worker side
 def worker(args: argparse.Namespace) -> int:
     from opencood_ddp.engine.entry import run_distributed
+    from opencood_ddp.engine.options import LaunchOptions, TrainOptions
 
-    # What the engine's recipes read from their own command lines; the benchmark keeps the defaults.
-    args.model_dir, args.batch_semantics, args.scale_lr, args.seed = None, "global", "none", None
-    args.local_rank, args.dist_backend, args.dist_timeout = None, None, 30.0
-    return run_distributed(args, measure)
+    # The engine's defaults but for the hypes and their overrides; no loader workers: the step is timed.
+    options = TrainOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides),
+                           launch=LaunchOptions(num_workers=0))
+    return run_distributed(options.launch, lambda env: measure(options, args, env))
 
 
-def build_trainer(way: str, hypes: dict, plan, env, scratch: Path):
+def build_trainer(way: str, options, hypes: dict, plan, env, scratch: Path):
     """The engine's Trainer on a fresh task (the same initial weights for every way)."""
     from opencood_ddp.engine.train import seed_everything
     from opencood_ddp.engine.trainer import Trainer, TrainSettings
@@ -68,9 +69,8 @@ def build_trainer(way: str, hypes: dict, plan, env, scratch: Path):
     task = build_task(hypes, for_training=True)
     if way != "flags":
         task = dataclasses.replace(task, parameter_use=None)
-    settings = TrainSettings.from_hypes(hypes, hypes["train_params"]["seed"], num_workers=0, half=False,
-                                        sync_bn=True)
-    settings.find_unused_parameters = way == "find_unused"
+    settings = dataclasses.replace(TrainSettings.from_hypes(hypes, options),
+                                   find_unused_parameters=way == "find_unused")
     return Trainer(task, plan, env, settings, hypes, scratch / way)
 
 
@@ -82,16 +82,16 @@ def endless_steps(trainer):
         epoch += 1
 
 
-def measure(args: argparse.Namespace, env) -> None:
+def measure(options, args: argparse.Namespace, env) -> None:
     from opencood_ddp.distributed import comm
     from opencood_ddp.engine.train import load_run_hypes, plan_batches
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    hypes, _ = load_run_hypes(args)
-    plan = plan_batches(hypes, args, env.world_size, None)
+    hypes, _ = load_run_hypes(options)
+    plan = plan_batches(hypes, options, env.world_size, None)
     seconds = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory(prefix="benchmark_unused_") as scratch:
-        steps = {way: endless_steps(build_trainer(way, hypes, plan, env, Path(scratch))) for way in WAYS}
+        steps = {way: endless_steps(build_trainer(way, options, hypes, plan, env, Path(scratch))) for way in WAYS}
         for round_ in range(args.warmup + args.steps):
             order = WAYS[round_ % len(WAYS):] + WAYS[:round_ % len(WAYS)]  # every way in every place alike
             for way in order:  # every rank in the same order: the collectives of the three stay matched

@@ -6,7 +6,6 @@ collective (CollectiveError) is told by every rank that saw it: rank 0 may be th
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -18,18 +17,19 @@ from typing import Callable, Optional
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
 from opencood_ddp.engine.logging import setup_logging
+from opencood_ddp.engine.options import LaunchOptions
 from opencood_ddp.errors import CollectiveError, OpencoodDdpError
 
 
-def run_distributed(args: argparse.Namespace, recipe: Callable[[argparse.Namespace, DistEnv], object]) -> int:
-    """``recipe(args, env)`` inside a process group; ``args`` has local_rank, dist_backend and dist_timeout."""
+def run_distributed(launch: LaunchOptions, recipe: Callable[[DistEnv], object]) -> int:
+    """``recipe(env)`` inside the process group that ``launch`` describes; returns the exit code."""
     env: Optional[DistEnv] = None
     try:
-        env = detect_from_process(args.local_rank, args.dist_backend)
+        env = detect_from_process(launch.local_rank, launch.dist_backend)
         setup_logging(env.rank)
-        with distributed_session(env, args.dist_timeout):
+        with distributed_session(env, launch.dist_timeout):
             try:
-                recipe(args, env)
+                recipe(env)
             except OpencoodDdpError as exc:
                 # Told before the process group is torn down: after a peer died, torchrun's agent may end
                 # this process with SIGTERM during the teardown, and the reason would be lost.

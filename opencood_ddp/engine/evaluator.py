@@ -29,7 +29,7 @@ from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
 @dataclass
 class EvalRequest:
     """What the user asked for, handed to the task's ``build_eval``. ``task_options`` is opaque to the engine:
-    the parsed flags of the task's own options (``add_eval_arguments``), or None for the task's defaults
+    an instance of the task's own options class (``EvalOptions.task``), or None for the task's defaults
     (training's --eval_after_training)."""
 
     dataset_dir: Optional[str] = None  # None: the run's validate_dir, as upstream's inference

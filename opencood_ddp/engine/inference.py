@@ -6,7 +6,6 @@ broadcast) -> the task's EvalSpec (dataset, model, per-frame evaluation) -> weig
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -22,31 +21,11 @@ from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.logging import get_logger
+from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
 from opencood_ddp.errors import CheckpointError, ConfigError
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
-TaskArguments = Callable[[argparse.ArgumentParser], None]
-
-
-def build_parser(add_task_arguments: Optional[TaskArguments] = None) -> argparse.ArgumentParser:
-    """The engine's flags; ``add_task_arguments`` adds the task's own (what to evaluate and what to draw)."""
-    parser = argparse.ArgumentParser(description="Evaluate a trained run on 1..N processes; the metrics equal a "
-                                                 "1-process run's.")
-    parser.add_argument("--model_dir", required=True, help="run folder with config.yaml and net_epoch*.pth")
-    parser.add_argument("--dataset_dir", help="split to evaluate (default: validate_dir of config.yaml)")
-    which = parser.add_mutually_exclusive_group()
-    which.add_argument("--epoch", type=int, help="evaluate net_epoch{N}.pth (default: the last)")
-    which.add_argument("--bestval", action="store_true", help="evaluate net_epoch_bestval_at{N}.pth")
-    parser.add_argument("--batch_size", type=int, default=1, help="samples per forward pass on each process")
-    parser.add_argument("--num_workers", type=int, default=2, help="DataLoader workers per process")
-    parser.add_argument("--dist_timeout", type=float, default=30.0, help="collective timeout in minutes")
-    parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
-    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
-                        help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
-    if add_task_arguments is not None:
-        add_task_arguments(parser.add_argument_group("task options"))
-    return parser
 
 
 def load_run_config(model_dir: Path) -> dict:
@@ -107,16 +86,16 @@ def _pace(result: EvalResult) -> str:
     return f"{result.frames} frames on {result.world_size} process(es) in {result.seconds:.1f} s ({rate:.1f} frames/s)"
 
 
-def run_eval(args: argparse.Namespace, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
-    model_dir = Path(args.model_dir)
+def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
+    model_dir = Path(options.model_dir)
     hypes, checkpoint = comm.on_main_then_broadcast(
-        lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, args.epoch, args.bestval)))
-    request = EvalRequest(dataset_dir=args.dataset_dir, batch_size=args.batch_size, out_dir=str(model_dir),
-                          task_options=args)
-    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, args.num_workers)
+        lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, options.epoch, options.bestval)))
+    request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, out_dir=str(model_dir),
+                          task_options=options.task)
+    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, options.launch.num_workers)
 
 
-def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder,
-         add_task_arguments: Optional[TaskArguments] = None) -> int:
-    args = build_parser(add_task_arguments).parse_args(argv)
-    return run_distributed(args, lambda parsed, env: run_eval(parsed, env, build_eval))
+def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder, task_options: Optional[type] = None) -> int:
+    """tools/inference_ddp.py: ``task_options`` is the task's options class (its flags and their typed values)."""
+    options = parse_eval_options(argv, task_options)
+    return run_distributed(options.launch, lambda env: run_eval(options, env, build_eval))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from opencood_ddp.distributed.elastic import RUN_ID_FILE
 from opencood_ddp.errors import ConfigError
 
 CONFIG_NAME = "config.yaml"
@@ -42,7 +43,8 @@ def _existing_model_dir(path: Path) -> RunFolder:
     if (path / CONFIG_NAME).is_file():
         require_writable(path, "resume it")
         return RunFolder(path, resume=True)
-    if any(entry.name != LOCK_NAME for entry in path.iterdir()):  # a lock alone: a job that died at its start
+    # The lock and the torchrun job's id alone: a job that died at its start, before its config.yaml.
+    if any(entry.name not in (LOCK_NAME, RUN_ID_FILE) for entry in path.iterdir()):
         raise ConfigError(f"--model_dir {path} is not a run (no {CONFIG_NAME}) and is not empty; pass a run folder "
                           f"to resume, or a new or empty folder for a new run")
     return RunFolder(path, resume=False)

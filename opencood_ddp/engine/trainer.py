@@ -19,6 +19,7 @@ Invariants that make an N-rank run follow the 1-rank run:
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
 from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
+from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
 from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
@@ -71,18 +73,16 @@ class TrainSettings:
     max_skip_share: float = 0.1  # ... and so does a larger share of an epoch's steps skipped
 
     @classmethod
-    def from_hypes(cls, hypes: dict, seed: int, num_workers: int, half: bool, sync_bn: bool,
-                   max_steps: Optional[int] = None, reverse_batch_order: bool = False,
-                   on_nonfinite: str = "stop", allow_config_change: bool = False, max_skips_in_a_row: int = 10,
-                   max_skip_share: float = 0.1) -> "TrainSettings":
-        return cls(epochs=hypes["train_params"]["epoches"], seed=seed,
+    def from_hypes(cls, hypes: dict, options: TrainOptions) -> "TrainSettings":
+        """The hypes' train_params (seed already resolved by the recipe) and the run's flags."""
+        return cls(epochs=hypes["train_params"]["epoches"], seed=hypes["train_params"]["seed"],
                    eval_freq=get_key(hypes, "train_params.eval_freq", 1),
-                   save_freq=get_key(hypes, "train_params.save_freq", 1), num_workers=num_workers,
+                   save_freq=get_key(hypes, "train_params.save_freq", 1), num_workers=options.launch.num_workers,
                    find_unused_parameters=bool(get_key(hypes, "train_params.find_unused_parameters", False)),
-                   half=half, sync_bn=sync_bn, max_steps=max_steps,
-                   reverse_batch_order=reverse_batch_order, on_nonfinite=on_nonfinite,
-                   allow_config_change=allow_config_change, max_skips_in_a_row=max_skips_in_a_row,
-                   max_skip_share=max_skip_share)
+                   half=options.half, sync_bn=options.sync_bn, max_steps=options.max_steps,
+                   reverse_batch_order=options.reverse_batch_order, on_nonfinite=options.on_nonfinite,
+                   allow_config_change=options.allow_config_change, restart=options.restart,
+                   max_skips_in_a_row=options.max_skips_in_a_row, max_skip_share=options.max_skip_share)
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Trainer:
                  run_dir: Path, hooks: Optional[Hooks] = None, stop_signal: Optional[StopSignal] = None):
         """Complete once built: `hooks` (what the loop reports to; they write nothing before the first step or a
         resume) and `stop_signal` (checked at every step boundary; the caller enters it around `fit`)."""
-        self.task, self.plan, self.env, self.settings = task, plan, env, settings
+        self.task, self.plan, self.env, self.settings, self.hypes = task, plan, env, settings, hypes
         self.run_dir, self.hooks, self.log = Path(run_dir), hooks or Hooks(), get_logger()
         self.stop_signal = stop_signal
         self.checkpointer = RunCheckpointer(self.run_dir, env.is_main, settings.keep_states, ResumeRules(
@@ -139,6 +139,27 @@ class Trainer:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids,
                                        find_unused_parameters=self.settings.find_unused_parameters)
+
+    def open_run(self, resume: bool) -> list[tuple[int, str]]:
+        """Make the run folder this run's: for an existing run, continue from its newest checkpoint that loads and
+        remove what a killed save left; then write config.yaml (its one write: nothing of an existing run is
+        written before its checkpoint loaded). Returns (logging level, message) pairs to log once the log file is
+        attached."""
+        notes: list[tuple[int, str]] = []
+        if resume:
+            saved, rejected = self.resume()
+            notes += [(logging.WARNING, f"{reason}: fell back to the checkpoint before it") for reason in rejected]
+            removed = self.checkpointer.remove_unfinished_saves()
+            if removed:
+                notes.append((logging.INFO, f"removed {len(removed)} unfinished save(s) of a killed run: "
+                                            f"{', '.join(removed)}"))
+            if saved is not None:
+                p = self.progress
+                notes.append((logging.INFO, f"resumed from {saved.describe()}: {p.epoch} epoch(s) and "
+                                            f"{p.step_in_epoch} step(s) of the next done, global step "
+                                            f"{p.global_step}"))
+        self.checkpointer.write_config(self.hypes, self.plan)
+        return notes
 
     def resume(self) -> tuple[Optional[ckpt.SavedCheckpoint], list[str]]:
         """Continue from the newest checkpoint that loads (RunCheckpointer.resume): (that checkpoint or None,

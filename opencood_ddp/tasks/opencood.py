@@ -174,9 +174,9 @@ class PrPlot:
         plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames ({order})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DetectionEvalOptions:
-    """The task's evaluation options (tools/inference_ddp.py's flags of ``add_eval_arguments``)."""
+    """The task's evaluation options: tools/inference_ddp.py's flags of ``add_arguments`` (dest = field name)."""
 
     fusion_method: Optional[str] = None  # None: the one the run's hypes imply
     global_sort: bool = False
@@ -186,28 +186,26 @@ class DetectionEvalOptions:
 
     @classmethod
     def of(cls, request: EvalRequest) -> "DetectionEvalOptions":
-        """From the parsed flags the engine passed through, options given as they are (a program's call), or
-        the defaults (--eval_after_training)."""
-        flags = request.task_options
-        if flags is None:
+        """The options the request carries, or the defaults (--eval_after_training)."""
+        options = request.task_options
+        if options is None:
             return cls()
-        if isinstance(flags, cls):
-            return flags
-        return cls(fusion_method=flags.fusion_method, global_sort=flags.global_sort_detections,
-                   save_vis=flags.save_vis, save_npy=flags.save_npy, pr_plot=flags.pr_plot)
+        if not isinstance(options, cls):
+            raise TypeError(f"EvalRequest.task_options must be a {cls.__name__}, got {type(options).__name__}")
+        return options
 
-
-def add_eval_arguments(parser: Any) -> None:
-    """tools/inference_ddp.py's detection flags; --fusion_method's choices are the registered datasets'."""
-    parser.add_argument("--fusion_method", required=True, choices=sorted(fusion_methods()),
-                        help="the fusion the run was trained with (upstream's flag)")
-    parser.add_argument("--global_sort_detections", action="store_true",
-                        help="sort all detections by score before AP (default: upstream's frame order)")
-    parser.add_argument("--save_vis", action="store_true", help="bird's-eye-view PNG per frame in MODEL_DIR/vis/")
-    parser.add_argument("--save_npy", action="store_true",
-                        help="per frame MODEL_DIR/npy/{index:04d}_pcd.npy, _pred.npy, _gt.npy (upstream's files)")
-    parser.add_argument("--pr_plot", action="store_true",
-                        help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve[_global_sort].png")
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None:
+        """The detection flags; --fusion_method's choices are the registered datasets'."""
+        parser.add_argument("--fusion_method", required=True, choices=sorted(fusion_methods()),
+                            help="the fusion the run was trained with (upstream's flag)")
+        parser.add_argument("--global_sort_detections", dest="global_sort", action="store_true",
+                            help="sort all detections by score before AP (default: upstream's frame order)")
+        parser.add_argument("--save_vis", action="store_true", help="bird's-eye-view PNG per frame in MODEL_DIR/vis/")
+        parser.add_argument("--save_npy", action="store_true",
+                            help="per frame MODEL_DIR/npy/{index:04d}_pcd.npy, _pred.npy, _gt.npy (upstream's files)")
+        parser.add_argument("--pr_plot", action="store_true",
+                            help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve[_global_sort].png")
 
 
 def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) -> dict:
@@ -307,5 +305,5 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
                     result_name=eval_file_name(options.global_sort), report=Report(options, request.out_dir))
 
 
-__all__ = ["build_task", "build_eval", "add_eval_arguments", "DetectionEvalOptions", "DetectionStep",
+__all__ = ["build_task", "build_eval", "DetectionEvalOptions", "DetectionStep",
            "batch_size_of", "eval_file_name", "pr_plot_name"]

@@ -1,0 +1,183 @@
+"""The run options: the command line, parsed once into frozen dataclasses that the engine takes (never argparse's
+Namespace). A field's name is its flag's `dest`, so that adding a flag is two edits: its ``add_argument`` here
+and its field. Programs that call the engine (benchmarks, checks) build the dataclasses directly.
+
+- ``LaunchOptions``: what every entry point needs to start and to load data (``add_launch_arguments``).
+- ``TrainOptions``: tools/train_ddp.py (``train_parser``).
+- ``EvalOptions``: tools/inference_ddp.py (``eval_parser``), with the task's own typed options in ``task``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol, Sequence, Union
+
+from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS
+from opencood_ddp.engine.step_guard import NONFINITE_POLICIES
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Process group and data loading, shared by training and evaluation."""
+
+    num_workers: int = 2  # DataLoader workers per process
+    dist_timeout: float = 30.0  # minutes a collective waits for a stalled or dead peer
+    dist_backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    local_rank: Optional[int] = None  # torch.distributed.launch's flag; torchrun sets LOCAL_RANK instead
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """tools/train_ddp.py's flags; the help texts of `train_parser` say what each does."""
+
+    hypes_yaml: Optional[str] = None
+    model_dir: Optional[str] = None
+    overrides: tuple[str, ...] = ()  # --set KEY.SUB=VALUE, in order
+    per_gpu_batch: Union[int, str, None] = None  # a number, "auto" or None (no cap)
+    per_gpu_mem_gib: Optional[float] = None
+    batch_semantics: str = "global"
+    scale_lr: str = "none"
+    half: bool = False
+    seed: Optional[int] = None  # None: train_params.seed of the hypes, else 0
+    sync_bn: bool = True  # --no_sync_bn clears it
+    max_steps: Optional[int] = None
+    reverse_batch_order: bool = False
+    on_nonfinite: str = "stop"
+    max_skips_in_a_row: int = 10
+    max_skip_share: float = 0.1
+    restart: bool = False
+    allow_config_change: bool = False
+    log_root: str = "logs"
+    eval_after_training: bool = False
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """tools/inference_ddp.py's engine flags; ``task`` holds the task's own options (its ``TaskOptions`` class)."""
+
+    model_dir: str
+    dataset_dir: Optional[str] = None  # None: validate_dir of the run's config.yaml
+    epoch: Optional[int] = None  # None: the last net_epoch{N}.pth
+    bestval: bool = False
+    batch_size: int = 1  # samples per forward pass on each process
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+    task: Any = None  # None: the task's defaults
+
+
+class TaskOptions(Protocol):
+    """What a task's own evaluation options class offers the parser: its flags (dest = field name)."""
+
+    @classmethod
+    def add_arguments(cls, parser: Any) -> None: ...
+
+
+def from_flags(cls: type, parsed: argparse.Namespace, **given: Any) -> Any:
+    """An options dataclass from parsed flags: each field from the flag of its name, lists as tuples (the
+    dataclasses are frozen), ``given`` for the nested ones."""
+    values = dict(given)
+    for item in dataclasses.fields(cls):
+        if item.name not in values:
+            value = getattr(parsed, item.name)
+            values[item.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**values)
+
+
+# ------------------------------------------------------------------------------------------------ parsers
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``LaunchOptions``, one help text for both entry points."""
+    parser.add_argument("--num_workers", type=int, default=LaunchOptions.num_workers,
+                        help="DataLoader workers per process")
+    parser.add_argument("--dist_timeout", type=float, default=LaunchOptions.dist_timeout,
+                        help="minutes a collective waits for a stalled or dead peer before every waiting rank "
+                             "fails with a message naming the ranks behind")
+    parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
+                        help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+
+
+def per_gpu_batch_value(text: str) -> Union[int, str]:
+    """--per_gpu_batch: a positive integer or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'auto'") from None
+
+
+def train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Train an OpenCOOD-schema model on 1..N processes (DDP).")
+    parser.add_argument("--hypes_yaml", help="hypes YAML of a new run (ignored when --model_dir is a run)")
+    parser.add_argument("--model_dir", help="existing run folder to resume, or a new folder for this run")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
+                        help="override a hypes value (YAML-typed); repeatable")
+    parser.add_argument("--per_gpu_batch", type=per_gpu_batch_value,
+                        help="cap the per-process batch; the rest becomes gradient accumulation. 'auto': measure a "
+                             "step's memory at per-process batch 1, 2, 4 on this device and take the largest that "
+                             "fits (tools/plan_batch.py's plan); nothing else of the run changes")
+    parser.add_argument("--per_gpu_mem_gib", type=float,
+                        help="with --per_gpu_batch auto: memory one process may use, GiB (default: the GPU's, or "
+                             "on the CPU the available memory shared by this node's processes; 10%% kept free)")
+    parser.add_argument("--batch_semantics", choices=SEMANTICS, default=TrainOptions.batch_semantics,
+                        help="global: batch_size is the effective batch (default); per_gpu: upstream behaviour")
+    parser.add_argument("--scale_lr", choices=LR_SCALINGS, default=TrainOptions.scale_lr,
+                        help="lr scaling with per_gpu semantics")
+    parser.add_argument("--half", action="store_true", help="mixed precision (fp16 + GradScaler on CUDA, bf16 on CPU)")
+    parser.add_argument("--seed", type=int, help="default: train_params.seed of the hypes, else 0")
+    parser.add_argument("--no_sync_bn", dest="sync_bn", action="store_false",
+                        help="keep per-rank BatchNorm statistics")
+    parser.add_argument("--max_steps", type=int, help="end the run after this many optimizer steps and save "
+                                                       "net_step{K}.pth (a smoke test or a parity check)")
+    parser.add_argument("--reverse_batch_order", action="store_true",
+                        help="feed each batch's samples in reverse order: the same training in exact arithmetic, "
+                             "another float summation order (the noise floor of tools/parity_check.py)")
+    parser.add_argument("--on_nonfinite", choices=NONFINITE_POLICIES, default=TrainOptions.on_nonfinite,
+                        help="a non-finite loss or gradient on any rank: stop (save the state before the step, "
+                             "exit 3) or skip the step on every rank")
+    parser.add_argument("--max_skips_in_a_row", type=int, default=TrainOptions.max_skips_in_a_row,
+                        help="with --on_nonfinite skip: stop (as 'stop' does) after more consecutive skipped steps")
+    parser.add_argument("--max_skip_share", type=float, default=TrainOptions.max_skip_share,
+                        help="with --on_nonfinite skip: stop when a larger share of an epoch's steps was skipped")
+    parser.add_argument("--restart", action="store_true",
+                        help="train an existing run folder that has a history but no checkpoint that loads from the "
+                             "start (its train_steps.csv is replaced); refused otherwise")
+    parser.add_argument("--allow_config_change", action="store_true",
+                        help="resume although a model or data section of config.yaml (or a --set) differs from "
+                             "what the checkpoint was trained with (refused otherwise)")
+    parser.add_argument("--log_root", default=TrainOptions.log_root,
+                        help="parent of new run folders without --model_dir")
+    parser.add_argument("--eval_after_training", action="store_true",
+                        help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
+                             "ranks; writes eval.yaml into the run folder")
+    add_launch_arguments(parser.add_argument_group("launch"))
+    return parser
+
+
+def eval_parser(task_options: Optional[type] = None) -> argparse.ArgumentParser:
+    """The engine's evaluation flags; ``task_options`` (a ``TaskOptions`` class) adds the task's own."""
+    parser = argparse.ArgumentParser(description="Evaluate a trained run on 1..N processes; the metrics equal a "
+                                                 "1-process run's.")
+    parser.add_argument("--model_dir", required=True, help="run folder with config.yaml and net_epoch*.pth")
+    parser.add_argument("--dataset_dir", help="split to evaluate (default: validate_dir of config.yaml)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--epoch", type=int, help="evaluate net_epoch{N}.pth (default: the last)")
+    which.add_argument("--bestval", action="store_true", help="evaluate net_epoch_bestval_at{N}.pth")
+    parser.add_argument("--batch_size", type=int, default=EvalOptions.batch_size,
+                        help="samples per forward pass on each process")
+    add_launch_arguments(parser.add_argument_group("launch"))
+    if task_options is not None:
+        task_options.add_arguments(parser.add_argument_group("task options"))
+    return parser
+
+
+def parse_train_options(argv: Optional[Sequence[str]]) -> TrainOptions:
+    parsed = train_parser().parse_args(argv)
+    return from_flags(TrainOptions, parsed, launch=from_flags(LaunchOptions, parsed))
+
+
+def parse_eval_options(argv: Optional[Sequence[str]], task_options: Optional[type] = None) -> EvalOptions:
+    parsed = eval_parser(task_options).parse_args(argv)
+    task = from_flags(task_options, parsed) if task_options is not None else None
+    return from_flags(EvalOptions, parsed, launch=from_flags(LaunchOptions, parsed), task=task)
