@@ -10,7 +10,8 @@ below are upstream's (``BaseDataset.__init__`` / ``retrieve_base_data`` and the 
   record and frame carries ``infra`` (True for an RSU), the flag V2X-ViT's prior encoding reads.
 - A CAV's timestamps are its ``*.yaml`` names without the suffix, sorted, skipping names containing
   ``additional``. The dataset length is the ego's timestamp count summed over scenarios; sample ``i`` is
-  the ego's timestamp at that position, and every kept CAV is read at the same timestamp.
+  the ego's timestamp at that position, and every kept CAV is read at the same timestamp (with a
+  communication delay, ``wild_setting.async``, at an earlier one of the same scenario: ``ScenarioFrames``).
 - Communication range: a non-ego CAV whose lidar position is more than ``comm_range`` (70 m) from the
   ego's in x-y is dropped from the frame (kept at exactly 70 m).
 
@@ -204,13 +205,18 @@ class Opv2vIndex:
 
     def locate(self, i: int) -> Tuple[Scenario, str]:
         """Sample index -> (scenario, ego timestamp). IndexError outside ``[0, len)``."""
+        scenario, position = self.locate_position(i)
+        return scenario, scenario.timestamps[position]
+
+    def locate_position(self, i: int) -> Tuple[Scenario, int]:
+        """Sample index -> (scenario, position of its ego timestamp in ``scenario.timestamps``), so that a dataset
+        can read the frames before it (``ScenarioFrames``). IndexError outside ``[0, len)``."""
         i = operator.index(i)
         if not 0 <= i < len(self):
             raise IndexError(f"sample index {i} out of range for {len(self)} samples in {self.root}")
         k = bisect.bisect_right(self.ends, i)  # first scenario whose end exceeds i (skips empty ones)
         start = self.ends[k - 1] if k else 0
-        scenario = self.scenarios[k]
-        return scenario, scenario.timestamps[i - start]
+        return self.scenarios[k], i - start
 
 
 def _subdirectories(folder: Path) -> List[str]:
@@ -328,6 +334,34 @@ def _read_cav(cav: CavRecord, timestamp: str, ego: bool, ego_pose: Optional[np.n
     pose = lidar_pose_of(params, path)
     distance = 0.0 if ego_pose is None else xy_distance(pose, ego_pose)
     return CavFrame(cav.cav_id, params, pose, cav.pcd_path(timestamp), path, ego, distance)
+
+
+class ScenarioFrames:
+    """The kept CAVs of one scenario around one sample, for delayed reads: ``frame(slot, lag)`` is CAV ``slot``
+    (0 is the ego) ``lag`` frames before the sample's timestamp, its yaml parsed at most once per sample.
+
+    As upstream (``return_timestamp_key``), frames are counted in the ego's timestamp list, which every kept CAV
+    has (checked at scan time). A frame's ``distance_to_ego`` is NaN: the dataset measures the distance it needs
+    (upstream: the sent pose against the ego's current one). A plain object, built per sample, never pickled.
+    """
+
+    def __init__(self, scenario: Scenario, position: int):
+        self.scenario, self.position = scenario, position
+        self._frames: Dict[Tuple[int, int], CavFrame] = {}
+
+    def frame(self, slot: int, lag: int = 0) -> CavFrame:
+        if not 0 <= lag <= self.position:
+            raise ValueError(f"lag {lag} reaches before the first frame of scenario {self.scenario.name} from "
+                             f"timestamp position {self.position}")
+        key = (slot, lag)
+        if key not in self._frames:
+            record = self.scenario.cavs[slot]
+            timestamp = self.scenario.timestamps[self.position - lag]
+            path = record.yaml_path(timestamp)
+            params = load_opv2v_yaml(path)
+            self._frames[key] = CavFrame(record.cav_id, params, lidar_pose_of(params, path),
+                                         record.pcd_path(timestamp), path, slot == 0, float("nan"))
+        return self._frames[key]
 
 
 def read_frame(index: Opv2vIndex, i: int, *, apply_comm_range: bool = True) -> "OrderedDict[str, CavFrame]":

@@ -218,7 +218,9 @@ class VoxelPostprocessor:
         As upstream ``BasePostprocessor.generate_gt_bbx``: every CAV's valid boxes projected by its
         ``transformation_matrix``; an object id seen by several CAVs keeps its first CAV's box (CAV order,
         ego first), in upstream's id order (``upstream_unique_indices``). Corners are computed and projected
-        in float64, then rounded to float32 (upstream rounds the corners to float32 first).
+        in float64, then rounded to float32 (upstream rounds the corners to float32 first). A CAV entry with a
+        ``transformation_matrix_clean`` (late fusion under pose noise) is projected by that one, so that the
+        ground truth stays where the objects are (HEAL/CoAlign's rule).
         """
         corners_list: List[torch.Tensor] = []
         ids: List[Hashable] = []
@@ -232,7 +234,8 @@ class VoxelPostprocessor:
             if len(cav_ids) != len(boxes):
                 raise ValueError(f"CAV {cav_id!r}: {len(cav_ids)} object_ids for {len(boxes)} masked boxes")
             corners_list.append(project_corners(boxes_to_corners(boxes, self.order),
-                                                torch.as_tensor(cav["transformation_matrix"])))
+                                                torch.as_tensor(cav.get("transformation_matrix_clean",
+                                                                        cav["transformation_matrix"]))))
             ids.extend(cav_ids)
         if not corners_list:
             return torch.zeros((0, 8, 3), dtype=torch.float32, device=device)

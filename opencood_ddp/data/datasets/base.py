@@ -5,14 +5,27 @@ datasets call (``BasePostprocessor.generate_object_center``).
 
 Reproducibility. Sample ``i`` of epoch ``e`` is a pure function of ``(seed, e, i)``: every random decision
 (point shuffling, the late-fusion CAV choice, augmentation) draws from ``sample_rng(seed, e, i)`` in a fixed
-order. ``set_epoch(e)`` is called by the engine before each epoch; DataLoader workers are not persistent, so
-each epoch's workers start from a copy of the dataset that carries the new epoch. No global RNG, rank or
-worker id is read, so 1, 2 or N ranks with any number of workers load bit-identical samples.
+order, and the robustness settings' draws (``real`` delays, ``per_sample`` pose errors) from generators keyed by
+the same triple plus the CAV and frame (``wild.wild_rng``), so they never shift that order. ``set_epoch(e)`` is
+called by the engine before each epoch; DataLoader workers are not persistent, so each epoch's workers start
+from a copy of the dataset that carries the new epoch. No global RNG, rank or worker id is read, so 1, 2 or N
+ranks with any number of workers load bit-identical samples.
 
-V2X settings. Upstream's optional ``wild_setting`` block (V2X-ViT: communication delay and localisation noise)
-is accepted with ``async: false`` and ``loc_err: false``, its default, where every CAV is read at the ego's
-timestamp with its true pose, which is what every dataset here does; either flag true is a ConfigError naming
-the key (not implemented). Road-side units (negative folder ids) are read like CAVs and are never the ego.
+Robustness settings (``data/wild.py``; docs/robustness.md, docs/compatibility.md). Every dataset reads a sample
+as the ego receives it (``received_cavs``): per kept CAV, ``time_delay`` frames of communication delay
+(``wild_setting.async``; 0 for the ego; clamped at the scenario's first frame) and the localisation error of its
+pose (``wild_setting.loc_err`` or HEAL's ``noise_setting``). As upstream, a delayed CAV's LiDAR, pose and speed
+come from the delayed frame and its ground-truth boxes from the current one; the 70 m range test compares its
+delayed true pose with the ego's current one, and ground truth is always placed with true poses. Its cloud goes
+into the ego frame by ``x1_to_x2(sent pose, ego pose)`` with the poses the ego believes: the ego's current pose,
+or with ``fusion.args.cur_ego_pose_flag: false`` (intermediate fusion) the ego's pose at the CAV's delayed
+frame, corrected by ``spatial_correction_matrix``. ``wild_setting.loc_err_mode: upstream`` (the default)
+reproduces upstream's inputs, quirks included: one fixed offset for every non-ego pose (upstream reseeds numpy
+before each draw), which only upstream's intermediate dataset applies (its early and late datasets project
+with the true poses; ``reads_upstream_loc_err``). ``per_sample`` and ``noise_setting`` draw per CAV and frame
+from generators keyed by (seed, epoch, index, CAV slot, frame), in every dataset. Without either block every
+CAV is read at the ego's timestamp with its true pose, bit for bit as before. Road-side units (negative folder
+ids) are read, delayed and perturbed like CAVs and are never the ego.
 
 Ground truth (as upstream). Each CAV's ``vehicles`` (world frame) are projected into the target frame (the
 ego's, or the CAV's own in late fusion) and kept when all 8 corners lie inside the GT range: in training
@@ -46,6 +59,7 @@ from __future__ import annotations
 import logging
 import operator
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Dict, Hashable, Iterable, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
@@ -55,11 +69,12 @@ from torch.utils.data import Dataset
 from opencood_ddp.data.augment import WorldAugmentor, WorldTransform, sample_rng, shuffle_points
 from opencood_ddp.data.ground_truth import GT_RANGE, evaluation_gt_range, upstream_unique_indices
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, mask_ego_points,
-                                        mask_points_by_range, project_world_objects)
-from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, scan_split
+                                        mask_points_by_range, project_world_objects, x1_to_x2, xy_distance)
+from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, ScenarioFrames, scan_split
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.data.preprocessors import build_preprocessor, preprocessor_entry
 from opencood_ddp.data.voxelize import collate_voxels
+from opencood_ddp.data.wild import SampleKey, pose_offset, perturb_pose, sample_delays, wild_setting_from_hypes
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.hypes import get_key, hypes_source, range6, validate
 
@@ -77,8 +92,8 @@ COMMON_KEYS: Tuple[Tuple[str, str], ...] = (
     # Upstream's BaseDataset always builds its DataAugmentor from this list, even where it never runs.
     ("data_augment", "list"),
 )
-# V2X-ViT's (and OpenCOOD's) ``wild_setting`` block: communication delay and localisation noise. Read and checked;
-# only its no-delay, no-noise setting (upstream's default) is implemented, see ``check_wild_setting``.
+# V2X-ViT's (and OpenCOOD's) ``wild_setting`` block: communication delay and localisation noise (data/wild.py).
+# loc_err_mode is ours: how the localisation error is drawn (upstream's one reseeded offset, or per sample).
 WILD_SETTING_KEYS: Tuple[Tuple[str, str], ...] = (
     ("wild_setting", "dict"),
     ("wild_setting.async", "bool"),
@@ -86,17 +101,29 @@ WILD_SETTING_KEYS: Tuple[Tuple[str, str], ...] = (
     ("wild_setting.async_overhead", "number"),
     ("wild_setting.seed", "int"),
     ("wild_setting.loc_err", "bool"),
+    ("wild_setting.loc_err_mode", "str"),
     ("wild_setting.xyz_std", "number"),
     ("wild_setting.ryp_std", "number"),
     ("wild_setting.data_size", "number"),
     ("wild_setting.transmission_speed", "number"),
     ("wild_setting.backbone_delay", "number"),
 )
+# HEAL's and CoAlign's localisation error, drawn per CAV and frame (the ego included).
+NOISE_SETTING_KEYS: Tuple[Tuple[str, str], ...] = (
+    ("noise_setting", "dict"),
+    ("noise_setting.add_noise", "bool"),
+    ("noise_setting.args", "dict"),
+    ("noise_setting.args.pos_std", "number"),
+    ("noise_setting.args.rot_std", "number"),
+    ("noise_setting.args.pos_mean", "number"),
+    ("noise_setting.args.rot_mean", "number"),
+    ("noise_setting.args.laplace", "bool"),
+)
 COMMON_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
     ("train_params.max_cav", "positive_int"),
     ("postprocess.gt_range", "list"),
     ("fusion.args", "any"),  # upstream's files carry `args: []` where a dataset reads none
-) + WILD_SETTING_KEYS
+) + WILD_SETTING_KEYS + NOISE_SETTING_KEYS
 
 
 _REPORTED_FILES: set = set()  # per process: each file's non-finite points are told once
@@ -125,11 +152,42 @@ class PostProcessor(Protocol):
     def collate_batch(self, label_list: List[dict]) -> dict: ...
 
 
+@dataclass(frozen=True)
+class ReceivedCav:
+    """One CAV of a sample as the ego receives it (module docstring, robustness settings)."""
+
+    slot: int                        # its place among the scenario's kept CAVs; 0 is the ego
+    sent: CavFrame                   # the frame it sent, time_delay frames back: LiDAR, pose, speed
+    current: CavFrame                # the same CAV at the sample's timestamp: its vehicles are the ground truth
+    time_delay: int                  # frames of 100 ms actually applied
+    to_ego: np.ndarray               # (4, 4) its LiDAR frame -> the ego frame, from the poses the ego believes
+    to_ego_clean: np.ndarray         # (4, 4) the same from the true poses onto the ego's current pose
+    spatial_correction: np.ndarray   # (4, 4) the ego pose it was projected onto -> the ego's current pose
+    noisy: bool                      # whether this dataset applies a localisation error to its projections
+
+    @property
+    def cav_id(self) -> str:
+        return self.sent.cav_id
+
+    @property
+    def ego(self) -> bool:
+        return self.slot == 0
+
+    @property
+    def infra(self) -> bool:
+        return self.sent.infra
+
+
 class OpencoodDataset(Dataset):
     """Base class: subclasses implement ``get_sample(index, rng)`` and their collate functions."""
 
     required_keys: Tuple[Tuple[str, str], ...] = COMMON_KEYS
     optional_keys: Tuple[Tuple[str, str], ...] = COMMON_OPTIONAL_KEYS
+    # Whether loc_err_mode upstream perturbs this dataset's projections: only upstream's intermediate dataset
+    # reads the noisy transformation_matrix; its early and late datasets project with the true poses.
+    reads_upstream_loc_err: bool = False
+    # fusion.args.cur_ego_pose_flag false (intermediate fusion): project onto the ego's pose at the CAV's frame.
+    projects_to_delayed_ego: bool = False
 
     def __init__(self, hypes: Mapping, split: str, train: bool, seed: int,
                  post_processor: Optional[PostProcessor] = None, visualize: bool = False):
@@ -141,7 +199,7 @@ class OpencoodDataset(Dataset):
         pre = preprocessor_entry(hypes, source)
         validate(hypes, tuple(self.required_keys) + ((split_key, "str"),) + pre.required, source,
                  tuple(self.optional_keys) + pre.optional)
-        check_wild_setting(hypes, source)
+        self.wild = wild_setting_from_hypes(hypes, source)
         self.hypes = hypes
         self.split, self.train, self.seed, self.visualize = split, bool(train), int(seed), bool(visualize)
         self.epoch = 0
@@ -188,6 +246,46 @@ class OpencoodDataset(Dataset):
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         raise NotImplementedError
+
+    # ----------------------------------------------------------------------------------- received CAVs
+
+    def sample_frames(self, index: int) -> Tuple[ScenarioFrames, List[int], SampleKey]:
+        """The sample's scenario reader, the applied delay of each kept CAV (slot order) and its draw key."""
+        scenario, position = self.index.locate_position(index)
+        key = SampleKey(self.seed, self.epoch, index)
+        return ScenarioFrames(scenario, position), sample_delays(self.wild, len(scenario.cavs), position, key), key
+
+    def received_cavs(self, index: int) -> List[ReceivedCav]:
+        """The sample's CAVs within the communication range (ego first), delayed and perturbed as the hypes say."""
+        frames, delays, key = self.sample_frames(index)
+        ego_now = frames.frame(0)
+        received = []
+        for slot, lag in enumerate(delays):
+            # Upstream's range test: the CAV's sent (delayed) true pose against the ego's current true pose.
+            if slot and xy_distance(frames.frame(slot, lag).lidar_pose, ego_now.lidar_pose) > self.index.comm_range:
+                continue
+            received.append(self.receive(frames, slot, lag, key))
+        return received
+
+    def receive(self, frames: ScenarioFrames, slot: int, lag: int, key: SampleKey) -> ReceivedCav:
+        sent, ego_now = frames.frame(slot, lag), frames.frame(0)
+        clean = x1_to_x2(sent.lidar_pose, ego_now.lidar_pose)
+        noisy = self.wild.noise is not None and (self.wild.noise.mode != "upstream" or self.reads_upstream_loc_err)
+        reference_lag = lag if self.projects_to_delayed_ego else 0
+        if not noisy and reference_lag == 0:  # the plain case: bit for bit the sample without wild settings
+            return ReceivedCav(slot, sent, frames.frame(slot), lag, clean, clean, np.identity(4), False)
+        ego_now_pose = self.believed_pose(frames, 0, 0, key, noisy)
+        reference = self.believed_pose(frames, 0, reference_lag, key, noisy)
+        to_ego = x1_to_x2(self.believed_pose(frames, slot, lag, key, noisy), reference)
+        # Upstream's x1_to_x2(pose, pose) for a CAV read at the current frame; exactly the identity here.
+        correction = np.identity(4) if reference_lag == 0 else x1_to_x2(reference, ego_now_pose)
+        return ReceivedCav(slot, sent, frames.frame(slot), lag, to_ego, clean, correction, noisy)
+
+    def believed_pose(self, frames: ScenarioFrames, slot: int, lag: int, key: SampleKey, noisy: bool) -> np.ndarray:
+        """CAV ``slot``'s pose ``lag`` frames back, with its localisation error when ``noisy``."""
+        pose = frames.frame(slot, lag).lidar_pose
+        offset = pose_offset(self.wild, slot, lag, key) if noisy else None
+        return pose if offset is None else perturb_pose(pose, offset)
 
     # ----------------------------------------------------------------------------------- points
 
@@ -303,24 +401,6 @@ class OpencoodDataset(Dataset):
         if len(batch) != 1:
             raise ConfigError(f"{kind} evaluation batches hold exactly one sample (upstream's collate_batch_test), "
                               f"got {len(batch)}; run inference with batch size 1")
-
-
-def check_wild_setting(hypes: Mapping, source: str) -> None:
-    """Accept upstream's ``wild_setting`` when it asks for neither delay nor pose noise; refuse the rest.
-
-    With ``async: false`` upstream's time delay is 0 for every CAV (each is read at the ego's timestamp) and with
-    ``loc_err: false`` no pose is perturbed, so the other keys change nothing and our samples equal upstream's.
-    Either flag true would need the delayed frames and upstream's noise model, which are not implemented: one
-    ConfigError naming the key. Absent keys mean upstream's defaults without the block (no delay, no noise).
-    """
-    for key, what in (("async", "communication delay"), ("loc_err", "localisation noise")):
-        if get_key(hypes, f"wild_setting.{key}", False):
-            raise ConfigError(f"{source}: key wild_setting.{key} is true ({what}), which is not implemented; set "
-                              f"wild_setting.{key}: false (upstream's default) or remove it")
-    mode = get_key(hypes, "wild_setting.async_mode", "sim")
-    if mode not in ("sim", "real"):
-        raise ConfigError(f"{source}: key wild_setting.async_mode must be 'sim' or 'real', got {mode!r}; fix the "
-                          f"hypes")
 
 
 def cav_positions(to_ego: Sequence[np.ndarray]) -> np.ndarray:

@@ -2,8 +2,11 @@
 
 Upstream counterpart: ``opencood/data_utils/datasets/early_fusion_dataset.py``. Per sample, as upstream:
 
-1. the frame's CAVs within 70 m of the ego (ego first); per CAV: GT boxes in the ego frame (GT range, see
-   ``base``), its cloud shuffled, the car's own hits removed, then projected with ``x1_to_x2(cav, ego)``;
+1. the frame's CAVs within 70 m of the ego (ego first), as the ego receives them (``base``: a delayed CAV's
+   cloud and pose from its delayed frame, its GT from the current one); per CAV: GT boxes in the ego's current
+   true frame (GT range, see ``base``), its cloud shuffled, the car's own hits removed, then projected with
+   ``x1_to_x2(sent pose, ego's current pose)``. As upstream's early dataset, ``loc_err_mode: upstream`` leaves
+   the poses true; ``per_sample`` and ``noise_setting`` perturb them;
 2. boxes de-duplicated by object id and padded to ``max_num``; clouds stacked;
 3. in training, the ``data_augment`` transform applied to the stacked cloud and the valid boxes;
 4. points cropped to ``preprocess.cav_lidar_range``; boxes re-filtered to that range (all 8 corners inside),
@@ -22,8 +25,7 @@ from typing import Any, Dict, Sequence
 import numpy as np
 
 from opencood_ddp.data.datasets.base import OpencoodDataset, cav_positions, identity_matrix
-from opencood_ddp.data.geometry import transform_points, x1_to_x2
-from opencood_ddp.data.opv2v import read_frame
+from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.data.voxelize import collate_voxels
 from opencood_ddp.registry import DATASETS
 
@@ -33,14 +35,14 @@ class EarlyFusionDataset(OpencoodDataset):
     """Raw-point fusion at the ego (PointPillar early fusion)."""
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
-        frame = read_frame(self.index, index)
-        ego_pose = next(iter(frame.values())).lidar_pose
+        cavs = self.received_cavs(index)
+        ego_pose = cavs[0].current.lidar_pose  # the ego's true current pose: the ground truth's frame
         clouds, objects = [], []
-        to_ego = [x1_to_x2(cav.lidar_pose, ego_pose) for cav in frame.values()]
-        for cav, matrix in zip(frame.values(), to_ego):
-            objects.append(self.cav_objects(cav, ego_pose))
-            points = self.load_cav_points(cav.pcd_path, rng)
-            clouds.append(transform_points(points, matrix))
+        to_ego = [cav.to_ego for cav in cavs]
+        for cav in cavs:
+            objects.append(self.cav_objects(cav.current, ego_pose))
+            points = self.load_cav_points(cav.sent.pcd_path, rng)
+            clouds.append(transform_points(points, cav.to_ego))
         boxes, ids = self.merge_objects(objects)
         points = np.concatenate(clouds)
 

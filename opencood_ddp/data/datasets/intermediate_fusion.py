@@ -2,24 +2,28 @@
 
 Upstream counterpart: ``opencood/data_utils/datasets/intermediate_fusion_dataset.py``. Per sample:
 
-1. the frame's CAVs within 70 m of the ego (ego first); per CAV: GT boxes in the ego frame (GT range, see
-   ``base``), its cloud shuffled, the car's own hits removed, projected into the ego frame when
-   ``fusion.args.proj_first`` (default true, as upstream);
+1. the frame's CAVs within 70 m of the ego (ego first), as the ego receives them (``base``: delay and
+   localisation error); per CAV: GT boxes of the current frame in the ego's current true frame (GT range, see
+   ``base``), its sent cloud shuffled, the car's own hits removed, projected into the ego frame when
+   ``fusion.args.proj_first`` (default true, as upstream) with the believed poses;
 2. per CAV: points cropped to ``preprocess.cav_lidar_range`` and voxelized; boxes de-duplicated by id and
    padded (no re-filtering by cav_lidar_range: at test time the GT is upstream's GT_RANGE);
 3. ``cav_num`` (-> ``record_len`` in batches) and ``pairwise_t_matrix`` (max_cav, max_cav, 4, 4): identity
-   everywhere with proj_first; otherwise ``inv(T_j) @ T_i`` off the diagonal and zeros on it, as upstream.
+   everywhere with proj_first; otherwise ``inv(T_j) @ T_i`` off the diagonal and zeros on it, where ``T_i`` is
+   CAV i's projection (delay and localisation error included, as upstream's ``transformation_matrix``).
+   Upstream at 31ba160 writes the identity on the diagonal; every model here ignores the diagonal.
    PointPillar AttFuse (upstream ``point_pillar_intermediate``) reads only the voxels and ``record_len``;
 4. V2X-ViT's inputs, from the yaml already parsed (no extra file read), one row per CAV in sample order and
    padded to ``max_cav`` as upstream:
    - ``prior_encoding`` (max_cav, 3) float32: ``[ego_speed / 30, time_delay, infra]``. Upstream divides the
-     yaml's ``ego_speed`` (km/h in OPV2V and V2XSet) by 30 km/h, its "average speed", rather than converting to
-     m/s; we do the same, so a model trained upstream sees the same numbers. ``time_delay`` is in upstream's
-     units of 100 ms and is 0: there is no delay model (``wild_setting.async`` true is refused, see ``base``).
+     yaml's ``ego_speed`` (km/h in OPV2V and V2XSet) of the *sent* (delayed) frame by 30 km/h, its "average
+     speed", rather than converting to m/s; we do the same, so a model trained upstream sees the same numbers.
+     ``time_delay`` is the CAV's applied delay in upstream's units of 100 ms (0 without ``wild_setting.async``).
      ``infra`` is 1 for a road-side unit (negative folder id), else 0. Rows past ``cav_num`` are zeros;
-   - ``spatial_correction_matrix`` (max_cav, 4, 4) float64: per CAV, upstream's correction from the ego's pose
-     at that CAV's (delayed) capture time to its current pose. Without delay both poses are the same, so it is
-     the identity (exactly; upstream's ``x1_to_x2(pose, pose)`` may differ in the last bit), as is the padding.
+   - ``spatial_correction_matrix`` (max_cav, 4, 4) float64: per CAV, upstream's correction from the ego pose
+     the CAV was projected onto to the ego's current pose: ``x1_to_x2(ego at the CAV's delayed frame, ego now)``
+     with ``fusion.args.cur_ego_pose_flag: false`` and a delay; the identity otherwise (exactly; upstream's
+     ``x1_to_x2(pose, pose)`` for an undelayed CAV may differ in the last bit), as is the padding.
 
 Augmentation: upstream's intermediate dataset never augments. ``fusion.args.augment: true`` (our extension,
 default false) applies one ``data_augment`` transform, in training, to every CAV's ego-frame cloud and to the
@@ -33,8 +37,10 @@ visualizing). Upstream's samples carry the three prior lists (velocity, time_del
 collate time; ours carry the stacked array, so the batch is the same: ``prior_encoding`` (B, max_cav, 3)
 float32 and ``spatial_correction_matrix`` (B, max_cav, 4, 4) float64, stacked in sample order.
 
-``fusion.args.cur_ego_pose_flag`` (V2X-ViT's configs) is accepted: it chooses which ego pose a delayed CAV is
-projected to, and without delay both choices give the same sample.
+``fusion.args.cur_ego_pose_flag`` (default true, as upstream; V2X-ViT's configs set false) chooses which ego
+pose a delayed CAV is projected onto: the current one, or the ego's pose at the CAV's delayed frame (then
+``spatial_correction_matrix`` carries the rest). Without delay both choices give the same sample. This is the
+one dataset where ``wild_setting.loc_err_mode: upstream`` perturbs the projections, as upstream's.
 """
 from __future__ import annotations
 
@@ -44,9 +50,10 @@ from typing import Any, Dict, List, Mapping, Sequence
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import COMMON_OPTIONAL_KEYS, OpencoodDataset, cav_positions, identity_matrix
-from opencood_ddp.data.geometry import transform_points, x1_to_x2
-from opencood_ddp.data.opv2v import CavFrame, ego_speed_of, read_frame
+from opencood_ddp.data.datasets.base import (COMMON_OPTIONAL_KEYS, OpencoodDataset, ReceivedCav, cav_positions,
+                                             identity_matrix)
+from opencood_ddp.data.geometry import transform_points
+from opencood_ddp.data.opv2v import ego_speed_of
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, hypes_source
@@ -55,8 +62,6 @@ from opencood_ddp.registry import DATASETS
 
 # Upstream divides the yaml's ego_speed (km/h) by this "average speed" for V2X-ViT's prior encoding.
 UPSTREAM_SPEED_SCALE_KMH = 30.0
-# Upstream's time delay, in 100 ms steps, with wild_setting.async false (the only setting implemented here).
-NO_TIME_DELAY = 0.0
 
 
 @DATASETS.register("IntermediateFusionDataset", fusion_method="intermediate")
@@ -66,8 +71,11 @@ class IntermediateFusionDataset(OpencoodDataset):
     optional_keys = COMMON_OPTIONAL_KEYS + (("fusion.args.proj_first", "bool"), ("fusion.args.augment", "bool"),
                                             ("fusion.args.cur_ego_pose_flag", "bool"))
 
+    reads_upstream_loc_err = True  # upstream's intermediate dataset projects with the noisy poses
+
     def __init__(self, hypes: Mapping, *args: Any, **kwargs: Any):
         self.proj_first = bool(get_key(hypes, "fusion.args.proj_first", True))
+        self.projects_to_delayed_ego = not get_key(hypes, "fusion.args.cur_ego_pose_flag", True)
         super().__init__(hypes, *args, **kwargs)
 
     def augments(self, hypes: Mapping) -> bool:
@@ -78,15 +86,14 @@ class IntermediateFusionDataset(OpencoodDataset):
         return wanted
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
-        frame = read_frame(self.index, index)
-        cavs: List[CavFrame] = list(frame.values())
-        ego_pose = cavs[0].lidar_pose
-        to_ego = [x1_to_x2(cav.lidar_pose, ego_pose) for cav in cavs]
+        cavs = self.received_cavs(index)
+        ego_pose = cavs[0].current.lidar_pose  # the ego's true current pose: the ground truth's frame
+        to_ego = [cav.to_ego for cav in cavs]
         clouds, objects = [], []
-        for cav, matrix in zip(cavs, to_ego):
-            objects.append(self.cav_objects(cav, ego_pose))
-            points = self.load_cav_points(cav.pcd_path, rng)
-            clouds.append(transform_points(points, matrix) if self.proj_first else points)
+        for cav in cavs:
+            objects.append(self.cav_objects(cav.current, ego_pose))
+            points = self.load_cav_points(cav.sent.pcd_path, rng)
+            clouds.append(transform_points(points, cav.to_ego) if self.proj_first else points)
         boxes, ids = self.merge_objects(objects)
 
         transform = self.sample_transform(rng)
@@ -101,7 +108,7 @@ class IntermediateFusionDataset(OpencoodDataset):
             "processed_lidar": merge_voxel_dicts([self.voxelizer(points) for points in clouds]),
             "cav_num": len(cavs), "pairwise_t_matrix": self.pairwise_matrices(to_ego),
             "prior_encoding": self.prior_encoding(cavs),
-            "spatial_correction_matrix": self.spatial_correction_matrices(),
+            "spatial_correction_matrix": self.spatial_correction_matrices(cavs),
         }
         ego.update(self.label_entries(center, mask))
         if self.visualize:
@@ -123,19 +130,23 @@ class IntermediateFusionDataset(OpencoodDataset):
                     pairwise[i, j] = np.linalg.inv(t_j) @ t_i
         return pairwise
 
-    def prior_encoding(self, cavs: Sequence[CavFrame]) -> np.ndarray:
+    def prior_encoding(self, cavs: Sequence[ReceivedCav]) -> np.ndarray:
         """(max_cav, 3) float32 rows [ego_speed / 30, time delay, infra] per CAV, zeros past the last CAV.
 
-        The division happens in float64 before the float32 cast, as upstream's list -> tensor -> .float()."""
+        The speed is the sent frame's (upstream reads the delayed yaml). The division happens in float64 before
+        the float32 cast, as upstream's list -> tensor -> .float()."""
         prior = np.zeros((self.max_cav, 3), dtype=np.float32)
         for row, cav in enumerate(cavs):
-            speed = ego_speed_of(cav.params, cav.yaml_path) / UPSTREAM_SPEED_SCALE_KMH
-            prior[row] = (speed, NO_TIME_DELAY, 1.0 if cav.infra else 0.0)
+            speed = ego_speed_of(cav.sent.params, cav.sent.yaml_path) / UPSTREAM_SPEED_SCALE_KMH
+            prior[row] = (speed, float(cav.time_delay), 1.0 if cav.infra else 0.0)
         return prior
 
-    def spatial_correction_matrices(self) -> np.ndarray:
-        """(max_cav, 4, 4) float64 identities: no delay and no pose noise leave nothing to correct."""
-        return np.tile(np.identity(4), (self.max_cav, 1, 1))
+    def spatial_correction_matrices(self, cavs: Sequence[ReceivedCav]) -> np.ndarray:
+        """(max_cav, 4, 4) float64: each CAV's correction (``ReceivedCav``), identities past the last CAV."""
+        matrices = np.tile(np.identity(4), (self.max_cav, 1, 1))
+        for row, cav in enumerate(cavs):
+            matrices[row] = cav.spatial_correction
+        return matrices
 
     def collate_batch_train(self, batch: Sequence[Mapping]) -> Dict[str, Dict[str, Any]]:
         """All CAVs of all samples in one voxel batch; coords' first column is the running CAV index."""

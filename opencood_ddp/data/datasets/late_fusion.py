@@ -12,20 +12,28 @@ voxelization; anchors and labels.
 - Otherwise: every CAV within 70 m, keyed ``'ego'`` for the ego and by CAV id for the others, each with its
   ``transformation_matrix`` (float64 (4, 4), ``x1_to_x2(cav, ego)``) into the ego frame.
 
+Robustness settings (``base``), as upstream: a delayed CAV's cloud comes from its delayed frame and its GT boxes
+are the current frame's objects placed in its delayed (true) LiDAR frame, so that its ``transformation_matrix``
+(delayed pose -> the ego's current pose) puts them where they are now. ``loc_err_mode: upstream`` leaves the
+poses true, as upstream's late dataset does. With ``per_sample`` or ``noise_setting`` the test-time
+``transformation_matrix`` uses the believed poses and each entry also carries ``transformation_matrix_clean``
+(the true poses), which the post-processor uses for the ground truth, as HEAL/CoAlign do. Training is unaffected
+by pose errors: a CAV detects in its own frame.
+
 ``collate_batch_train`` (also used for the validation loss) takes each sample's ``'ego'`` entry;
 ``collate_batch_test`` takes one sample and keeps one entry per CAV, as upstream.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Dict, Mapping, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from opencood_ddp.data.datasets.base import OpencoodDataset
-from opencood_ddp.data.geometry import transform_points, x1_to_x2
-from opencood_ddp.data.opv2v import CavFrame, lidar_pose_of, load_opv2v_yaml, read_frame
+from opencood_ddp.data.geometry import transform_points
+from opencood_ddp.data.opv2v import CavFrame
 from opencood_ddp.data.voxelize import collate_voxels
 from opencood_ddp.registry import DATASETS
 
@@ -36,31 +44,29 @@ class LateFusionDataset(OpencoodDataset):
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         if self.train:
-            return OrderedDict(ego=self.process_cav(self.random_cav(index, rng), rng))
-        frame = read_frame(self.index, index)
-        ego_pose = next(iter(frame.values())).lidar_pose
+            return OrderedDict(ego=self.process_cav(*self.random_cav(index, rng), rng))
         sample: "OrderedDict[str, Any]" = OrderedDict()
-        for cav in frame.values():
-            processed = self.process_cav(cav, rng)
-            processed["transformation_matrix"] = x1_to_x2(cav.lidar_pose, ego_pose)
+        for cav in self.received_cavs(index):
+            processed = self.process_cav(cav.sent, cav.current, rng)
+            processed["transformation_matrix"] = cav.to_ego
+            if cav.noisy:
+                processed["transformation_matrix_clean"] = cav.to_ego_clean
             sample["ego" if cav.ego else cav.cav_id] = processed
         return sample
 
-    def random_cav(self, index: int, rng: np.random.Generator) -> CavFrame:
-        """Upstream's ``random.choice`` over the frame's CAVs (the ego when visualizing); one yaml read."""
-        scenario, timestamp = self.index.locate(index)
-        position = 0 if self.visualize else int(rng.integers(len(scenario.cavs)))
-        record = scenario.cavs[position]
-        path = record.yaml_path(timestamp)
-        params = load_opv2v_yaml(path)
-        return CavFrame(record.cav_id, params, lidar_pose_of(params, path), record.pcd_path(timestamp), path,
-                        position == 0, float("nan"))  # the distance to the ego is not needed here
+    def random_cav(self, index: int, rng: np.random.Generator) -> Tuple[CavFrame, CavFrame]:
+        """Upstream's ``random.choice`` over the frame's CAVs (the ego when visualizing): its sent and current
+        frames, one yaml read without delay."""
+        frames, delays, _ = self.sample_frames(index)
+        slot = 0 if self.visualize else int(rng.integers(len(delays)))
+        return frames.frame(slot, delays[slot]), frames.frame(slot)
 
-    def process_cav(self, cav: CavFrame, rng: np.random.Generator) -> Dict[str, Any]:
+    def process_cav(self, sent: CavFrame, current: CavFrame, rng: np.random.Generator) -> Dict[str, Any]:
+        """One CAV in its own sent frame: its sent cloud, the current frame's objects placed with its sent pose."""
         # Upstream crops before removing the car's own hits; both are point masks, so the order is immaterial.
-        points = self.crop(self.load_cav_points(cav.pcd_path, rng))
-        boxes, ids = self.cav_objects(cav, cav.lidar_pose)
-        center, mask = self.pad_objects(boxes, cav.yaml_path)
+        points = self.crop(self.load_cav_points(sent.pcd_path, rng))
+        boxes, ids = self.cav_objects(current, sent.lidar_pose)
+        center, mask = self.pad_objects(boxes, current.yaml_path)
         transform = self.sample_transform(rng)
         if transform is not None:
             points, valid = transform.points(points), transform.boxes(boxes)
@@ -80,7 +86,9 @@ class LateFusionDataset(OpencoodDataset):
             entry: Dict[str, Any] = dict(self.stack_objects([cav]))
             entry["object_ids"] = cav["object_ids"]
             entry["processed_lidar"] = collate_voxels([cav["processed_lidar"]])
-            entry["transformation_matrix"] = torch.from_numpy(np.array(cav["transformation_matrix"])).float()
+            for matrix in ("transformation_matrix", "transformation_matrix_clean"):
+                if matrix in cav:
+                    entry[matrix] = torch.from_numpy(np.array(cav[matrix])).float()
             entry.update(self.test_extras(cav))
             entry.update(self.collate_labels([cav]))
             output[key] = entry
