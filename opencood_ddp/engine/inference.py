@@ -7,7 +7,7 @@ broadcast) -> the task's EvalSpec (dataset, model, per-frame evaluation) -> weig
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -86,10 +86,17 @@ def _pace(result: EvalResult) -> str:
     return f"{result.frames} frames on {result.world_size} process(es) in {result.seconds:.1f} s ({rate:.1f} frames/s)"
 
 
+def load_run(options: EvalOptions) -> Tuple[dict, Path]:
+    """The run's parsed config.yaml and the checkpoint to evaluate: read on rank 0, handed to every rank (a
+    refusal there is raised on every rank). Shared with the task's recipes that evaluate one run many times."""
+    model_dir = Path(options.model_dir)
+    return comm.on_main_then_broadcast(
+        lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, options.epoch, options.bestval)))
+
+
 def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
     model_dir = Path(options.model_dir)
-    hypes, checkpoint = comm.on_main_then_broadcast(
-        lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, options.epoch, options.bestval)))
+    hypes, checkpoint = load_run(options)
     request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, out_dir=str(model_dir),
                           task_options=options.task)
     return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, options.launch.num_workers)
