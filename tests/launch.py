@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix
 
@@ -38,9 +40,10 @@ def python(script: Path, *args: str, timeout: float = 300,
 
 
 def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """tools/train_ddp.py on `nproc` processes (0 = plain `python`, no launcher)."""
+    """tools/train_ddp.py on `nproc` torchrun processes, or for 0 as a plain `python` start runs it: its
+    `__main__` in this process (`in_process`; pytest-timeout bounds it instead of `timeout`)."""
     if nproc == 0:
-        return python(TRAIN, *args, timeout=timeout)
+        return in_process(TRAIN, *args)
     return torchrun(nproc, TRAIN, *args, timeout=timeout)
 
 
@@ -117,3 +120,44 @@ def one_line_error(exc_info, *fragments: str) -> str:
         assert fragment in message, message
     return message
 
+
+
+def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
+    """A tool's `__main__` run in this process, as a plain `python script args` start runs it (the same entry
+    path, `run_distributed` at world size 1), without the seconds of a new interpreter. Its exit code, stdout
+    and stderr come back as a CompletedProcess. What a run may leave in the process is put back: the launcher
+    variables stay out of the environment, the signal handlers and the package logger's handlers are restored.
+    It runs on one thread, as every process the tests start (OMP_NUM_THREADS=1), so that its floats compare
+    with theirs bit for bit."""
+    import contextlib
+    import io
+    import logging
+    import runpy
+    import signal
+
+    saved_environ, saved_argv = dict(os.environ), sys.argv
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    os.environ.clear()
+    os.environ.update(clean_env())
+    sys.argv = [str(script), *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as exc:  # the tools end with sys.exit(code); argparse exits 2 on a bad flag
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        torch.set_num_threads(threads)
+        sys.argv = saved_argv
+        os.environ.clear()
+        os.environ.update(saved_environ)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        logger = logging.getLogger("opencood_ddp")
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+            handler.close()
+    return subprocess.CompletedProcess([str(script), *map(str, args)], code, out.getvalue(), err.getvalue())

@@ -1,4 +1,9 @@
-"""The bad-input table (issue 7, point 7), row by row, on 1 process (plain python) and on 2 (torchrun).
+"""The bad-input table (issue 7, point 7), row by row: every row in this process, through the tool's own
+`__main__` and the engine's one entry path (`run_distributed` at world size 1, as a plain `python` start takes),
+and one row per way of failing also on 2 torchrun ranks (3 where the row is about the world size): a refused
+config, data that cannot be read mid-epoch (in training and in evaluation), a bad checkpoint. How a row fails does
+not depend on the process count except through those paths: the agreement of the ranks on one rank's error is
+what the torchrun rows prove.
 
 Every bad input must end the same way: exactly one `error: ...` line on stderr, from rank 0, naming the file or
 the hypes key at fault and the fix; a non-zero exit within seconds (a hang would be a 30-minute collective
@@ -25,9 +30,8 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, TRAIN, explain, python, split_overrides, torchrun
+from launch import REPO, TRAIN, explain, in_process, split_overrides, torchrun
 
-pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 INFERENCE = REPO / "tools" / "inference_ddp.py"
 TOY = REPO / "hypes_yaml" / "toy"
@@ -35,7 +39,7 @@ FCOOPER = TOY / "point_pillar_fcooper.yaml"
 EARLY = TOY / "point_pillar_early_fusion.yaml"
 SYNTHETIC = TOY / "synthetic_bn.yaml"
 WALL_LIMIT_S = 60  # generous on a loaded 2-core machine; the point is "seconds, not a 30-minute timeout"
-WORLDS = {0: "1rank", 2: "2ranks", 3: "3ranks"}  # 0: plain `python`, no launcher
+WORLDS = {0: "in-process", 2: "2ranks", 3: "3ranks"}  # 0: this process, as a plain `python` start
 
 
 def root_ignores_modes() -> bool:
@@ -56,17 +60,21 @@ def root_ignores_modes() -> bool:
 
 # ------------------------------------------------------------------------------------------------ existing runs
 @pytest.fixture(scope="module")
-def synthetic_run(synthetic_runs) -> Path:
+def synthetic_run(tmp_path_factory) -> Path:
     """A finished 1-epoch run of the synthetic task (config.yaml, net_epoch1.pth, training state, logs)."""
-    return synthetic_runs(0, "--set", "train_params.epoches=1")
+    run_dir = tmp_path_factory.mktemp("bad_inputs") / "synthetic"
+    result = in_process(TRAIN, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, "--num_workers", "0",
+                        "--set", "train_params.epoches=1")
+    assert result.returncode == 0, explain(result)
+    return run_dir
 
 
 @pytest.fixture(scope="module")
 def toy_run(toy_small, tmp_path_factory) -> Path:
     """A finished 1-epoch F-Cooper run on the small toy world: 4 steps of 2 frames, validated on 4 frames."""
     run_dir = tmp_path_factory.mktemp("bad_inputs") / "fcooper"
-    result = python(TRAIN, "--hypes_yaml", FCOOPER, "--model_dir", run_dir, "--num_workers", "0",
-                    *split_overrides(toy_small), "--set", "train_params.epoches=1", timeout=300)
+    result = in_process(TRAIN, "--hypes_yaml", FCOOPER, "--model_dir", run_dir, "--num_workers", "0",
+                        *split_overrides(toy_small), "--set", "train_params.epoches=1")
     assert result.returncode == 0, explain(result)
     assert (run_dir / "net_epoch1.pth").is_file()
     return run_dir
@@ -363,38 +371,40 @@ UNWRITABLE = pytest.mark.skipif(root_ignores_modes(), reason="running as root, w
 
 # (row id, setup, world sizes, marks by world size)
 ROWS = [
-    ("malformed-yaml", malformed_yaml, (0, 2), {}),
-    ("unknown-model", unknown_name("model.core_method", "point_pilar"), (0, 2), {}),
-    ("unknown-loss", unknown_name("loss.core_method", "focal_loss"), (0, 2), {}),
-    ("unknown-fusion", unknown_name("fusion.core_method", "IntermediateFusion"), (0, 2), {}),
-    ("missing-key", missing_key, (0, 2), {}),
+    ("malformed-yaml", malformed_yaml, (0,), {}),
+    ("unknown-model", unknown_name("model.core_method", "point_pilar"), (0,), {}),
+    ("unknown-loss", unknown_name("loss.core_method", "focal_loss"), (0,), {}),
+    ("unknown-fusion", unknown_name("fusion.core_method", "IntermediateFusion"), (0,), {}),
+    ("missing-key", missing_key, (0,), {}),
     ("mistyped-key", mistyped_key, (0, 2), {}),
     ("not-utf8-hypes", not_utf8_hypes, (0,), {}),
-    ("negative-lr", negative_lr, (0, 2), {}),
+    ("negative-lr", negative_lr, (0,), {}),
     ("mistyped-key-in-file", mistyped_key_in_file, (0,), {}),
-    ("mistyped-key-on-resume", mistyped_key_on_resume, (0, 2), {}),
-    ("model-changed-on-resume", model_changed_on_resume, (0, 2), {}),
-    ("history-without-checkpoint", history_without_checkpoint, (0, 2), {}),
-    ("batch-larger-than-the-split", batch_larger_than_the_split, (0, 2), {}),
-    ("impossible-batch-split", impossible_batch_split, (0, 2, 3), {}),
-    ("missing-data-folder", missing_data_folder_train, (0, 2), {}),
-    ("missing-data-folder-inference", missing_data_folder_inference, (0, 2), {}),
-    ("empty-split", empty_split, (0, 2), {}),
+    ("mistyped-key-on-resume", mistyped_key_on_resume, (0,), {}),
+    ("model-changed-on-resume", model_changed_on_resume, (0,), {}),
+    ("history-without-checkpoint", history_without_checkpoint, (0,), {}),
+    ("batch-larger-than-the-split", batch_larger_than_the_split, (0,), {}),
+    ("impossible-batch-split", impossible_batch_split, (0, 3), {}),
+    ("missing-data-folder", missing_data_folder_train, (0,), {}),
+    ("missing-data-folder-inference", missing_data_folder_inference, (0,), {}),
+    ("empty-split", empty_split, (0,), {}),
     ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {}),
     ("corrupt-pcd-inference", corrupt_pcd_inference, (0, 2), {}),
     ("corrupt-pcd-loader-worker", corrupt_pcd(workers=1), (0,), {}),
-    ("no-lidar-pose", no_lidar_pose, (0, 2), {}),
-    ("truncated-checkpoint-inference", truncated_checkpoint("inference"), (0, 2), {}),
+    ("no-lidar-pose", no_lidar_pose, (0,), {}),
+    ("truncated-checkpoint-inference", truncated_checkpoint("inference"), (0,), {}),
     ("truncated-checkpoint-resume", truncated_checkpoint("train"), (0, 2), {}),
-    ("foreign-checkpoint-inference", foreign_checkpoint("inference"), (0, 2), {}),
-    ("foreign-checkpoint-resume", foreign_checkpoint("train"), (0, 2), {}),
-    ("unwritable-run-resume", unwritable_run("train"), (0, 2), {0: UNWRITABLE, 2: UNWRITABLE}),
-    ("unwritable-run-inference", unwritable_run("inference"), (0, 2), {0: UNWRITABLE, 2: UNWRITABLE}),
-    ("not-a-run-train", not_a_run("train"), (0, 2), {}),
-    ("not-a-run-inference", not_a_run("inference"), (0, 2), {}),
+    ("foreign-checkpoint-inference", foreign_checkpoint("inference"), (0,), {}),
+    ("foreign-checkpoint-resume", foreign_checkpoint("train"), (0,), {}),
+    ("unwritable-run-resume", unwritable_run("train"), (0,), {0: UNWRITABLE}),
+    ("unwritable-run-inference", unwritable_run("inference"), (0,), {0: UNWRITABLE}),
+    ("not-a-run-train", not_a_run("train"), (0,), {}),
+    ("not-a-run-inference", not_a_run("inference"), (0,), {}),
 ]
 
-CASES = [pytest.param(setup, world, id=f"{row}-{WORLDS[world]}", marks=marks.get(world, ()))
+# The torchrun rows start processes: `make test` runs them, `make test-fast` does not.
+CASES = [pytest.param(setup, world, id=f"{row}-{WORLDS[world]}",
+                      marks=[*([marks[world]] if world in marks else []), *([pytest.mark.slow] if world else [])])
          for row, setup, worlds, marks in ROWS for world in worlds]
 
 
@@ -422,8 +432,10 @@ def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run):
     before = snapshot(call.existing_run) if call.existing_run is not None else None
     started = time.monotonic()
     try:
-        run = python if world == 0 else (lambda script, *args, **kw: torchrun(world, script, *args, **kw))
-        result = run(call.script, *call.args, timeout=3 * WALL_LIMIT_S)
+        if world == 0:
+            result = in_process(call.script, *call.args)
+        else:
+            result = torchrun(world, call.script, *call.args, timeout=3 * WALL_LIMIT_S)
     finally:
         if call.existing_run is not None:
             restore_modes(call.existing_run)
@@ -452,10 +464,10 @@ def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run):
 def test_allow_config_change_resumes_with_a_warning_and_an_unchanged_config_resumes_quietly(synthetic_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(synthetic_run, run)
-    same = python(TRAIN, "--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2", timeout=300)
+    same = in_process(TRAIN, "--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2")
     assert same.returncode == 0 and "other hypes sections" not in same.stdout + same.stderr, explain(same)
-    changed = python(TRAIN, "--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=3",
-                     "--set", "synthetic.data_seed=5", "--allow_config_change", timeout=300)
+    changed = in_process(TRAIN, "--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=3",
+                         "--set", "synthetic.data_seed=5", "--allow_config_change")
     assert changed.returncode == 0, explain(changed)
     assert "net_epoch2.pth was trained with other hypes sections synthetic than this run has now; resuming " \
            "anyway (--allow_config_change)" in changed.stdout
@@ -466,8 +478,7 @@ def test_restart_trains_a_history_without_checkpoint_anew_and_config_yaml_wins_i
     shutil.copytree(synthetic_run, run)
     for path in list(run.glob("net_*.pth")) + list(run.glob("training_state_*.pt")):
         path.unlink()
-    result = python(TRAIN, "--model_dir", run, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--restart",
-                    timeout=300)
+    result = in_process(TRAIN, "--model_dir", run, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--restart")
     assert result.returncode == 0, explain(result)
     assert f"its config.yaml wins over --hypes_yaml {SYNTHETIC} (upstream's rule); using {run / 'config.yaml'}" \
         in result.stdout

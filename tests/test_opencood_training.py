@@ -2,8 +2,8 @@
 
 Each fusion method trains with tools/train_ddp.py (the same processes users start) and its loss falls; the
 intermediate (AttFuse) run uses 2 ranks and bf16 autocast (--half on CPU); the F-Cooper run evaluates itself
-(--eval_after_training). Evaluation with tools/inference_ddp.py gives the same eval.yaml on 1, 2 and 3 ranks
-(4 test frames: 3 does not divide them), the same --save_npy files on 1 and 2 ranks, the same AP with
+(--eval_after_training). Evaluation with tools/inference_ddp.py gives the same eval.yaml and --save_npy files
+on 1, 2 and 3 ranks (4 test frames: 3 does not divide them), the same AP with
 --batch_size 1 and more, and one picture per frame with --save_vis.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, explain, python, split_overrides, torchrun, train
+from launch import REPO, explain, in_process, split_overrides, torchrun, train
 
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
@@ -75,7 +75,7 @@ def test_toy_training_loss_falls(toy_runs, config, world, flags):
 def evaluate(run_dir: Path, world: int, fusion: str, toy_root: Path, *flags: str) -> dict:
     args = ("--model_dir", run_dir, "--fusion_method", fusion, "--dataset_dir", toy_root / "test",
             "--num_workers", "0", *flags)
-    result = python(INFERENCE, *args) if world == 0 else torchrun(world, INFERENCE, *args)
+    result = in_process(INFERENCE, *args) if world == 0 else torchrun(world, INFERENCE, *args)
     assert result.returncode == 0, explain(result)
     name = "eval_global_sort.yaml" if "--global_sort_detections" in flags else "eval.yaml"
     return yaml.safe_load((run_dir / name).read_text())
@@ -83,9 +83,14 @@ def evaluate(run_dir: Path, world: int, fusion: str, toy_root: Path, *flags: str
 
 @pytest.mark.parametrize("config, fusion", [("point_pillar_intermediate_fusion", "intermediate"),
                                             ("point_pillar_late_fusion", "late")])
-def test_eval_yaml_identical_on_1_2_3_ranks(toy_runs, toy_small, config, fusion):
+def test_eval_yaml_and_npy_files_identical_on_1_2_3_ranks(toy_runs, toy_small, tmp_path, config, fusion):
+    """The metrics and every per-frame --save_npy file, whichever rank evaluated the frame."""
     run_dir = toy_runs(config, 2, "--half") if fusion == "intermediate" else toy_runs(config, 0)
-    results = {world: evaluate(run_dir, world, fusion, toy_small) for world in (0, 2, 3)}
+    results, written = {}, {}
+    for world in (0, 2, 3):
+        copy = copy_run(run_dir, tmp_path / f"w{world}")
+        results[world] = evaluate(copy, world, fusion, toy_small, "--save_npy")
+        written[world] = {path.name: np.load(path) for path in sorted((copy / "npy").iterdir())}
     run_keys = ("world_size", "seconds")
     metrics = {world: {k: v for k, v in r.items() if k not in run_keys} for world, r in results.items()}
     assert metrics[0] == metrics[2] == metrics[3]
@@ -93,11 +98,18 @@ def test_eval_yaml_identical_on_1_2_3_ranks(toy_runs, toy_small, config, fusion)
     assert [results[w]["world_size"] for w in (0, 2, 3)] == [1, 2, 3]
     for key in ("ap30", "ap_50", "ap_70", "mpre_50", "mrec_50", "mpre_70", "mrec_70"):
         assert key in metrics[0]
+    names = [f"{index:04d}_{kind}.npy" for index in range(4) for kind in ("gt", "pcd", "pred")]
+    assert sorted(written[0]) == sorted(written[2]) == sorted(written[3]) == names
+    for name in names:
+        assert np.array_equal(written[0][name], written[2][name]), name
+        assert np.array_equal(written[0][name], written[3][name]), name
+    assert all(written[0][f"{i:04d}_pcd.npy"].shape[1] == 4 for i in range(4))
+    assert all(written[0][f"{i:04d}_gt.npy"].shape[1:] == (8, 3) for i in range(4))
 
 
 def test_inference_refuses_a_fusion_method_the_run_was_not_trained_for(toy_runs, toy_small):
     run_dir = toy_runs("point_pillar_late_fusion", 0)
-    result = python(INFERENCE, "--model_dir", run_dir, "--fusion_method", "intermediate",
+    result = in_process(INFERENCE, "--model_dir", run_dir, "--fusion_method", "intermediate",
                     "--dataset_dir", toy_small / "test", "--num_workers", "0")
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -106,7 +118,7 @@ def test_inference_refuses_a_fusion_method_the_run_was_not_trained_for(toy_runs,
 
 def test_inference_missing_epoch_names_the_epochs_on_disk(toy_runs, toy_small):
     run_dir = toy_runs("point_pillar_late_fusion", 0)
-    result = python(INFERENCE, "--model_dir", run_dir, "--fusion_method", "late", "--epoch", "99",
+    result = in_process(INFERENCE, "--model_dir", run_dir, "--fusion_method", "late", "--epoch", "99",
                     "--num_workers", "0")
     assert result.returncode == 2
     assert f"no net_epoch99.pth (epochs on disk: {list(range(1, EPOCHS + 1))})" in result.stderr
@@ -139,23 +151,6 @@ def copy_run(run_dir: Path, into: Path) -> Path:
     return into
 
 
-@pytest.mark.parametrize("config, fusion", [("point_pillar_intermediate_fusion", "intermediate"),
-                                            ("point_pillar_late_fusion", "late")])
-def test_save_npy_from_two_ranks_equals_one_rank(toy_runs, toy_small, tmp_path, config, fusion):
-    run_dir = toy_runs(config, 2, "--half") if fusion == "intermediate" else toy_runs(config, 0)
-    written = {}
-    for world in (0, 2):
-        copy = copy_run(run_dir, tmp_path / f"w{world}")
-        evaluate(copy, world, fusion, toy_small, "--save_npy")
-        written[world] = {path.name: np.load(path) for path in sorted((copy / "npy").iterdir())}
-    names = [f"{index:04d}_{kind}.npy" for index in range(4) for kind in ("gt", "pcd", "pred")]
-    assert sorted(written[0]) == sorted(written[2]) == names
-    for name in names:
-        assert np.array_equal(written[0][name], written[2][name]), name
-    assert all(written[0][f"{i:04d}_pcd.npy"].shape[1] == 4 for i in range(4))
-    assert all(written[0][f"{i:04d}_gt.npy"].shape[1:] == (8, 3) for i in range(4))
-
-
 def test_save_vis_and_pr_plot_write_pictures(toy_runs, toy_small, tmp_path):
     import matplotlib.image
 
@@ -183,7 +178,7 @@ def test_batch_size_gives_the_same_ap(toy_runs, toy_small, tmp_path, config, fus
 
 
 def test_late_fusion_refuses_batches_of_several_frames(toy_runs, toy_small):
-    result = python(INFERENCE, "--model_dir", toy_runs("point_pillar_late_fusion", 0), "--fusion_method", "late",
+    result = in_process(INFERENCE, "--model_dir", toy_runs("point_pillar_late_fusion", 0), "--fusion_method", "late",
                     "--dataset_dir", toy_small / "test", "--num_workers", "0", "--batch_size", "2")
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -193,7 +188,7 @@ def test_late_fusion_refuses_batches_of_several_frames(toy_runs, toy_small):
 def test_recall_by_visibility_counts_every_gt_object_once(toy_runs, toy_small, tmp_path):
     copy = copy_run(toy_runs("point_pillar_late_fusion", 0), tmp_path / "late")
     evaluate(copy, 0, "late", toy_small, "--save_npy")
-    result = python(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
+    result = in_process(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
                     "--runs", copy)
     assert result.returncode == 0, explain(result)
     row = next(line for line in result.stdout.splitlines() if line.startswith("| late |"))
@@ -201,20 +196,21 @@ def test_recall_by_visibility_counts_every_gt_object_once(toy_runs, toy_small, t
     objects = sum(int(cell.split("/")[1].rstrip(")")) for cell in cells if cell != "-")
     assert objects == sum(len(np.load(copy / "npy" / f"{i:04d}_gt.npy")) for i in range(4))
 
-    missing = python(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
-                     "--runs", tmp_path)
+    missing = in_process(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
+                         "--runs", tmp_path)
     assert missing.returncode == 2 and "--save_npy" in missing.stderr
 
 
 def test_attention_by_visibility_reads_an_attfuse_run(toy_runs, toy_small):
     script = REPO / "tools" / "attention_by_visibility.py"
-    result = python(script, "--model_dir", toy_runs("point_pillar_intermediate_fusion", 2, "--half"),
-                    "--dataset_dir", toy_small / "test")
+    result = in_process(script, "--model_dir", toy_runs("point_pillar_intermediate_fusion", 2, "--half"),
+                        "--dataset_dir", toy_small / "test")
     assert result.returncode == 0, explain(result)
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "objects" not in line]
     assert len(rows) == 3
     for row in rows:
         share = row.strip("|").split("|")[-1].strip()
         assert share == "-" or 0.0 <= float(share) <= 1.0
-    late = python(script, "--model_dir", toy_runs("point_pillar_late_fusion", 0), "--dataset_dir", toy_small / "test")
+    late = in_process(script, "--model_dir", toy_runs("point_pillar_late_fusion", 0),
+                      "--dataset_dir", toy_small / "test")
     assert late.returncode == 2 and "reads AttFuse" in late.stderr
