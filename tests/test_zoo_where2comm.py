@@ -261,7 +261,7 @@ OPENCOOD_KEY_ERRORS = [
     ("model.args.shrink_header=5", "model.args.shrink_header"),
     ("model.args.shrink_header.input_dim=128", "model.args.shrink_header.input_dim"),
     ("model.args.shrink_header.stride=[1, 1]", "model.args.shrink_header"),
-    ("model.args.compression=4", "model.args.compression"),
+    ("model.args.compression=3", "model.args.compression"),  # 3 does not divide the 64 channels
     ("postprocess.anchor_args.feature_stride=2", "postprocess.anchor_args.feature_stride"),
     ("model.args.base_bev_backbone.resnet=true", "model.args.base_bev_backbone.resnet"),
 ]

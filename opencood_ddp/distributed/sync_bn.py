@@ -56,6 +56,10 @@ def _convert_to_gloo_sync(module: nn.Module) -> nn.Module:
         converted = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
                                       module.track_running_stats)
         converted.load_state_dict(module.state_dict())
+        for name, parameter in converted.named_parameters(recurse=False):
+            # load_state_dict copies values only: a frozen layer (backbone_fix) must stay frozen, as torch's own
+            # convert_sync_batchnorm keeps it by reusing the parameters.
+            parameter.requires_grad_(getattr(module, name).requires_grad)
         converted.train(module.training)
         converted.to(next(module.buffers(), torch.empty(0)).device)
         return converted

@@ -20,6 +20,7 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source, validate
+from opencood_ddp.models.checks import refuse
 from opencood_ddp.numerics.batch_norm import use_accurate_batch_norm
 from opencood_ddp.registry import MODELS
 
@@ -37,11 +38,22 @@ def create_model(hypes: Mapping) -> nn.Module:
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{source}: model.args do not build a {entry.name} ({type(exc).__name__}: {exc}); "
                           f"fix the hypes") from None
+    if args.get("backbone_fix", False):
+        require_trainable(model, entry.name, source)
     if "bn_momentum" in args:
         set_bn_momentum(model, args["bn_momentum"], source)
     if "cls_head_prior" in args:
         init_cls_prior(model, args["cls_head_prior"], source)
     return use_accurate_batch_norm(model)
+
+
+def require_trainable(model: nn.Module, name: str, source: str) -> None:
+    """``model.args.backbone_fix`` freezes everything but the fusion: a model whose fusion has no parameter of
+    its own (F-Cooper's max, Where2comm's attention, AttFuse) would train nothing. Upstream fails there with
+    torch's "optimizer got an empty parameter list", or, for models without the method, ignores the key."""
+    if not any(parameter.requires_grad for parameter in model.parameters()):
+        refuse(source, f"model.args.backbone_fix true leaves no parameter of {name} to train (it freezes "
+                       f"everything but the fusion, and this fusion has no parameters); set it to false")
 
 
 def init_cls_prior(model: nn.Module, prior: float, source: str) -> None:

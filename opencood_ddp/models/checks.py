@@ -8,7 +8,7 @@ the channels and stride of the map the heads see) is computed here from ``model.
 from __future__ import annotations
 
 import math
-from typing import Mapping, NoReturn, Optional, Sequence
+from typing import List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
@@ -59,6 +59,102 @@ def head_stride(args: Mapping) -> Optional[float]:
     return stride
 
 
+def level_map_sizes(bev: Mapping, rows: int, cols: int) -> List[Tuple[int, int]]:
+    """(rows, cols) of each backbone level's output for a (rows, cols) input: ZeroPad2d(1) and a 3x3
+    convolution at the level's stride take n cells to (n - 1) // stride + 1."""
+    sizes = []
+    for stride in bev["layer_strides"]:
+        rows, cols = (rows - 1) // int(stride) + 1, (cols - 1) // int(stride) + 1
+        sizes.append((rows, cols))
+    return sizes
+
+
+def shrunk_map_size(args: Mapping) -> Tuple[int, int]:
+    """(H, W) of the map the pillar models fuse: the scatter grid through the backbone's first level, its deblock
+    (all levels are concatenated at that size), the optional extra deblock and the shrink header's convolutions."""
+    backbone = args["base_bev_backbone"]
+    stride, ups = int(backbone["layer_strides"][0]), list(backbone.get("upsample_strides", []))
+
+    def through(n: int) -> int:
+        n = (n - 1) // stride + 1  # ZeroPad2d(1) + 3x3 convolution
+        if not ups:
+            for s in backbone["layer_strides"][1:]:
+                n = (n - 1) // int(s) + 1
+        for up in ups[:1] + ups[len(backbone["layer_strides"]):]:  # level 0's deblock, then the optional extra
+            n = n * int(up) if up >= 1 else n // int(round(1 / up))
+        shrink = args.get("shrink_header") or {}
+        for k, s, p in zip(shrink.get("kernal_size", []), shrink.get("stride", []), shrink.get("padding", [])):
+            n = (n + 2 * int(p) - int(k)) // int(s) + 1
+        return n
+
+    grid = args["point_pillar_scatter"]["grid_size"]
+    return through(int(grid[1])), through(int(grid[0]))
+
+
+def backbone_compression_steps(layers: int, levels: int) -> List[int]:
+    """Auto-encoder steps per backbone level for base_bev_backbone.compression = layers: layers - level while
+    positive (upstream's AttBEVBackbone), the other levels none."""
+    return [max(layers - level, 0) for level in range(levels)]
+
+
+# ------------------------------------------------------------------------------------------ compression rules
+COMPRESSION = ARGS + "compression"
+BACKBONE_COMPRESSION = ARGS + "base_bev_backbone.compression"
+
+
+def _setting(args: Mapping, key: str, source: str) -> int:
+    """The value of a compression key (0 when absent); the registry has checked that it is an integer."""
+    value = get_key(args, key[len(ARGS):], 0) or 0
+    if value < 0:
+        refuse(source, f"{key} must be 0 (off) or positive, got {value}")
+    return int(value)
+
+
+def refuse_compression(args: Mapping, source: str, key: str, why: str) -> None:
+    """A compression key this model does not build must be 0: it is refused, not ignored."""
+    if _setting(args, key, source):
+        refuse(source, f"{key} > 0 is not built for this model ({why}); set it to 0")
+
+
+def check_feature_compression(args: Mapping, source: str) -> None:
+    """model.args.compression, the naive compressor of the shrunk map: 0, or a ratio that divides its channels
+    (the bottleneck has channels / ratio of them). The backbone's own compression is AttFuse's."""
+    refuse_compression(args, source, BACKBONE_COMPRESSION, f"upstream's BaseBEVBackbone ignores it; this model "
+                                                           f"compresses with {COMPRESSION}")
+    ratio, channels = _setting(args, COMPRESSION, source), head_channels(args)
+    if ratio and channels % ratio:
+        divisors = [d for d in range(2, channels + 1) if channels % d == 0]
+        refuse(source, f"{COMPRESSION} ({ratio}) must divide the {channels} channels of the map it compresses "
+                       f"(model.args.shrink_header.dim[-1], else the backbone's output); use one of "
+                       f"{', '.join(map(str, divisors[:8]))}{', ...' if len(divisors) > 8 else ''}, or 0 for none")
+
+
+def _steps_fit(bev: Mapping, sizes: Sequence[Tuple[int, int]], layers: int) -> Optional[str]:
+    """Why `layers` auto-encoder steps do not fit the levels (None when they do)."""
+    for level, (steps, filters, (rows, cols)) in enumerate(zip(backbone_compression_steps(layers, len(sizes)),
+                                                               bev["num_filters"], sizes)):
+        factor = 2 ** steps
+        if steps and (int(filters) % factor or rows % factor or cols % factor):
+            return (f"level {level} gets {steps} halving steps, which needs 2^{steps} = {factor} to divide its "
+                    f"{filters} channels and both sides of its {rows} x {cols} map")
+    return None
+
+
+def check_backbone_compression(args: Mapping, source: str, rows: int, cols: int) -> None:
+    """AttFuse's base_bev_backbone.compression on a (rows, cols) backbone input: every auto-encoder must give back
+    its level's map, so 2^steps divides the level's channels and sides (upstream builds any value and then fails
+    in the forward pass, or allocates a 2^32-fold upsampled map at compression 32)."""
+    refuse_compression(args, source, COMPRESSION, f"AttFuse compresses in its backbone: use {BACKBONE_COMPRESSION}")
+    layers = _setting(args, BACKBONE_COMPRESSION, source)
+    bev = args["base_bev_backbone"]
+    sizes = level_map_sizes(bev, rows, cols)
+    problem = _steps_fit(bev, sizes, layers) if layers else None
+    if problem:
+        most = max(n for n in range(layers) if _steps_fit(bev, sizes, n) is None)
+        refuse(source, f"{BACKBONE_COMPRESSION} ({layers}) does not fit the backbone: {problem}; use at most "
+                       f"{most} (0: off), or change lidar_range / voxel_size or num_filters")
+
+
 # ------------------------------------------------------------------------------------------ shared rules
 def check_shrink_header(args: Mapping, source: str) -> int:
     """A shrink header, when there is one, has upstream's keys, one block per list entry, and takes the backbone's
@@ -101,4 +197,6 @@ def check_anchor_stride(hypes: Mapping, source: str, stride: Optional[float]) ->
 
 
 __all__ = ["refuse", "positive_ints", "backbone_channels", "head_channels", "head_stride", "check_shrink_header",
-           "check_max_cav", "check_anchor_stride", "DEFAULT_MAX_CAV", "ARGS", "SHRINK", "SHRINK_LISTS"]
+           "check_max_cav", "check_anchor_stride", "level_map_sizes", "shrunk_map_size", "backbone_compression_steps",
+           "refuse_compression", "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV",
+           "ARGS", "SHRINK", "SHRINK_LISTS", "COMPRESSION", "BACKBONE_COMPRESSION"]

@@ -9,18 +9,34 @@
 All take the batch's ``ego`` dict (``processed_lidar``; ``record_len`` for the fusion models) and return
 ``{'psm': (N, A, H, W) class logits, 'rm': (N, 7A, H, W) box residuals}`` with upstream's parameter names, so
 upstream checkpoints load strictly (``tests/test_models.py`` checks every key and shape against the reference).
+
+Two robustness options of upstream are built here for every pillar model that has them upstream:
+- feature compression (``modules/compressor.py``): ``model.args.compression`` puts ``naive_compressor`` between
+  the shrink header and the fusion (F-Cooper here; V2VNet, V2X-ViT, CoBEVT, Where2comm in their files);
+  AttFuse's ``model.args.base_bev_backbone.compression`` adds per-level auto-encoders to its backbone. A model
+  refuses the key it does not build rather than ignoring it.
+- ``model.args.backbone_fix: true`` freezes what upstream's ``backbone_fix()`` freezes (``BACKBONE_FIX``), so
+  that only the fusion trains. As upstream, only ``requires_grad`` changes: in train mode the frozen BatchNorm
+  layers still normalise with batch statistics and update their running statistics. A model with no trainable
+  fusion parameter is refused by ``create_model`` (nothing would train).
+
+``sent_maps(args)`` gives the (channels, rows, cols) of the float32 maps a non-ego CAV sends per frame, the
+bottleneck's when compressed (``models/communication.py``).
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
-from opencood_ddp.models.checks import check_shrink_header
+from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backbone_compression_steps,
+                                        check_backbone_compression, check_feature_compression, check_shrink_header,
+                                        head_channels, level_map_sizes, refuse_compression, shrunk_map_size)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
+from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
@@ -37,17 +53,22 @@ PILLAR_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, ki
     ("point_pillar_scatter.num_features", "positive_int"), ("base_bev_backbone.layer_nums", "list"), ("base_bev_backbone.layer_strides", "list"),
     ("base_bev_backbone.num_filters", "list"), ("base_bev_backbone.upsample_strides", "list"),
     ("base_bev_backbone.num_upsample_filter", "list")))
-# Upstream keys these models read or carry; compression and backbone_fix are refused when switched on.
+# Upstream keys these models read or carry; a compression a model does not build is refused when switched on.
 PILLAR_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, kind in (
     ("base_bev_backbone.compression", "int"), ("compression", "int"), ("backbone_fix", "bool"),
     ("anchor_num", "positive_int"),
     # Written by the yaml_parser; its absence gets its own hint in check_pillar_args.
     ("point_pillar_scatter.grid_size", "list")))
 FCOOPER_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + ((_ARGS + "shrink_header", "dict"),)
+# What upstream's backbone_fix() freezes, by attribute name (the same list in every model that has the method):
+# everything but the fusion. Absent modules (no shrink header, no compressor) are skipped.
+BACKBONE_FIX = ("pillar_vfe", "scatter", "backbone", "naive_compressor", "shrink_conv", "cls_head", "reg_head")
+Map = Tuple[int, int, int]  # (channels, rows, cols) of a float32 map
 
 
 def check_pillar_args(hypes: Mapping, source: str) -> None:
-    """What the kinds of PILLAR_KEYS cannot say: the parser ran, the widths agree, no unbuilt upstream option."""
+    """What the kinds of PILLAR_KEYS cannot say: the parser ran, the widths agree. Each model's check adds its
+    compression rule (models/checks.py)."""
     if get_key(hypes, _ARGS + "point_pillar_scatter.grid_size") is None:
         raise ConfigError(f"{source}: model.args.point_pillar_scatter.grid_size is missing; add "
                           f"'yaml_parser: load_point_pillar_params' to the hypes so that it is computed")
@@ -56,43 +77,81 @@ def check_pillar_args(hypes: Mapping, source: str) -> None:
         raise ConfigError(f"{source}: model.args.point_pillar_scatter.num_features "
                           f"({args['point_pillar_scatter']['num_features']}) must equal the last of "
                           f"model.args.pillar_vfe.num_filters ({args['pillar_vfe']['num_filters'][-1]}); fix the hypes")
-    for key in ("model.args.base_bev_backbone.compression", "model.args.compression"):
-        if get_key(hypes, key, 0):
-            raise ConfigError(f"{source}: {key} > 0 (feature compression) is not implemented; set it to 0")
-    if get_key(hypes, "model.args.backbone_fix", False):
-        raise ConfigError(f"{source}: model.args.backbone_fix true is not supported (upstream freezes every "
-                          f"parameter of the model with it, heads included); set it to false")
+
+
+def check_point_pillar_args(hypes: Mapping, source: str) -> None:
+    """Early and late fusion exchange points or boxes, no feature map: neither compression applies."""
+    check_pillar_args(hypes, source)
+    args = hypes["model"]["args"]
+    for key in (COMPRESSION, BACKBONE_COMPRESSION):
+        refuse_compression(args, source, key, "early and late fusion send no feature map")
 
 
 def anchor_number(args: Mapping) -> int:
     return int(args["anchor_number"])
 
 
-_PILLAR = dict(required=PILLAR_KEYS, optional=PILLAR_OPTIONAL_KEYS, check=check_pillar_args)
+def shrunk_sent_maps(args: Mapping) -> List[Map]:
+    """The map a CAV of a model with ``model.args.compression`` sends: the shrunk map, with channels / ratio
+    channels when compressed (the compressor's bottleneck)."""
+    rows, cols = shrunk_map_size(args)
+    return [(head_channels(args) // (int(args.get("compression", 0) or 0) or 1), rows, cols)]
 
 
-@MODELS.register("point_pillar", fusion="none", **_PILLAR)
+@MODELS.register("point_pillar", fusion="none", required=PILLAR_KEYS, optional=PILLAR_OPTIONAL_KEYS,
+                 check=check_point_pillar_args)
 class PointPillar(nn.Module):
     """Pillars -> BEV -> backbone -> 1x1 heads; also the shared encoder of the fusion variants."""
 
     fusion_factory = None
+    backbone_compresses = False  # AttFuse: base_bev_backbone.compression builds per-level auto-encoders
 
     def __init__(self, args: Mapping):
         super().__init__()
         self.pillar_vfe = PillarVFE(args["pillar_vfe"], NUM_POINT_FEATURES, args["voxel_size"], args["lidar_range"])
         self.scatter = PointPillarScatter(args["point_pillar_scatter"])
-        self.backbone = BaseBEVBackbone(args["base_bev_backbone"], self.pillar_vfe.get_output_feature_dim(),
-                                        fusion_factory=self.fusion_factory)
+        bev = args["base_bev_backbone"]
+        self.backbone = BaseBEVBackbone(bev, self.pillar_vfe.get_output_feature_dim(),
+                                        fusion_factory=self.fusion_factory,
+                                        compression=int(bev.get("compression", 0) or 0) if self.backbone_compresses
+                                        else 0)
         self.build_neck(args)
         channels = self.head_channels()
         self.cls_head = nn.Conv2d(channels, anchor_number(args), kernel_size=1)
         self.reg_head = nn.Conv2d(channels, 7 * anchor_number(args), kernel_size=1)
+        if args.get("backbone_fix", False):
+            self.backbone_fix()
+
+    def backbone_fix(self) -> None:
+        """Freeze every module of BACKBONE_FIX (requires_grad False), as upstream's method: only the fusion trains.
+
+        Nothing else changes: the frozen BatchNorm layers keep their train-mode behaviour (batch statistics,
+        running statistics updated), as upstream's, which sets requires_grad alone."""
+        for name in BACKBONE_FIX:
+            module = getattr(self, name, None)
+            if module is not None:
+                module.requires_grad_(False)
+
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        """The maps a non-ego CAV sends per frame; None: no feature map (early fusion sends points, late boxes)."""
+        return None
 
     def build_neck(self, args: Mapping) -> None:
         """Modules between the backbone and the heads (none here)."""
 
     def head_channels(self) -> int:
         return self.backbone.num_bev_features
+
+    def shrunk_channels(self) -> int:
+        """Channels of the backbone's output after the shrink header, if there is one: what the compressor takes."""
+        shrink = getattr(self, "shrink_conv", None)
+        return shrink.out_channels if shrink is not None else self.backbone.num_bev_features
+
+    def compress(self, features: torch.Tensor) -> torch.Tensor:
+        """``naive_compressor`` (model.args.compression) on every CAV's map, the ego's included, as upstream."""
+        compressor = getattr(self, "naive_compressor", None)
+        return compressor(features) if compressor is not None else features
 
     @staticmethod
     def num_images(data_dict: Mapping) -> Optional[int]:
@@ -119,17 +178,48 @@ class PointPillar(nn.Module):
         return {"psm": self.cls_head(features), "rm": self.reg_head(features)}
 
 
-@MODELS.register("point_pillar_intermediate", fusion="intermediate (attention)", **_PILLAR)
+def _grid_rows_cols(args: Mapping) -> Tuple[int, int]:
+    grid = args["point_pillar_scatter"]["grid_size"]
+    return int(grid[1]), int(grid[0])
+
+
+def attfuse_sent_maps(bev: Mapping, rows: int, cols: int) -> List[Map]:
+    """(channels, rows, cols) per level of a backbone fused at every level (AttFuse, SECOND): the level's output,
+    or its auto-encoder's bottleneck under base_bev_backbone.compression."""
+    sizes = level_map_sizes(bev, rows, cols)
+    steps = backbone_compression_steps(int(bev.get("compression", 0) or 0), len(sizes))
+    return [(int(filters) // 2 ** k, r // 2 ** k, c // 2 ** k)
+            for filters, (r, c), k in zip(bev["num_filters"], sizes, steps)]
+
+
+def check_attfuse_args(hypes: Mapping, source: str) -> None:
+    """The pillar rules, and a backbone compression whose auto-encoders give back every level's map."""
+    check_pillar_args(hypes, source)
+    args = hypes["model"]["args"]
+    check_backbone_compression(args, source, *_grid_rows_cols(args))
+
+
+@MODELS.register("point_pillar_intermediate", fusion="intermediate (attention)", required=PILLAR_KEYS,
+                 optional=PILLAR_OPTIONAL_KEYS, check=check_attfuse_args)
 class PointPillarIntermediate(PointPillar):
     """AttFuse: attention fusion of the CAVs' features at every backbone level."""
 
     fusion_factory = AttFusion
+    backbone_compresses = True
+
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        """Every level's map, fused level by level; a compressed level sends its auto-encoder's bottleneck
+        (channels and both sides halved per step)."""
+        return attfuse_sent_maps(args["base_bev_backbone"], *_grid_rows_cols(args))
 
 
 def check_fcooper_args(hypes: Mapping, source: str) -> None:
-    """The pillar rules, and a shrink header (when there is one) that takes the backbone's output."""
+    """The pillar rules, a shrink header (when there is one) that takes the backbone's output, a compression
+    ratio that divides the shrunk map's channels."""
     check_pillar_args(hypes, source)
     check_shrink_header(hypes["model"]["args"], source)
+    check_feature_compression(hypes["model"]["args"], source)
 
 
 @MODELS.register("point_pillar_fcooper", fusion="intermediate (max)", required=PILLAR_KEYS,
@@ -139,12 +229,17 @@ class PointPillarFCooper(PointPillar):
 
     def build_neck(self, args: Mapping) -> None:
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if "shrink_header" in args else None
+        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
         self.fusion_net = MaxFusion()
 
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        return shrunk_sent_maps(args)
+
     def head_channels(self) -> int:
-        return self.shrink_conv.out_channels if self.shrink_conv is not None else self.backbone.num_bev_features
+        return self.shrunk_channels()
 
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
-        return self.fusion_net(features, data_dict["record_len"])
+        return self.fusion_net(self.compress(features), data_dict["record_len"])

@@ -14,15 +14,18 @@ Departures from upstream (docs/compatibility.md):
 """
 from __future__ import annotations
 
-from typing import Mapping, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 
-from opencood_ddp.models.checks import check_anchor_stride, check_max_cav, check_shrink_header, head_stride, refuse
+from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compression, check_max_cav,
+                                        check_shrink_header, head_stride, refuse)
+from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
 from opencood_ddp.models.modules.where2comm import ego_frame_affines, ego_rows, warp_to_ego
-from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
+from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
+                                              check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -85,6 +88,7 @@ def check_cobevt_args(hypes: Mapping, source: str) -> None:
     args = hypes["model"]["args"]
     _check_block(source, args)
     _check_widths(source, args)
+    check_feature_compression(args, source)
     check_max_cav(hypes, source)
     _check_map(hypes, source)
 
@@ -111,6 +115,7 @@ class PointPillarCoBEVT(PointPillar):
 
     def build_neck(self, args: Mapping) -> None:
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
+        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
         fax = args["fax_fusion"]
         self.fusion_net = SwapFusionEncoder(int(fax["input_dim"]), int(fax["mlp_dim"]), int(fax["agent_size"]),
                                             int(fax["window_size"]), int(fax["dim_head"]), float(fax["drop_out"]),
@@ -118,12 +123,17 @@ class PointPillarCoBEVT(PointPillar):
         self.max_cav = int(args["max_cav"])
         self.lidar_range = [float(v) for v in args["lidar_range"]]
 
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        return shrunk_sent_maps(args)
+
     def head_channels(self) -> int:
-        return self.shrink_conv.out_channels if self.shrink_conv is not None else self.backbone.num_bev_features
+        return self.shrunk_channels()
 
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
+        features = self.compress(features)
         record_len = data_dict["record_len"]
         theta = ego_frame_affines(data_dict["pairwise_t_matrix"].to(features.device), record_len, self.lidar_range)
         features = warp_to_ego(features, theta, ego_rows(record_len, features.device))

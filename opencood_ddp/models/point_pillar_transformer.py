@@ -15,15 +15,18 @@ width instead of a hard-coded 256; a dataset without ``proj_first`` gets its map
 from __future__ import annotations
 
 import math
-from typing import Mapping, Tuple
+from typing import List, Mapping, Optional, Tuple
 
 import torch
 
-from opencood_ddp.models.checks import check_max_cav, check_shrink_header, positive_ints, refuse
+from opencood_ddp.models.checks import (check_feature_compression, check_max_cav, check_shrink_header,
+                                        positive_ints, refuse, shrunk_map_size)
+from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_encoder import V2XTransformer
-from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
+from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
+                                              check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -50,28 +53,6 @@ V2XVIT_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = PILLAR_OPTIONAL_KEYS + (
     (_SHRINK + "padding", "list"), (_SHRINK + "dim", "list"), (_SHRINK + "input_dim", "positive_int"))
 FUSION_METHODS = ("split_attn", "naive")
 SPLIT_ATTN_BRANCHES = 3
-
-
-def feature_map_size(args: Mapping) -> Tuple[int, int]:
-    """(H, W) of the map the transformer sees: the scatter grid through the backbone's first level, its deblock
-    (all levels are concatenated at that size) and the shrink header's convolutions."""
-    backbone = args["base_bev_backbone"]
-    stride, ups = int(backbone["layer_strides"][0]), list(backbone.get("upsample_strides", []))
-
-    def through(n: int) -> int:
-        n = (n - 1) // stride + 1  # ZeroPad2d(1) + 3x3 convolution
-        if not ups:
-            for s in backbone["layer_strides"][1:]:
-                n = (n - 1) // int(s) + 1
-        for up in ups[:1] + ups[len(backbone["layer_strides"]):]:  # level 0's deblock, then the optional extra
-            n = n * int(up) if up >= 1 else n // int(round(1 / up))
-        shrink = args.get("shrink_header") or {}
-        for k, s, p in zip(shrink.get("kernal_size", []), shrink.get("stride", []), shrink.get("padding", [])):
-            n = (n + 2 * int(p) - int(k)) // int(s) + 1
-        return n
-
-    grid = args["point_pillar_scatter"]["grid_size"]
-    return through(int(grid[1])), through(int(grid[0]))
 
 
 def _check_transformer(hypes: Mapping, args: Mapping, source: str) -> None:
@@ -121,7 +102,7 @@ def _check_geometry(hypes: Mapping, args: Mapping, source: str) -> None:
         refuse(source, f"{_ENC}sttf.voxel_size ({sttf['voxel_size']}) must start with model.args.voxel_size's x "
                        f"size ({voxel}), and the voxels must be square in x and y (the warp uses one cell size)")
     grid = args["point_pillar_scatter"]["grid_size"]
-    height, width = feature_map_size(args)
+    height, width = shrunk_map_size(args)
     if sttf["downsample_rate"] * width != grid[0] or sttf["downsample_rate"] * height != grid[1]:
         refuse(source, f"{_ENC}sttf.downsample_rate ({sttf['downsample_rate']}) must be the fused map's stride: "
                        f"point_pillar_scatter.grid_size {grid[0]} x {grid[1]} becomes {width} x {height} after "
@@ -138,6 +119,7 @@ def check_v2xvit_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     _check_transformer(hypes, args, source)
+    check_feature_compression(args, source)
     check_max_cav(hypes, source)
 
 
@@ -149,7 +131,12 @@ class PointPillarTransformer(PointPillar):
     def build_neck(self, args: Mapping) -> None:
         self.max_cav = int(args["max_cav"])
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if "shrink_header" in args else None
+        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
         self.fusion_net = V2XTransformer(args["transformer"])
+
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        return shrunk_sent_maps(args)
 
     def head_channels(self) -> int:
         return self.fusion_net.dim
@@ -157,4 +144,5 @@ class PointPillarTransformer(PointPillar):
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
+        features = self.compress(features)
         return self.fusion_net(features, Agents.from_batch(data_dict, self.max_cav, features.device))

@@ -12,14 +12,17 @@ ConvGRU) is refused: upstream still builds the ConvGRU, whose parameters would t
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import List, Mapping, Optional
 
 import torch
 
-from opencood_ddp.models.checks import check_anchor_stride, check_shrink_header, head_stride, refuse
+from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compression, check_shrink_header,
+                                        head_stride, refuse)
+from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion
-from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
+from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
+                                              check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -69,6 +72,7 @@ def check_v2vnet_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     _check_fusion(hypes, source, args)
+    check_feature_compression(args, source)
 
 
 def kernel_sizes(gru: Mapping) -> list:
@@ -84,14 +88,19 @@ class PointPillarV2VNet(PointPillar):
 
     def build_neck(self, args: Mapping) -> None:
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
+        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
         block = args["v2vfusion"]
         self.fusion_net = V2VNetFusion(int(block["in_channels"]), int(block["num_iteration"]),
                                        block["agg_operator"], kernel_sizes(block["conv_gru"]), args["lidar_range"])
 
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        return shrunk_sent_maps(args)
+
     def head_channels(self) -> int:
-        return self.shrink_conv.out_channels if self.shrink_conv is not None else self.backbone.num_bev_features
+        return self.shrunk_channels()
 
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
-        return self.fusion_net(features, data_dict["record_len"], data_dict["pairwise_t_matrix"])
+        return self.fusion_net(self.compress(features), data_dict["record_len"], data_dict["pairwise_t_matrix"])

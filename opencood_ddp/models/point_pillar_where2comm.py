@@ -8,9 +8,11 @@ again inside the model: level 0's output is masked, each level's maps are warped
 fused per sample (attention of the ego over its CAVs), upsampled by the level's deblock and concatenated,
 then shrunk and sent to the heads. With ``multi_scale: false`` the shrunk maps themselves are masked and fused.
 
-Output per sample: ``psm``, ``rm`` and ``comm_rate``, a detached 0-d tensor: the share of the non-ego CAVs'
-BEV cells that were sent (a cell of the masked map with a non-zero mask; 0 for a batch without a non-ego
-CAV). Threshold semantics, the same in training and evaluation: a cell is sent when its confidence is
+Output per sample: ``psm``, ``rm`` and two detached 0-d tensors describing the batch: ``comm_rate``, the share
+of the non-ego CAVs' BEV cells that were sent (a cell of the masked map with a non-zero mask; 0 for a batch
+without a non-ego CAV), and ``com``, OpenCOOD's rate (upstream's output key): per sample, the cells above the
+threshold over all its CAVs, the ego's own map included, on the heads' grid, averaged over the samples (1 when
+everything is sent). Threshold semantics, the same in training and evaluation: a cell is sent when its confidence is
 strictly above the threshold, and a threshold <= 0 sends everything (rate 1). A threshold above the
 smoothing kernel's sum (about 0.98 for upstream's 5 x 5, sigma 1; 1 without smoothing) sends nothing (rate
 0): the detections then come from the ego's data alone.
@@ -31,6 +33,12 @@ Departures from upstream (docs/compatibility.md):
 - The confidence pass of the multi-scale path runs without autograd: its only use is a threshold, which
   has no gradient, so the parameter gradients are upstream's.
 
+``model.args.compression`` puts upstream's ``naive_compressor`` on every CAV's shrunk map after the
+confidence map is taken from it (the ego's map is compressed too, as upstream's). With ``multi_scale: true``
+upstream runs the compressor and then discards its output (the multi-scale path re-runs the backbone on the
+uncompressed pillar maps), so its parameters never get a gradient; here it is built (its weights load and
+save) but neither run nor trained: frozen, with the same outputs and the same weights as upstream's.
+
 Two spellings of the fusion block build the same model: OpenCOOD's ``where2comm_fusion`` (``fully``,
 ``communication.threshold``) and the Where2comm repository's ``fusion_args`` (``communication.thre``,
 ``agg_operator``; no ``communication`` block sends everything).
@@ -38,17 +46,19 @@ Two spellings of the fusion block build the same model: OpenCOOD's ``where2comm_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, validate
-from opencood_ddp.models.checks import (check_anchor_stride, check_max_cav, check_shrink_header, head_channels,
-                                        head_stride, refuse)
+from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compression, check_max_cav,
+                                        check_shrink_header, head_channels, head_stride, level_map_sizes, refuse)
+from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
-from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Where2commFusion, ego_rows
-from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
+from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion, ego_rows
+from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
+                                              check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -200,6 +210,7 @@ def check_where2comm_args(hypes: Mapping, source: str) -> None:
     _check_unbuilt_options(source, args)
     _check_widths(hypes, source, key, block)
     _check_strides(hypes, source, key, block)
+    check_feature_compression(args, source)
     check_max_cav(hypes, source)
 
 
@@ -212,6 +223,10 @@ class PointPillarWhere2comm(PointPillar):
     def build_neck(self, args: Mapping) -> None:
         spec = Where2commSpec.from_args(args)
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
+        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
+        if spec.multi_scale and self.naive_compressor is not None:
+            # Upstream discards the compressor's output on this path: no gradient ever reaches it (module doc).
+            self.naive_compressor.requires_grad_(False)
         block = args[OPENCOOD_BLOCK if OPENCOOD_BLOCK in args else WHERE2COMM_BLOCK]
         levels = block["num_filters"] if spec.multi_scale else [head_channels(args)]
         communication = (Communication(spec.threshold, spec.smoothing) if spec.threshold is not None else None)
@@ -219,8 +234,20 @@ class PointPillarWhere2comm(PointPillar):
         self.multi_scale = spec.multi_scale
         self.max_cav = int(args["max_cav"])
 
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        """Every cell of the map a CAV may send: level 0 of the backbone, uncompressed, with multi_scale (as
+        upstream, which bypasses shrink header and compressor there), else the (compressed) shrunk map. The
+        share actually sent is the batch's ``comm_rate``."""
+        _, block = fusion_block(args, "hypes")
+        if not block["multi_scale"]:
+            return shrunk_sent_maps(args)
+        grid = args["point_pillar_scatter"]["grid_size"]
+        rows, cols = level_map_sizes(args["base_bev_backbone"], int(grid[1]), int(grid[0]))[0]
+        return [(int(args["base_bev_backbone"]["num_filters"][0]), rows, cols)]
+
     def head_channels(self) -> int:
-        return self.shrink_conv.out_channels if self.shrink_conv is not None else self.backbone.num_bev_features
+        return self.shrunk_channels()
 
     def shrink(self, features: torch.Tensor) -> torch.Tensor:
         return self.shrink_conv(features) if self.shrink_conv is not None else features
@@ -238,21 +265,21 @@ class PointPillarWhere2comm(PointPillar):
         return self.shrink(self.backbone({"spatial_features": spatial})["spatial_features_2d"])
 
     def fuse_levels(self, spatial: torch.Tensor, psm_single: torch.Tensor, record_len: torch.Tensor,
-                    theta: torch.Tensor, is_ego: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                    theta: torch.Tensor, is_ego: torch.Tensor) -> Tuple[torch.Tensor, Rates]:
         """Upstream's multi-scale path: the backbone's levels again, level 0 masked, every level fused."""
         backbone, x, ups = self.backbone, spatial, []
-        rate = None
+        rates = None
         for level, block in enumerate(backbone.blocks):
             x = block(x)
             if level == 0:  # the masked maps also feed the deeper levels, as upstream
-                mask, rate = self.fusion_net.communicate(psm_single, is_ego, tuple(x.shape[-2:]))
+                mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len, tuple(x.shape[-2:]))
                 x = x if mask is None else x * mask
             fused = self.fusion_net.fuse(level, x, record_len, theta, is_ego)
             ups.append(backbone.deblocks[level](fused) if len(backbone.deblocks) > 0 else fused)
         x = torch.cat(ups, dim=1) if len(ups) > 1 else ups[0]
         if len(backbone.deblocks) > len(backbone.blocks):
             x = backbone.deblocks[-1](x)
-        return self.shrink(x), rate
+        return self.shrink(x), rates
 
     def forward(self, data_dict: Mapping) -> dict:
         record_len = data_dict["record_len"]
@@ -262,12 +289,14 @@ class PointPillarWhere2comm(PointPillar):
         if self.multi_scale:
             with torch.no_grad():  # feeds a threshold only: no gradient would flow back through it
                 psm_single = self.cls_head(self.single_maps(spatial))
-            fused, rate = self.fuse_levels(spatial, psm_single, record_len, theta, is_ego)
+            fused, rates = self.fuse_levels(spatial, psm_single, record_len, theta, is_ego)
         else:
             features = self.single_maps(spatial)
             with torch.no_grad():
-                psm_single = self.cls_head(features)
-            mask, rate = self.fusion_net.communicate(psm_single, is_ego)
+                psm_single = self.cls_head(features)  # the confidence comes from the uncompressed map, as upstream
+            features = self.compress(features)
+            mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len)
             fused = self.fusion_net.fuse(0, features if mask is None else features * mask, record_len, theta,
                                          is_ego)
-        return {"psm": self.cls_head(fused), "rm": self.reg_head(fused), "comm_rate": rate}
+        return {"psm": self.cls_head(fused), "rm": self.reg_head(fused), "comm_rate": rates.comm_rate,
+                "com": rates.com}

@@ -10,24 +10,27 @@ Like upstream's, the model does not warp the CAVs' maps: it needs clouds already
 unaligned maps. Upstream's ``model.args.batch_size`` is accepted and not read: the number of CAV maps is
 ``record_len``'s sum, so any batch works. Upstream hard-codes the BEV backbone's input (256) and the heads' width
 (512); here they follow ``height_compression.feature_num`` and the backbone's output, which equal those numbers
-for upstream's hypes, so the thin toy configuration can be built too.
+for upstream's hypes, so the thin toy configuration can be built too. ``model.args.base_bev_backbone.compression``
+adds AttFuse's per-level auto-encoders (``modules/compressor.py``), as upstream's AttBEVBackbone does.
 
 spconv is imported when the model is built (``modules/spconv_compat.py``), not when this module is.
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence, Tuple
+from typing import List, Mapping, Sequence, Tuple
 
 from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
+from opencood_ddp.models.checks import check_backbone_compression
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.fusion import AttFusion
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
 from opencood_ddp.models.modules.sparse_backbone import (HeightCompression, VoxelBackBone8x, num_features_out,
                                                          output_shape)
-from opencood_ddp.models.point_pillar import NUM_POINT_FEATURES, PILLAR_KEYS, PILLAR_OPTIONAL_KEYS
+from opencood_ddp.models.point_pillar import (NUM_POINT_FEATURES, PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map,
+                                              attfuse_sent_maps)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -59,6 +62,8 @@ def check_second_args(hypes: Mapping, source: str) -> None:
                           f"{args['mean_vfe']['feature_points']}; fix the hypes")
     _check_height(args, grid, source)
     _check_bev_backbone(args, source)
+    _, rows, cols = output_shape(grid)  # the BEV backbone's input: the sparse backbone's output, height folded
+    check_backbone_compression(args, source, rows, cols)
     _check_head_grid(hypes, grid, source)
     _check_agreement(hypes, source)
 
@@ -111,9 +116,6 @@ def _check_bev_backbone(args: Mapping, source: str) -> None:
     if len(bev["upsample_strides"]) != len(bev["num_upsample_filter"]):
         raise ConfigError(f"{source}: model.args.base_bev_backbone.upsample_strides and num_upsample_filter must "
                           f"have the same length; fix the hypes")
-    if bev.get("compression", 0):
-        raise ConfigError(f"{source}: model.args.base_bev_backbone.compression > 0 (feature compression) is not "
-                          f"implemented; set it to 0")
 
 
 def _resample(cells: int, stride: float) -> int:
@@ -177,11 +179,19 @@ class SecondIntermediate(nn.Module):
         self.backbone_3d = VoxelBackBone8x(args["backbone_3d"], self.mean_vfe.get_output_feature_dim(),
                                            args["grid_size"])
         self.height_compression = HeightCompression(args["height_compression"])
-        self.backbone_2d = BaseBEVBackbone(args["base_bev_backbone"], self.height_compression.num_bev_features,
-                                           fusion_factory=AttFusion)
+        bev = args["base_bev_backbone"]
+        self.backbone_2d = BaseBEVBackbone(bev, self.height_compression.num_bev_features, fusion_factory=AttFusion,
+                                           compression=int(bev.get("compression", 0) or 0))
         channels, anchors = self.backbone_2d.num_bev_features, int(args["anchor_number"])
         self.cls_head = nn.Conv2d(channels, anchors, kernel_size=1)
         self.reg_head = nn.Conv2d(channels, 7 * anchors, kernel_size=1)
+
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> List[Map]:
+        """Every level's map of the BEV backbone (fused level by level, as AttFuse), the auto-encoders'
+        bottlenecks under base_bev_backbone.compression."""
+        _, rows, cols = output_shape(args["grid_size"])
+        return attfuse_sent_maps(args["base_bev_backbone"], rows, cols)
 
     def forward(self, data_dict: Mapping) -> dict:
         lidar, record_len = data_dict["processed_lidar"], data_dict["record_len"]

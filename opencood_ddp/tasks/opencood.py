@@ -36,6 +36,7 @@ from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
 from opencood_ddp.registry import import_modules
 from opencood_ddp.schema import check_known_keys
+from opencood_ddp.tasks.communication import CommunicationMeter, MeteredFrameStats
 from opencood_ddp.vis import plot_pr_curves
 from opencood_ddp.vis.export import FrameExporter
 
@@ -109,8 +110,9 @@ class EvalCollate:
 class FrameEvaluator:
     """One test batch -> one FrameStats per frame: model, post-processing, TP/FP per IoU, optional files."""
 
-    def __init__(self, post: VoxelPostprocessor, fusion_method: str, exporter: Optional[FrameExporter] = None):
-        self.post, self.fusion_method, self.exporter = post, fusion_method, exporter
+    def __init__(self, post: VoxelPostprocessor, fusion_method: str, exporter: Optional[FrameExporter] = None,
+                 meter: Optional[CommunicationMeter] = None):
+        self.post, self.fusion_method, self.exporter, self.meter = post, fusion_method, exporter, meter
 
     def outputs(self, model: nn.Module, model_input: Mapping[str, Any], frames: int) -> List[Dict[str, Any]]:
         """The model's output dict per frame, keyed like the frame's test batch."""
@@ -130,7 +132,10 @@ class FrameEvaluator:
             if self.exporter is not None:
                 self.exporter(index, frame_points(frame), _numpy(boxes), _numpy(scores), _numpy(gt),
                               frame_cav_positions(frame))
-            records.append(frame_stats(boxes, scores, gt))
+            stats = frame_stats(boxes, scores, gt)
+            if self.meter is not None:  # what the frame's CAVs sent travels with its statistics
+                stats = MeteredFrameStats.of(stats, self.meter.frame(output, frame))
+            records.append(stats)
         return records
 
 
@@ -154,11 +159,17 @@ def frame_cav_positions(frame: Mapping[str, Any]) -> np.ndarray:
 
 
 class Summary:
-    def __init__(self, global_sort: bool):
-        self.global_sort = global_sort
+    """eval.yaml's content: upstream's AP keys, and the communication figures when metered
+    (tasks/communication.py: bytes_per_cav_frame; Where2comm's comm_rate and com)."""
+
+    def __init__(self, global_sort: bool, meter: Optional[CommunicationMeter] = None):
+        self.global_sort, self.meter = global_sort, meter
 
     def __call__(self, frames: List[FrameStats]) -> dict:
-        return eval_summary(frames, global_sort=self.global_sort)
+        summary = eval_summary(frames, global_sort=self.global_sort)
+        if self.meter is not None:
+            summary.update(self.meter.summary([frame.communication for frame in frames]))
+        return summary
 
 
 class PrPlot:
@@ -299,9 +310,10 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     finish = None
     if options.pr_plot and request.out_dir is not None:
         finish = PrPlot(Path(request.out_dir) / pr_plot_name(options.global_sort), options.global_sort)
+    meter = CommunicationMeter.of(hypes, fusion_method)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
-                    evaluate_batch=FrameEvaluator(post, fusion_method, exporter),
-                    summarize=Summary(options.global_sort), move_to=move_tensors, finish=finish,
+                    evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter),
+                    summarize=Summary(options.global_sort, meter), move_to=move_tensors, finish=finish,
                     result_name=eval_file_name(options.global_sort), report=Report(options, request.out_dir))
 
 

@@ -5,6 +5,10 @@ upstream's: ``blocks.{level}`` = [ZeroPad2d, Conv(stride), BN, ReLU, (Conv, BN, 
 ``deblocks.{level}`` = [ConvTranspose2d (or Conv2d for an upsample stride < 1), BN, ReLU]; BatchNorm eps 1e-3,
 momentum 0.01. With a ``fusion`` module per level (AttFuse), each level's output is fused across CAVs before
 its deblock, while the next level keeps working on every CAV's unfused map.
+
+``compression`` L > 0 (AttFuse's ``base_bev_backbone.compression``, upstream's ``AttBEVBackbone``) adds an
+``AutoEncoder`` of L - level steps after each level's blocks while L - level > 0 (``compression_modules.{level}``):
+every CAV's map goes through it before the fusion, and the decoded map also feeds the next level, as upstream's.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ from typing import Callable, List, Mapping, Optional
 import numpy as np
 import torch
 from torch import nn
+
+from opencood_ddp.models.modules.compressor import AutoEncoder
 
 
 def _bn(channels: int) -> nn.BatchNorm2d:
@@ -40,7 +46,7 @@ class BaseBEVBackbone(nn.Module):
     """(N, C_in, H, W) -> (N, sum(num_upsample_filter), H / s, W / s); optionally fused per level."""
 
     def __init__(self, cfg: Mapping, input_channels: int,
-                 fusion_factory: Optional[Callable[[int], nn.Module]] = None):
+                 fusion_factory: Optional[Callable[[int], nn.Module]] = None, compression: int = 0):
         super().__init__()
         layer_nums, strides = list(cfg["layer_nums"]), list(cfg["layer_strides"])
         filters = list(cfg["num_filters"])
@@ -59,6 +65,10 @@ class BaseBEVBackbone(nn.Module):
             self.deblocks.append(_deblock(channels, channels, up_strides[-1]))
         self.fuse_modules = (nn.ModuleList(fusion_factory(f) for f in filters)
                              if fusion_factory is not None else None)
+        # Registered after the deblocks: upstream's state-dict order.
+        self.compression_modules = (nn.ModuleList(AutoEncoder(f, compression - level) for level, f in
+                                                  enumerate(filters) if compression - level > 0)
+                                    if compression > 0 else None)
         self.num_bev_features = channels
 
     def forward(self, batch_dict: dict) -> dict:
@@ -67,6 +77,8 @@ class BaseBEVBackbone(nn.Module):
         ups = []
         for level, block in enumerate(self.blocks):
             x = block(x)
+            if self.compression_modules is not None and level < len(self.compression_modules):
+                x = self.compression_modules[level](x)
             out = x if self.fuse_modules is None else self.fuse_modules[level](x, record_len)
             ups.append(self.deblocks[level](out) if len(self.deblocks) > 0 else out)
         x = torch.cat(ups, dim=1) if len(ups) > 1 else ups[0]

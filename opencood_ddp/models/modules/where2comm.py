@@ -13,7 +13,7 @@ sample depends on its own CAVs only, whatever else the batch holds.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -72,14 +72,22 @@ class Communication(nn.Module):
         best = psm.sigmoid().amax(dim=1, keepdim=True)
         return self.gaussian_filter(best) if self.gaussian_filter is not None else best
 
-    def forward(self, psm: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
-        """(N, A, H, W) logits, (N,) ego flags -> (N, 1, H, W) mask of 0.0 / 1.0, no gradient."""
+    def selected(self, psm: torch.Tensor) -> torch.Tensor:
+        """(N, A, H, W) logits -> (N, 1, H, W) 0.0 / 1.0: the cells above the threshold, for every CAV (the
+        egos' too: OpenCOOD's ``com`` counts them), no gradient."""
         psm = psm.detach()
         if self.threshold <= 0:
-            mask = psm.new_ones(psm.shape[0], 1, *psm.shape[2:])
-        else:
-            mask = (self.confidence(psm) > self.threshold).to(psm.dtype)
-        return torch.where(is_ego.view(-1, 1, 1, 1), torch.ones_like(mask), mask)
+            return psm.new_ones(psm.shape[0], 1, *psm.shape[2:])
+        return (self.confidence(psm) > self.threshold).to(psm.dtype)
+
+    def forward(self, psm: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+        """(N, A, H, W) logits, (N,) ego flags -> (N, 1, H, W) mask of 0.0 / 1.0, no gradient."""
+        return keep_egos_whole(self.selected(psm), is_ego)
+
+
+def keep_egos_whole(mask: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+    """The mask with every ego's map all ones: the ego's own map is never sent, so it is never pruned."""
+    return torch.where(is_ego.view(-1, 1, 1, 1), torch.ones_like(mask), mask)
 
 
 def communication_rate(mask: Optional[torch.Tensor], is_ego: torch.Tensor) -> torch.Tensor:
@@ -93,6 +101,22 @@ def communication_rate(mask: Optional[torch.Tensor], is_ego: torch.Tensor) -> to
     if mask is None:
         return torch.ones((), device=is_ego.device)
     return (mask.detach()[others] > 0).float().mean()
+
+
+def opencood_com(selected: Optional[torch.Tensor], record_len: torch.Tensor) -> torch.Tensor:
+    """0-d float32, detached: OpenCOOD's ``com`` (``where2comm_fuse.py``'s ``communication_rates``).
+
+    Per sample: the cells above the threshold over all its L CAVs, the ego's own map included (counted before
+    the ego is kept whole), divided by L x H x W, on the heads' grid; then the mean over the batch's samples.
+    ``selected`` None (everything sent: ``fully``, no communication block) gives 1, as upstream's ``fully``.
+    """
+    if selected is None:
+        return torch.ones((), device=record_len.device)
+    counts = record_len.to(device=selected.device, dtype=torch.long)
+    sample = torch.repeat_interleave(torch.arange(len(counts), device=selected.device), counts)
+    per_cav = (selected.detach() > 0).flatten(1).float().mean(dim=1)  # every CAV's map has H x W cells
+    per_sample = torch.zeros(len(counts), device=selected.device).index_add_(0, sample, per_cav) / counts
+    return per_sample.mean()
 
 
 def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
@@ -136,6 +160,13 @@ def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> t
     return x.index_copy(0, others, warped.to(x.dtype))
 
 
+class Rates(NamedTuple):
+    """The two communication rates of a batch, both 0-d and detached."""
+
+    comm_rate: torch.Tensor  # ours: the share of the non-ego CAVs' cells sent (communication_rate)
+    com: torch.Tensor  # OpenCOOD's: thresholded cells of every CAV, the ego's included (opencood_com)
+
+
 class Where2commFusion(nn.Module):
     """Communication masks and per-level fusion; the model runs the backbone around it (multi-scale).
 
@@ -156,19 +187,21 @@ class Where2commFusion(nn.Module):
     def affines(self, pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
         return ego_frame_affines(pairwise_t_matrix, record_len, self.lidar_range)
 
-    def communicate(self, psm_single: torch.Tensor, is_ego: torch.Tensor,
-                    size: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
-        """(mask (N, 1, *size) or None when everything is sent, communication rate).
+    def communicate(self, psm_single: torch.Tensor, is_ego: torch.Tensor, record_len: torch.Tensor,
+                    size: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Rates]:
+        """(mask (N, 1, *size) or None when everything is sent, the two communication rates).
 
         A mask made on the heads' grid is resized to the masked level's grid bilinearly, as upstream does; a
-        cell there counts as sent when its mask is non-zero.
+        cell there counts as sent when its mask is non-zero. OpenCOOD's ``com`` is counted on the heads' grid.
         """
         if not self.communicates:
-            return None, communication_rate(None, is_ego)
-        mask = self.naive_communication(psm_single, is_ego)
+            return None, Rates(communication_rate(None, is_ego), opencood_com(None, record_len))
+        selected = self.naive_communication.selected(psm_single)
+        mask = keep_egos_whole(selected, is_ego)
+        com = opencood_com(selected, record_len)
         if size is not None and tuple(mask.shape[-2:]) != tuple(size):
             mask = F.interpolate(mask, size=tuple(size), mode="bilinear", align_corners=False)
-        return mask, communication_rate(mask, is_ego)
+        return mask, Rates(communication_rate(mask, is_ego), com)
 
     def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, theta: torch.Tensor,
              is_ego: torch.Tensor) -> torch.Tensor:
