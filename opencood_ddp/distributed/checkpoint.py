@@ -136,9 +136,11 @@ def describe_mismatch(model_state: Mapping[str, Any], loaded: Mapping[str, Any],
 
 
 def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: bool = True,
-                 label: Optional[str] = None) -> None:
+                 label: Optional[str] = None, allow_new: bool = False) -> list[str]:
     """Load a state dict (file or mapping) into the unwrapped model, prefix-agnostic and strict by default;
-    `label` names a mapping's file in errors."""
+    `label` names a mapping's file in errors. `allow_new`: the model may hold entries the checkpoint lacks (a
+    module added for fine-tuning, such as a compressor); they keep their initial values and their names are
+    returned. Anything else that differs (an unexpected entry, another shape) is still refused."""
     label = str(source) if isinstance(source, (str, Path)) else (label or "the given state dict")
     state = load_file(Path(source)) if isinstance(source, (str, Path)) else source
     if not isinstance(state, Mapping):
@@ -146,11 +148,14 @@ def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: boo
                               f"pass a net_epoch<N>.pth file")
     state = strip_module_prefix(state)
     target = unwrap(model)
-    report = describe_mismatch(target.state_dict(), state)
+    model_state = target.state_dict()
+    new = [key for key in model_state if key not in state] if allow_new else []
+    report = describe_mismatch({k: v for k, v in model_state.items() if k not in new}, state)
     if report and strict:
         raise ForeignCheckpointError(f"checkpoint {label} does not match the model: {report}",
                                      "check that model.core_method and model.args match the run that saved it")
-    target.load_state_dict(state, strict=strict)
+    target.load_state_dict(state, strict=strict and not new)
+    return new
 
 
 def epochs_on_disk(run_dir: Path, pattern: re.Pattern = WEIGHTS_RE) -> list[int]:

@@ -32,11 +32,15 @@ from opencood_ddp.hypes import changed_sections
 @dataclass
 class Resumed:
     """What resume found: the checkpoint that loaded (None: start from scratch), its training state (None: an
-    upstream run, weights only), and why newer checkpoints were passed over."""
+    upstream run, weights only), why newer checkpoints were passed over, and whether the run fine-tunes: its
+    model section changed under --allow_config_change, so that only the weights carry over (the optimizer
+    restarts) and `new_parameters` are the model's entries the checkpoint did not hold."""
 
     saved: Optional[ckpt.SavedCheckpoint] = None
     state: Optional[dict] = None
     passed_over: list = field(default_factory=list)
+    fine_tune: bool = False
+    new_parameters: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -77,13 +81,19 @@ class RunCheckpointer:
         for saved in ckpt.saved_checkpoints(self.run_dir, steps_per_epoch):
             try:
                 weights, state = ckpt.load_saved(saved)
-                ckpt.load_weights(model, weights, label=str(saved.weights))  # nothing is loaded on a mismatch
+                changed = self._check_state(saved, state) if state is not None else []
+                fine_tune = "model" in changed  # only reached with --allow_config_change
+                # nothing is loaded on a mismatch; a fine-tune may add entries (a compressor) to the model
+                new = ckpt.load_weights(model, weights, label=str(saved.weights), allow_new=fine_tune)
             except (ckpt.CorruptCheckpointError, ckpt.ForeignCheckpointError) as exc:
                 rejected.append(_what_it_holds(exc, saved, model))
                 continue
-            if state is not None:
-                self._check_state(saved, state)
-            return Resumed(saved, state, [exc.problem for exc in rejected])
+            if fine_tune:
+                self.log.warning(f"model section changed: fine-tuning from the weights of {saved.weights.name} "
+                                 f"({len(new)} new entries start from their initial values"
+                                 f"{': ' + ', '.join(new[:4]) + (' ...' if len(new) > 4 else '') if new else ''});"
+                                 f" the optimizer restarts, the epoch count and lr schedule go on")
+            return Resumed(saved, state, [exc.problem for exc in rejected], fine_tune, new)
         if rejected:
             more = f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""
             raise CheckpointError(f"{rejected[0].problem}{more}, and no earlier checkpoint of this run loads; restore "
@@ -91,11 +101,13 @@ class RunCheckpointer:
         self._refuse_a_history_without_checkpoint()
         return Resumed()
 
-    def _check_state(self, saved: ckpt.SavedCheckpoint, state: dict) -> None:
-        """A model or data section edited since the checkpoint (config.yaml, or --set on resume) is refused, since
-        weights that happen to fit another model would train on silently as that model; --allow_config_change
-        resumes with a warning. Checkpoints written before digests were recorded are not checked. Another
-        effective batch is allowed, with a warning: the resumed part is not the same training."""
+    def _check_state(self, saved: ckpt.SavedCheckpoint, state: dict) -> list:
+        """The hypes sections changed since the checkpoint. A model or data section edited since the checkpoint
+        (config.yaml, or --set on resume) is refused, since weights that happen to fit another model would train
+        on silently as that model; --allow_config_change resumes with a warning (a changed model section then
+        fine-tunes: upstream's recipes change the model between stages, compression and backbone_fix).
+        Checkpoints written before digests were recorded are not checked. Another effective batch is allowed,
+        with a warning: the resumed part is not the same training."""
         digests, rules = state.get("config_digests"), self.rules
         changed = changed_sections(digests, rules.config_digests) if None not in (digests, rules.config_digests) \
             else []
@@ -110,6 +122,7 @@ class RunCheckpointer:
         if trained is not None and rules.global_batch is not None and trained != rules.global_batch:
             self.log.warning(f"this run was trained with effective batch {trained}; the resumed part uses "
                              f"{rules.global_batch}: not the same training")
+        return changed
 
     def _refuse_a_history_without_checkpoint(self) -> None:
         """A run folder whose train_steps.csv has steps but that holds no checkpoint (they were deleted, or the

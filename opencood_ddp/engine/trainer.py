@@ -112,6 +112,9 @@ class Trainer:
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=settings.sync_bn)
         self.model = self._wrap(self.model_without_ddp)
+        # Every parameter, where upstream passes the trainable ones only: a frozen one (backbone_fix) never has a
+        # gradient, so torch's optimizers skip it alike, and the saved optimizer state keeps one layout whatever
+        # is frozen (a resume that freezes the backbone loads it).
         self.optimizer = build_optimizer(hypes, self.model_without_ddp.parameters(), plan.effective_lr)
         self.precision = Precision(settings.half, self.device)
         self.scaler = self.precision.new_scaler()
@@ -166,7 +169,10 @@ class Trainer:
         why newer ones were passed over). The hooks then drop what they recorded past it, which is trained
         again (with no checkpoint, everything)."""
         found = self.checkpointer.resume(self.model_without_ddp, self.steps_per_epoch)
-        if found.saved is not None:
+        if found.saved is not None and found.fine_tune:
+            self._restore_position(found.state, fine_tune=True)
+            self._restore_schedule(None, found.saved)
+        elif found.saved is not None:
             self._restore_training(found.saved, found.state)
         self.hooks.on_resume(self.progress.global_step)
         return found.saved, found.passed_over
@@ -182,14 +188,22 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
+        self._restore_position(state)
+        self._restore_schedule(state.get("lr_scheduler"), saved)
+
+    def _restore_position(self, state: dict, fine_tune: bool = False) -> None:
+        """Where the run stands (epoch, step, history) and every rank's RNG. A fine-tune (another model section:
+        a compressor added, the backbone frozen) keeps the count and the history but not the best validation
+        loss, which was another model's; its optimizer restarts, as upstream's stages do."""
         rng = state["rng"]
         ckpt.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world_size else rng[0])
         self.progress = Progress(epoch=state["epoch"], global_step=state["global_step"],
-                                 step_in_epoch=state.get("step_in_epoch", 0), best_val=state["best_val"],
-                                 best_epoch=state["best_epoch"], history=list(state.get("history", [])),
+                                 step_in_epoch=state.get("step_in_epoch", 0),
+                                 best_val=math.inf if fine_tune else state["best_val"],
+                                 best_epoch=None if fine_tune else state["best_epoch"],
+                                 history=list(state.get("history", [])),
                                  skipped_steps=list(state.get("skipped_steps", [])))
-        self._epoch_carry = state.get("epoch_sums")
-        self._restore_schedule(state.get("lr_scheduler"), saved)
+        self._epoch_carry = None if fine_tune else state.get("epoch_sums")
 
     def _restore_schedule(self, saved_state: Optional[dict], saved: ckpt.SavedCheckpoint) -> None:
         """The lr schedule where an uninterrupted run is at the restored progress: the checkpoint's scheduler
