@@ -18,25 +18,25 @@ WORKERS = REPO / "tests" / "workers"
 TRAIN = REPO / "tools" / "train_ddp.py"
 
 
-def clean_env(extra: Optional[dict] = None) -> dict:
+def clean_environ(extra: Optional[dict] = None) -> dict:
     """The test's environment without any launcher variables the test runner itself might carry, with one
     OpenMP thread per process (the workers share the machine) and unbuffered output, plus `extra`."""
-    env = environ_without_launcher(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra or {})
-    return env
+    environ = environ_without_launcher(os.environ)
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    environ.update(extra or {})
+    return environ
 
 
 def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300,
              extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
     cmd = [*launcher_prefix(nproc), str(script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_env(extra_env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_environ(extra_env))
 
 
 def python(script: Path, *args: str, timeout: float = 300,
            extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(script), *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_env(extra_env))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_environ(extra_env))
 
 
 def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -67,7 +67,7 @@ class Background:
         self.out_path, self.err_path = folder / "stdout.txt", folder / "stderr.txt"
         cmd = [*launcher_prefix(nproc, launcher_args=torchrun_args), str(TRAIN), *map(str, args)]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=clean_env(extra_env),
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, cwd=REPO, env=clean_environ(extra_env),
                                          start_new_session=True)
 
     def worker_pids(self) -> dict[int, int]:
@@ -141,7 +141,7 @@ def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     os.environ.clear()
-    os.environ.update(clean_env())
+    os.environ.update(clean_environ())
     sys.argv = [str(script), *map(str, args)]
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

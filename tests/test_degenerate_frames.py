@@ -216,7 +216,7 @@ def test_evaluation_of_degenerate_frames(worlds, tmp_path, fusion, kind):
     object gives AP nan (undefined), a lone CAV is evaluated like any frame."""
     config = next(c for c in CONFIGS if FUSION[c] == fusion)
     request = EvalRequest(dataset_dir=str(worlds[kind]), batch_size=1 if fusion == "late" else 2,
-                          out_dir=str(tmp_path), task_options=DetectionEvalOptions(fusion, save_npy=True))
+                          run_dir=str(tmp_path), task_options=DetectionEvalOptions(fusion, save_npy=True))
     spec = build_eval(toy_hypes(config, worlds[kind]), request)
     model = spec.model.eval()
     indices = [0] if fusion == "late" else [0, 1]

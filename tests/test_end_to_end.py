@@ -12,10 +12,10 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, clean_env, explain, python, split_overrides, train
+from launch import REPO, clean_environ, explain, python, split_overrides, train
 from upstream_loop import upstream_step_lrs
 
-from opencood_ddp.distributed.checkpoint import load_file
+from opencood_ddp.distributed.checkpoint_files import load_file
 from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.engine.logging import read_step_log
@@ -98,7 +98,7 @@ def test_two_torchrun_nodes_equal_two_processes(parity_runs, toy_small, tmp_path
     cmd = [*launcher_prefix(1, nodes=2, endpoint=endpoint, run_id="e2e_two_nodes"),
            str(REPO / "tools" / "train_ddp.py"), "--hypes_yaml", str(TOY_ATTFUSE), "--model_dir", str(run_dir),
            "--max_steps", str(STEPS), "--num_workers", "0", *map(str, split_overrides(toy_small))]
-    nodes = [subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    nodes = [subprocess.Popen(cmd, cwd=REPO, env=clean_environ(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n---\n".join(o[-3000:] for o in outputs)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from launch import REPO, WORKERS, Background, explain, train, wait_until
-from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.engine.parity import global_relative_difference
 from opencood_ddp.distributed.samplers import make_train_batch_sampler

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from launch import REPO, TRAIN, clean_env, explain
-from opencood_ddp.distributed.checkpoint import load_file
+from launch import REPO, TRAIN, clean_environ, explain
+from opencood_ddp.distributed.checkpoint_files import load_file
 from opencood_ddp.engine.parity import relative_differences
 from slurm_cluster import ClusterUnavailable, start_cluster
 
@@ -39,7 +39,7 @@ def slurm_run(cluster, tmp_path_factory):
     extra = ["--overcommit"] if cluster.cpus < 2 else []  # two tasks even on a one-CPU machine
     cmd = ["srun", "-n", "2", "--cpus-per-task=1", *extra, sys.executable, str(TRAIN), "--hypes_yaml", str(SYNTHETIC),
            "--model_dir", str(run_dir), "--num_workers", "0"]
-    env = cluster.env(clean_env())
+    env = cluster.env(clean_environ())
     try:
         socket.gethostbyname(cluster.node)
     except OSError:

@@ -174,12 +174,12 @@ def test_legacy_launch_with_local_rank_argument(tmp_path):
     import subprocess
     import sys
 
-    from launch import clean_env
+    from launch import clean_environ
 
     cmd = [sys.executable, "-m", "torch.distributed.launch", "--nproc_per_node=2", str(REPO / "tools" / "train_ddp.py"),
            "--hypes_yaml", str(SYNTHETIC), "--model_dir", str(tmp_path / "r"), "--num_workers", "0",
            "--set", "train_params.epoches=1"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_env())
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=clean_environ())
     assert result.returncode == 0, explain(result)
     assert "launcher launch: world size 2" in result.stdout
     assert (tmp_path / "r" / "net_epoch1.pth").is_file()

@@ -151,10 +151,10 @@ def worker_command(world: int, ddp: bool, args: argparse.Namespace, out: Path) -
 
 def run(world: int, ddp: bool, args: argparse.Namespace, scratch: Path) -> list[dict]:
     out = scratch / f"world{world}_{'ddp' if ddp else 'plain'}.json"
-    env = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
+    environ = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
     label = f"world size {world}" + (" (DDP)" if ddp else " (no DDP)")
     print(f"{label}: running {args.warmup} + {args.steps} steps ...", flush=True)
-    result = subprocess.run(worker_command(world, ddp, args, out), env=env, cwd=REPO, capture_output=True,
+    result = subprocess.run(worker_command(world, ddp, args, out), env=environ, cwd=REPO, capture_output=True,
                             text=True)
     if result.returncode != 0 or not out.is_file():
         tail = (result.stderr or result.stdout).strip().splitlines()[-15:]

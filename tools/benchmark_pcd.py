@@ -65,8 +65,8 @@ def read_with_open3d(path: str) -> np.ndarray:
 
 def first_read_seconds(path: str, cache_dir: str) -> tuple[float, float]:
     """(import of opencood_ddp.data.pcd, first read_pcd) in a fresh process using numba cache ``cache_dir``."""
-    env = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
-    result = subprocess.run([sys.executable, "-c", _FIRST_READ, path], env=env, capture_output=True, text=True,
+    environ = dict(os.environ, NUMBA_CACHE_DIR=cache_dir)
+    result = subprocess.run([sys.executable, "-c", _FIRST_READ, path], env=environ, capture_output=True, text=True,
                             check=True)
     imported, first = result.stdout.split()
     return float(imported), float(first)

@@ -129,8 +129,8 @@ def driver(args: argparse.Namespace) -> int:
             str(Path(__file__).resolve()), "--hypes_yaml", args.hypes_yaml, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--worker_out", str(out),
             *[word for override in args.overrides for word in ("--set", override)]]
-        env = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
-        result = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        environ = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
+        result = subprocess.run(cmd, env=environ, capture_output=True, text=True)
         if result.returncode != 0 or not out.is_file():
             tail = (result.stderr or result.stdout).strip().splitlines()[-15:]
             print(f"error: the {args.nproc}-rank run failed (exit {result.returncode}):\n" + "\n".join(tail),

@@ -199,13 +199,13 @@ def _sparse_conv_runs(device: torch.device) -> str:
 def _environ(device: torch.device) -> dict:
     from opencood_ddp.distributed.env import SHARE_GPUS_VARIABLE, environ_without_launcher
 
-    env = environ_without_launcher(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    environ = environ_without_launcher(os.environ)
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     if device.type == "cuda":
-        env[SHARE_GPUS_VARIABLE] = "1"  # 2 ranks on the one GPU, over gloo
+        environ[SHARE_GPUS_VARIABLE] = "1"  # 2 ranks on the one GPU, over gloo
     else:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    return env
+        environ["CUDA_VISIBLE_DEVICES"] = ""
+    return environ
 
 
 def _run(command: list, device: torch.device, timeout: float = 1800) -> subprocess.CompletedProcess:
@@ -289,10 +289,10 @@ def environment(device: torch.device) -> dict:
     return info
 
 
-def write_report(out: Path, env: dict, checks: list[Check]) -> None:
-    (out / "gpu_check.json").write_text(json.dumps({"environment": env, "checks": [asdict(c) for c in checks]},
+def write_report(out: Path, machine: dict, checks: list[Check]) -> None:
+    (out / "gpu_check.json").write_text(json.dumps({"environment": machine, "checks": [asdict(c) for c in checks]},
                                                    indent=2))
-    lines = ["# gpu_check", "", " ".join(f"{k}: {v};" for k, v in env.items()), "",
+    lines = ["# gpu_check", "", " ".join(f"{k}: {v};" for k, v in machine.items()), "",
              "| check | status | seconds | detail |", "|---|---|---:|---|"]
     lines += [f"| {c.name} | {c.status} | {c.seconds} | {c.detail.splitlines()[0] if c.detail else ''} |"
               for c in checks]
@@ -325,8 +325,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
                 c, device, data, Path(work), args.half)))
     for config in args.configs:
         checks.append(timed(f"memory {config}", lambda c=config: check_memory(c, device, data, args.half)))
-    env = environment(device)
-    write_report(out, env, checks)
+    write_report(out, environment(device), checks)
     return checks
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes

@@ -35,7 +35,7 @@ class EvalRequest:
     dataset_dir: Optional[str] = None  # None: the run's validate_dir, as upstream's inference
     test_split: bool = False  # with dataset_dir None: the hypes' test_dir where it has one (--eval_after_training)
     batch_size: int = 1
-    out_dir: Optional[str] = None  # where the result file and the task's artefacts go
+    run_dir: Optional[str] = None  # where the result file and the task's artefacts go
     task_options: Any = None
 
 
@@ -48,7 +48,7 @@ class EvalSpec:
     summarize: Callable[[List[Any]], dict]
     move_to: Callable[[Any, torch.device], Any]
     finish: Optional[Callable[[List[Any]], None]] = None
-    result_name: str = "eval.yaml"  # the file rank 0 writes the summary to, in the request's out_dir
+    result_name: str = "eval.yaml"  # the file rank 0 writes the summary to, in the request's run_dir
     report: Callable[["EvalResult"], str] = lambda result: str(result.summary)  # rank 0's text after evaluation
 
 

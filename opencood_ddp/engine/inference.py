@@ -15,7 +15,7 @@ import yaml
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.atomic import atomic_write
-from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
@@ -67,15 +67,15 @@ def write_eval_yaml(path: Path, result: EvalResult, checkpoint: Path) -> None:
 def evaluate_checkpoint(spec: EvalSpec, request: EvalRequest, checkpoint: Path, env: DistEnv,
                         num_workers: int) -> Optional[EvalResult]:
     """Load `checkpoint` into the spec's model, evaluate on every rank; rank 0 writes eval.yaml into
-    ``request.out_dir`` and logs the table. Shared by inference and training's --eval_after_training."""
+    ``request.run_dir`` and logs the table. Shared by inference and training's --eval_after_training."""
     log = get_logger()
-    out_dir = Path(request.out_dir)
+    run_dir = Path(request.run_dir)
     ckpt.load_weights(spec.model, checkpoint)
     spec.model.to(torch.device(env.device))
     log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
     result = evaluate(spec, env, batch_size=request.batch_size, num_workers=num_workers)
     if result is not None:
-        path = out_dir / spec.result_name
+        path = run_dir / spec.result_name
         write_eval_yaml(path, result, checkpoint)
         log.info(f"{spec.report(result)}\n{_pace(result)}\nwrote {path}")
     return result
@@ -97,7 +97,7 @@ def load_run(options: EvalOptions) -> Tuple[dict, Path]:
 def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
     model_dir = Path(options.model_dir)
     hypes, checkpoint = load_run(options)
-    request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, out_dir=str(model_dir),
+    request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=str(model_dir),
                           task_options=options.task)
     return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, options.launch.num_workers)
 

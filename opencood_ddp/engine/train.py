@@ -20,7 +20,7 @@ import torch
 
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.yaml_parsers import run_yaml_parser
-from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan, make_batch_plan
 from opencood_ddp.distributed.elastic import elastic_attempt, find_run_of, record_run_id
@@ -189,7 +189,7 @@ def plan_final_evaluation(options: TrainOptions, hypes: dict,
 def run_final_evaluation(final: tuple[EvalRequest, EvalSpec], folder: Path, weights: Path, env: DistEnv,
                          num_workers: int) -> None:
     request, spec = final
-    request.out_dir = str(folder)
+    request.run_dir = str(folder)
     # The trainer's last save ends with a barrier: the checkpoint is on disk for every rank.
     evaluate_checkpoint(spec, request, weights, env, num_workers)
 

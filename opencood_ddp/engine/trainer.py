@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv

@@ -255,12 +255,12 @@ def fusion_method_of(hypes: Mapping) -> str:
     return methods[0]
 
 
-def build_exporter(hypes: dict, options: DetectionEvalOptions, out_dir: Optional[str]) -> Optional[FrameExporter]:
+def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str]) -> Optional[FrameExporter]:
     if not (options.save_npy or options.save_vis):
         return None
-    if out_dir is None:
+    if run_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
-    return FrameExporter(Path(out_dir), options.save_npy, options.save_vis,
+    return FrameExporter(Path(run_dir), options.save_npy, options.save_vis,
                          evaluation_gt_range(hypes, hypes_source(hypes)))
 
 
@@ -275,8 +275,8 @@ def pr_plot_name(global_sort: bool) -> str:
 class Report:
     """Rank 0's text after evaluation: the AP table and the files the options wrote."""
 
-    def __init__(self, options: DetectionEvalOptions, out_dir: Optional[str]):
-        self.options, self.out_dir = options, Path(out_dir) if out_dir is not None else None
+    def __init__(self, options: DetectionEvalOptions, run_dir: Optional[str]):
+        self.options, self.run_dir = options, Path(run_dir) if run_dir is not None else None
 
     def __call__(self, result: EvalResult) -> str:
         s = result.summary
@@ -285,15 +285,15 @@ class Report:
         return "\n".join(rows + self.written_files())
 
     def written_files(self) -> List[str]:
-        if self.out_dir is None:
+        if self.run_dir is None:
             return []
         lines = []
         if self.options.save_vis:
-            lines.append(f"bird's-eye-view pictures: {self.out_dir / 'vis'}/bev_*.png")
+            lines.append(f"bird's-eye-view pictures: {self.run_dir / 'vis'}/bev_*.png")
         if self.options.save_npy:
-            lines.append(f"arrays: {self.out_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
+            lines.append(f"arrays: {self.run_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
         if self.options.pr_plot:
-            lines.append(f"precision-recall curves: {self.out_dir / pr_plot_name(self.options.global_sort)}")
+            lines.append(f"precision-recall curves: {self.run_dir / pr_plot_name(self.options.global_sort)}")
         return lines
 
 
@@ -304,17 +304,17 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     hypes = eval_dataset_hypes(hypes, request, fusion_method)
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
-    exporter = build_exporter(hypes, options, request.out_dir)
+    exporter = build_exporter(hypes, options, request.run_dir)
     dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
                             visualize=exporter is not None)
     finish = None
-    if options.pr_plot and request.out_dir is not None:
-        finish = PrPlot(Path(request.out_dir) / pr_plot_name(options.global_sort), options.global_sort)
+    if options.pr_plot and request.run_dir is not None:
+        finish = PrPlot(Path(request.run_dir) / pr_plot_name(options.global_sort), options.global_sort)
     meter = CommunicationMeter.of(hypes, fusion_method)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
                     evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter),
                     summarize=Summary(options.global_sort, meter), move_to=move_tensors, finish=finish,
-                    result_name=eval_file_name(options.global_sort), report=Report(options, request.out_dir))
+                    result_name=eval_file_name(options.global_sort), report=Report(options, request.run_dir))
 
 
 __all__ = ["build_task", "build_eval", "DetectionEvalOptions", "DetectionStep",

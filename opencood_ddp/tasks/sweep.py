@@ -237,7 +237,7 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
         for number, level in enumerate(levels, 1):
             log.info(f"noise sweep level {number}/{len(levels)}: {level.describe()}")
             request = EvalRequest(dataset_dir=options.eval.dataset_dir, batch_size=options.eval.batch_size,
-                                  out_dir=scratch, task_options=options.eval.task)
+                                  run_dir=scratch, task_options=options.eval.task)
             spec = build_eval(level_hypes(hypes, level, seed), request)
             spec = dataclasses.replace(spec, summarize=WithScoreDigest(spec.summarize))
             if not warned and ignores_the_noise(spec, level):
@@ -349,9 +349,9 @@ def _panel(xlabel: str, levels: Sequence[Mapping], ticks: List[str]) -> SweepPan
                       series={label: [e[key] for e in levels] for key, label in AP_COLUMNS})
 
 
-def write_sweep(out_dir: Path, table: Mapping) -> List[Path]:
+def write_sweep(run_dir: Path, table: Mapping) -> List[Path]:
     """noise_sweep.yaml, .md and .png (…_global_sort.* for that convention), each written atomically."""
-    stem = out_dir / sweep_file_stem(table["ap_convention"] == ap_convention(True))
+    stem = run_dir / sweep_file_stem(table["ap_convention"] == ap_convention(True))
     paths = [stem.with_suffix(".yaml"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     yaml_text = yaml.safe_dump(dict(table), sort_keys=False, width=120)
     atomic_write(paths[0], lambda handle: handle.write(yaml_text.encode()))

@@ -20,14 +20,14 @@ NPY_FOLDER = "npy"
 VIS_FOLDER = "vis"
 
 
-def npy_paths(out_dir: Path, index: int) -> dict:
+def npy_paths(run_dir: Path, index: int) -> dict:
     """Upstream's names: ``{index:04d}_pcd.npy``, ``_pred.npy`` (box corners), ``_gt.npy`` (box corners)."""
-    folder = Path(out_dir) / NPY_FOLDER
+    folder = Path(run_dir) / NPY_FOLDER
     return {kind: folder / f"{index:04d}_{kind}.npy" for kind in ("pcd", "pred", "gt")}
 
 
-def vis_path(out_dir: Path, index: int) -> Path:
-    return Path(out_dir) / VIS_FOLDER / f"bev_{index:05d}.png"
+def vis_path(run_dir: Path, index: int) -> Path:
+    return Path(run_dir) / VIS_FOLDER / f"bev_{index:05d}.png"
 
 
 def save_npy(path: Path, array: np.ndarray) -> None:
@@ -40,7 +40,7 @@ def save_npy(path: Path, array: np.ndarray) -> None:
 class FrameExporter:
     """``exporter(index, points, pred_corners, scores, gt_corners, cav_positions)`` writes the chosen files."""
 
-    out_dir: Path
+    run_dir: Path
     save_npy: bool
     save_vis: bool
     lidar_range: Sequence[float]
@@ -49,12 +49,12 @@ class FrameExporter:
                  gt_corners: np.ndarray, cav_positions: Optional[np.ndarray]) -> None:
         if self.save_npy:
             for kind, array in zip(("pcd", "pred", "gt"), (points, pred_corners, gt_corners)):
-                path = npy_paths(self.out_dir, index)[kind]
+                path = npy_paths(self.run_dir, index)[kind]
                 path.parent.mkdir(parents=True, exist_ok=True)
                 save_npy(path, array)
         if self.save_vis:
             positions = np.zeros((0, 3)) if cav_positions is None else cav_positions
-            draw_bev(vis_path(self.out_dir, index), points, gt_corners, pred_corners, scores, positions,
+            draw_bev(vis_path(self.run_dir, index), points, gt_corners, pred_corners, scores, positions,
                      self.lidar_range, title=f"frame {index}: {len(gt_corners)} objects, {len(scores)} detections")
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint as ckpt
+from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import detect_from_process, distributed_session
 from opencood_ddp.engine.logging import setup_logging
