@@ -65,6 +65,27 @@ def test_train_ddp_on_one_and_two_processes_saves_the_same_weights(parity_runs):
     assert losses[2][0] == pytest.approx(losses[1][0], rel=1e-4)
 
 
+def test_a_detector_stopped_and_resumed_on_two_ranks_ends_bit_identical_to_the_straight_run(parity_runs, toy_small,
+                                                                                            tmp_path):
+    """The engine's exact resume on the detector path (the synthetic path: test_train_engine, test_resilience):
+    toy AttFuse on 2 ranks stopped after step 1 (--max_steps) and resumed to step 3 ends where the parity check's
+    straight 2-rank run of the same command ends, weights and optimizer state, bit for bit."""
+    _, work = parity_runs
+    run_dir = tmp_path / "resumed"
+    common = ("--hypes_yaml", TOY_ATTFUSE, "--model_dir", run_dir, "--num_workers", "0", *split_overrides(toy_small))
+    for stop in (1, STEPS):
+        result = train(2, *common, "--max_steps", str(stop), timeout=600)
+        assert result.returncode == 0, explain(result)
+    assert "resumed from net_step1.pth (step 1)" in result.stdout, explain(result)
+    straight, resumed = (load_file(folder / f"net_step{STEPS}.pth") for folder in (work / "world2", run_dir))
+    assert straight.keys() == resumed.keys()
+    assert [k for k in straight if not torch.equal(straight[k], resumed[k])] == []
+    states = [torch.load(folder / f"training_state_step{STEPS}.pt", weights_only=False)
+              for folder in (work / "world2", run_dir)]
+    moments = [[s["exp_avg"] for s in state["optimizer"]["state"].values()] for state in states]
+    assert all(torch.equal(a, b) for a, b in zip(*moments)) and len(moments[0]) > 0
+
+
 def test_parity_check_catches_per_rank_batchnorm(toy_small, tmp_path):
     """--no_sync_bn changes nothing on 1 rank and the statistics on 2: the check must say DIFFERENT."""
     result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "2", "--steps", "2",
