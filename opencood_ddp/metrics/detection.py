@@ -9,7 +9,7 @@ order among equal scores depends on the sort algorithm; ours never does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -43,9 +43,13 @@ class FrameStats:
     """The statistics of one frame at every IoU threshold: ``frame[0.5]`` is its DetectionStats at 0.5.
 
     Plain Python content only (tuples of ints and floats), so it pickles small and compares with ==.
+    ``bands`` holds the same frame's statistics per distance band where a convention asks for them (V2V4Real's:
+    ``metrics/conventions.py``), keyed by band name; each band is matched on its own, so it is a FrameStats of
+    its own, not a subset of this one's flags. Keyword-only, so that subclasses' positional fields stay theirs.
     """
 
     by_threshold: Mapping[float, DetectionStats]
+    bands: Mapping[str, "FrameStats"] = field(default_factory=dict, kw_only=True)
 
     @property
     def iou_thresholds(self) -> tuple[float, ...]:

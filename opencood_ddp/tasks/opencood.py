@@ -8,7 +8,7 @@ This is where the perception stack meets the engine's ``Task`` protocol (``openc
   mean over the local batch's samples, so DDP's gradient average equals the 1-process gradient;
 - evaluation (``build_eval``) uses the test-time post-processor (GT range, NMS) frame by frame on upstream's
   one-frame test batches (the model may run on several frames at once), and writes --save_npy / --save_vis
-  files per frame and the --pr_plot curves.
+  files per frame and the --pr_plot curves; --eval_preset picks the AP convention (``tasks/eval_presets.py``).
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
 from opencood_ddp.registry import import_modules
 from opencood_ddp.schema import check_known_keys
 from opencood_ddp.tasks.communication import CommunicationMeter, MeteredFrameStats
+from opencood_ddp.tasks.eval_presets import (DEFAULT_PRESET, PRESETS, EvalConvention, band_rows, eval_convention,
+                                             result_suffix)
 from opencood_ddp.vis import plot_pr_curves
 from opencood_ddp.vis.export import FrameExporter
 
@@ -108,11 +110,13 @@ class EvalCollate:
 
 
 class FrameEvaluator:
-    """One test batch -> one FrameStats per frame: model, post-processing, TP/FP per IoU, optional files."""
+    """One test batch -> one FrameStats per frame: model, post-processing, the convention's detections, TP/FP
+    per IoU (and per distance band where the convention has bands), optional files."""
 
     def __init__(self, post: VoxelPostprocessor, fusion_method: str, exporter: Optional[FrameExporter] = None,
-                 meter: Optional[CommunicationMeter] = None):
+                 meter: Optional[CommunicationMeter] = None, convention: EvalConvention = EvalConvention()):
         self.post, self.fusion_method, self.exporter, self.meter = post, fusion_method, exporter, meter
+        self.convention = convention
 
     def outputs(self, model: nn.Module, model_input: Mapping[str, Any], frames: int) -> List[Dict[str, Any]]:
         """The model's output dict per frame, keyed like the frame's test batch."""
@@ -127,7 +131,7 @@ class FrameEvaluator:
         frames = batch["frames"]
         records = []
         for index, frame, output in zip(indices, frames, self.outputs(model, batch["model_input"], len(frames))):
-            boxes, scores = self.post.post_process(frame, output)
+            boxes, scores = self.convention.predictions(*self.post.post_process(frame, output))
             gt = self.post.generate_gt_bbx(frame)
             if self.exporter is not None:
                 self.exporter(index, frame_points(frame), _numpy(boxes), _numpy(scores), _numpy(gt),
@@ -135,7 +139,7 @@ class FrameEvaluator:
             stats = frame_stats(boxes, scores, gt)
             if self.meter is not None:  # what the frame's CAVs sent travels with its statistics
                 stats = MeteredFrameStats.of(stats, self.meter.frame(output, frame))
-            records.append(stats)
+            records.append(self.convention.with_bands(stats, boxes, scores, gt))
         return records
 
 
@@ -159,14 +163,17 @@ def frame_cav_positions(frame: Mapping[str, Any]) -> np.ndarray:
 
 
 class Summary:
-    """eval.yaml's content: upstream's AP keys, and the communication figures when metered
-    (tasks/communication.py: bytes_per_cav_frame; Where2comm's comm_rate and com)."""
+    """eval.yaml's content: the convention first (eval_preset, ap_convention, eval_range, ...: a number is never
+    written without the rules that made it), upstream's AP keys, the convention's band APs, and the
+    communication figures when metered (tasks/communication.py: bytes_per_cav_frame; Where2comm's comm_rate)."""
 
-    def __init__(self, global_sort: bool, meter: Optional[CommunicationMeter] = None):
-        self.global_sort, self.meter = global_sort, meter
+    def __init__(self, convention: EvalConvention, meter: Optional[CommunicationMeter] = None):
+        self.convention, self.meter = convention, meter
 
     def __call__(self, frames: List[FrameStats]) -> dict:
-        summary = eval_summary(frames, global_sort=self.global_sort)
+        summary = self.convention.record()
+        summary.update(eval_summary(frames, global_sort=self.convention.global_sort))
+        summary.update(self.convention.band_aps(frames))
         if self.meter is not None:
             summary.update(self.meter.summary([frame.communication for frame in frames]))
         return summary
@@ -175,14 +182,14 @@ class Summary:
 class PrPlot:
     """Rank 0, after the gather: precision-recall curves at IoU 0.3/0.5/0.7 in one PNG."""
 
-    def __init__(self, path: Path, global_sort: bool):
-        self.path, self.global_sort = path, global_sort
+    def __init__(self, path: Path, convention: EvalConvention):
+        self.path, self.convention = path, convention
 
     def __call__(self, frames: List[FrameStats]) -> None:
         curves = {f"IoU {threshold:g}": (curve.recall, curve.precision, curve.ap)
-                  for threshold, curve in pr_curve(frames, self.global_sort).items()}
-        order = "global sort" if self.global_sort else "frame order"
-        plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames ({order})")
+                  for threshold, curve in pr_curve(frames, self.convention.global_sort).items()}
+        plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames "
+                                                f"({self.convention.preset}, {self.convention.ap_convention})")
 
 
 @dataclass(frozen=True)
@@ -194,6 +201,7 @@ class DetectionEvalOptions:
     save_vis: bool = False
     save_npy: bool = False
     pr_plot: bool = False
+    eval_preset: str = DEFAULT_PRESET  # tasks/eval_presets.py: AP ranking, evaluation range, distance bands
 
     @classmethod
     def of(cls, request: EvalRequest) -> "DetectionEvalOptions":
@@ -210,13 +218,20 @@ class DetectionEvalOptions:
         """The detection flags; --fusion_method's choices are the registered datasets'."""
         parser.add_argument("--fusion_method", required=True, choices=sorted(fusion_methods()),
                             help="the fusion the run was trained with (upstream's flag)")
+        parser.add_argument("--eval_preset", choices=PRESETS, default=DEFAULT_PRESET,
+                            help="the AP convention: opencood (upstream's frame order and GT range, the default), "
+                                 "heal (global sort; x +-102.4, y +-51.2, detections tested on z too), v2v4real "
+                                 "(frame order; x +-100, y +-40; AP per distance band 0-30, 30-50, 50-100 m); "
+                                 "writes eval.yaml, eval_heal.yaml or eval_v2v4real.yaml")
         parser.add_argument("--global_sort_detections", dest="global_sort", action="store_true",
-                            help="sort all detections by score before AP (default: upstream's frame order)")
+                            help="sort all detections by score before AP (default: upstream's frame order); "
+                                 "heal sorts anyway, v2v4real refuses it")
         parser.add_argument("--save_vis", action="store_true", help="bird's-eye-view PNG per frame in MODEL_DIR/vis/")
         parser.add_argument("--save_npy", action="store_true",
                             help="per frame MODEL_DIR/npy/{index:04d}_pcd.npy, _pred.npy, _gt.npy (upstream's files)")
         parser.add_argument("--pr_plot", action="store_true",
-                            help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve[_global_sort].png")
+                            help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve.png "
+                                 "(pr_curve_global_sort.png, _heal.png, _v2v4real.png: eval.yaml's suffix)")
 
 
 def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) -> dict:
@@ -264,25 +279,28 @@ def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional
                          evaluation_gt_range(hypes, hypes_source(hypes)))
 
 
-def eval_file_name(global_sort: bool) -> str:
-    return "eval_global_sort.yaml" if global_sort else "eval.yaml"
+def eval_file_name(global_sort: bool, preset: str = DEFAULT_PRESET) -> str:
+    """eval.yaml, eval_global_sort.yaml (opencood with --global_sort_detections), eval_heal.yaml, eval_v2v4real.yaml."""
+    return f"eval{result_suffix(preset, global_sort)}.yaml"
 
 
-def pr_plot_name(global_sort: bool) -> str:
-    return "pr_curve_global_sort.png" if global_sort else "pr_curve.png"
+def pr_plot_name(global_sort: bool, preset: str = DEFAULT_PRESET) -> str:
+    return f"pr_curve{result_suffix(preset, global_sort)}.png"
 
 
 class Report:
-    """Rank 0's text after evaluation: the AP table and the files the options wrote."""
+    """Rank 0's text after evaluation: the convention, the AP table (and the band APs) and the files written."""
 
-    def __init__(self, options: DetectionEvalOptions, run_dir: Optional[str]):
+    def __init__(self, options: DetectionEvalOptions, run_dir: Optional[str],
+                 convention: EvalConvention = EvalConvention()):
         self.options, self.run_dir = options, Path(run_dir) if run_dir is not None else None
+        self.convention = convention
 
     def __call__(self, result: EvalResult) -> str:
         s = result.summary
         rows = ["| IoU | AP |", "|---|---:|"] + [f"| {iou} | {s[key]:.4f} |" for iou, key in
                                                 (("0.3", "ap30"), ("0.5", "ap_50"), ("0.7", "ap_70"))]
-        return "\n".join(rows + self.written_files())
+        return "\n".join([self.convention.describe()] + rows + band_rows(s) + self.written_files())
 
     def written_files(self) -> List[str]:
         if self.run_dir is None:
@@ -293,7 +311,8 @@ class Report:
         if self.options.save_npy:
             lines.append(f"arrays: {self.run_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
         if self.options.pr_plot:
-            lines.append(f"precision-recall curves: {self.run_dir / pr_plot_name(self.options.global_sort)}")
+            name = pr_plot_name(self.options.global_sort, self.convention.preset)
+            lines.append(f"precision-recall curves: {self.run_dir / name}")
         return lines
 
 
@@ -302,6 +321,8 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     options = DetectionEvalOptions.of(request)
     fusion_method = options.fusion_method or fusion_method_of(hypes)
     hypes = eval_dataset_hypes(hypes, request, fusion_method)
+    convention = eval_convention(options.eval_preset, options.global_sort, hypes, hypes_source(hypes))
+    hypes = convention.eval_hypes(hypes)  # the preset's area reaches the dataset's GT and the post-processor
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
     exporter = build_exporter(hypes, options, request.run_dir)
@@ -309,12 +330,13 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
                             visualize=exporter is not None)
     finish = None
     if options.pr_plot and request.run_dir is not None:
-        finish = PrPlot(Path(request.run_dir) / pr_plot_name(options.global_sort), options.global_sort)
+        finish = PrPlot(Path(request.run_dir) / pr_plot_name(options.global_sort, convention.preset), convention)
     meter = CommunicationMeter.of(hypes, fusion_method)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
-                    evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter),
-                    summarize=Summary(options.global_sort, meter), move_to=move_tensors, finish=finish,
-                    result_name=eval_file_name(options.global_sort), report=Report(options, request.run_dir))
+                    evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
+                    summarize=Summary(convention, meter), move_to=move_tensors, finish=finish,
+                    result_name=eval_file_name(options.global_sort, convention.preset),
+                    report=Report(options, request.run_dir, convention))
 
 
 __all__ = ["build_task", "build_eval", "DetectionEvalOptions", "DetectionStep",

@@ -39,7 +39,9 @@ from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.options import EvalOptions, LaunchOptions, eval_parser, from_flags
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
+from opencood_ddp.metrics.conventions import AP_CONVENTIONS
 from opencood_ddp.tasks import build_eval as build_task_eval
+from opencood_ddp.tasks.eval_presets import DEFAULT_PRESET, preset_global_sort, result_suffix
 from opencood_ddp.tasks.opencood import DetectionEvalOptions
 from opencood_ddp.vis.sweep_plot import SweepPanel, plot_sweep
 
@@ -268,7 +270,7 @@ def main(argv: Optional[Sequence[str]]) -> int:
 
 # ------------------------------------------------------------------------------------------------- table
 def ap_convention(global_sort: bool) -> str:
-    return "global sort" if global_sort else "frame order"
+    return AP_CONVENTIONS[global_sort]  # the words eval.yaml uses
 
 
 def noise_axes(mode: str) -> str:
@@ -291,7 +293,7 @@ def level_entry(level: Level, result: EvalResult, convention: str) -> dict:
 def sweep_table(options: SweepOptions, run: SweepRun) -> dict:
     """noise_sweep.yaml's content (rank 0): what was evaluated, then one entry per level."""
     task: DetectionEvalOptions = options.eval.task
-    convention = ap_convention(task.global_sort)
+    convention = ap_convention(preset_global_sort(task.eval_preset, task.global_sort))
     results = run.results
     return {
         "checkpoint": run.checkpoint.name,
@@ -301,16 +303,25 @@ def sweep_table(options: SweepOptions, run: SweepRun) -> dict:
         "noise_seed": run.seed,
         "noise": noise_axes(options.noise_mode),
         "delay": "wild_setting async, sim mode: whole 100 ms frames (floor); the ego is never delayed",
-        "ap_convention": convention,
+        **convention_record(task.eval_preset, convention, results),
         "world_size": results[0].world_size if results else 1,
         "seconds": round(sum(result.seconds for result in results), 3),
         "levels": [level_entry(level, result, convention) for level, result in zip(run.levels, results)],
     }
 
 
-def sweep_file_stem(global_sort: bool) -> str:
-    """As eval.yaml and eval_global_sort.yaml: the two AP conventions never overwrite each other's table."""
-    return "noise_sweep_global_sort" if global_sort else "noise_sweep"
+def convention_record(preset: str, convention: str, results: Sequence[EvalResult]) -> dict:
+    """The table's AP convention: the preset, its ranking and the area its levels were evaluated in (the
+    levels' own eval.yaml files are scratch)."""
+    record = {"eval_preset": preset, "ap_convention": convention}
+    if results and "eval_range" in results[0].summary:
+        record["eval_range"] = results[0].summary["eval_range"]
+    return record
+
+
+def sweep_file_stem(global_sort: bool, preset: str = DEFAULT_PRESET) -> str:
+    """As eval.yaml, eval_global_sort.yaml, eval_heal.yaml: no convention overwrites another's table."""
+    return f"noise_sweep{result_suffix(preset, global_sort)}"
 
 
 def _number(value: float) -> str:
@@ -326,7 +337,8 @@ def markdown_table(table: Mapping) -> str:
     rows = [f"| {_number(e['pos_std'])} | {_number(e['rot_std'])} | {_number(e['delay_ms'])} | {e['mode']} | "
             + " | ".join(_ap(e[key]) for key, _ in AP_COLUMNS) + f" | {e['frames']} |" for e in table["levels"]]
     caption = (f"Noise and delay sweep of {table['checkpoint']} ({table['fusion_method']} fusion), AP in "
-               f"{table['ap_convention']}; noise {table['noise_mode']} (seed {table['noise_seed']}): "
+               f"{table['ap_convention']} ({table.get('eval_preset', DEFAULT_PRESET)} preset); "
+               f"noise {table['noise_mode']} (seed {table['noise_seed']}): "
                f"{table['noise']}.")
     return "\n".join([caption, "", header, "|---:|---:|---:|---|---:|---:|---:|---:|", *rows])
 
@@ -351,7 +363,8 @@ def _panel(xlabel: str, levels: Sequence[Mapping], ticks: List[str]) -> SweepPan
 
 def write_sweep(run_dir: Path, table: Mapping) -> List[Path]:
     """noise_sweep.yaml, .md and .png (…_global_sort.* for that convention), each written atomically."""
-    stem = run_dir / sweep_file_stem(table["ap_convention"] == ap_convention(True))
+    stem = run_dir / sweep_file_stem(table["ap_convention"] == ap_convention(True),
+                                     table.get("eval_preset", DEFAULT_PRESET))
     paths = [stem.with_suffix(".yaml"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     yaml_text = yaml.safe_dump(dict(table), sort_keys=False, width=120)
     atomic_write(paths[0], lambda handle: handle.write(yaml_text.encode()))
