@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from launch import REPO, explain, python, split_overrides, train
+from launch import REPO, explain, in_process, python, split_overrides, train
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.engine.batch_fit import GIB, PlanOption, Probe
 
@@ -74,8 +74,8 @@ def test_measure_on_the_synthetic_task_grows_with_the_batch():
 
 
 def _plan(toy_small, *args: str):
-    return python(PLAN, "--hypes_yaml", TOY, *split_overrides(toy_small), "--set", "train_params.batch_size=4",
-                  *args, timeout=600)
+    return in_process(PLAN, "--hypes_yaml", TOY, *split_overrides(toy_small), "--set", "train_params.batch_size=4",
+                      *args)
 
 
 def test_plan_batch_prints_a_plan_that_reproduces_the_batch(toy_small):

@@ -173,10 +173,9 @@ def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncated", "replaced"])
-def test_resume_falls_back_from_a_damaged_newest_checkpoint(tmp_path, damage):
+def test_resume_falls_back_from_a_damaged_newest_checkpoint(tmp_path, synthetic_runs, damage):
     run_dir = tmp_path / "run"
-    first = train(2, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--model_dir", run_dir)
-    assert first.returncode == 0, explain(first)
+    shutil.copytree(synthetic_runs(2), run_dir)  # the session's 2-epoch run on 2 ranks, copied
     newest, previous = run_dir / "net_epoch2.pth", run_dir / "net_epoch1.pth"
     if damage == "truncated":
         newest.write_bytes(newest.read_bytes()[:newest.stat().st_size // 2])
@@ -190,21 +189,6 @@ def test_resume_falls_back_from_a_damaged_newest_checkpoint(tmp_path, damage):
     state = ckpt.load_saved(ckpt.saved_checkpoints(run_dir, 10)[0])[1]
     assert state["epoch"] == 3 and [h["epoch"] for h in state["history"]] == [1, 2, 3]
     ckpt.load_saved(ckpt.SavedCheckpoint("epoch", 2, newest, run_dir / ckpt.state_name(2)))  # rewritten whole
-
-
-def test_resume_with_no_loadable_checkpoint_is_one_error_and_changes_nothing(tmp_path):
-    run_dir = tmp_path / "run"
-    first = train(1, "--hypes_yaml", SYNTHETIC, "--num_workers", "0", "--model_dir", run_dir,
-                  "--set", "train_params.epoches=1")
-    assert first.returncode == 0, explain(first)
-    only = run_dir / "net_epoch1.pth"
-    only.write_bytes(only.read_bytes()[:100])
-    before = {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
-    result = train(2, "--model_dir", run_dir, "--num_workers", "0", "--set", "train_params.epoches=2")
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode != 0 and len(errors) == 1, explain(result)
-    assert str(only) in errors[0] and "truncated or corrupt" in errors[0]
-    assert {p.name: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
 
 
 # ------------------------------------------------------------------------------------------------ non-finite
@@ -259,10 +243,14 @@ def test_stalled_rank_fails_the_others_within_dist_timeout_naming_it(tmp_path):
     job = Background(tmp_path / "job", 2, *LONG, "--model_dir", run_dir, "--dist_timeout", "0.1",
                      extra_env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "2"})
     wait_until(lambda: steps_logged(run_dir) >= 10, 180, "10 logged steps")
-    os.kill(job.worker_pids()[1], signal.SIGSTOP)  # a rank hung in I/O: alive, silent
+    stalled = job.worker_pids()[1]
+    os.kill(stalled, signal.SIGSTOP)  # a rank hung in I/O: alive, silent
     started = time.monotonic()
-    result = job.wait(timeout=120)
+    wait_until(lambda: "error: rank 0:" in job.err_path.read_text(), 60, "rank 0's error line")
     assert time.monotonic() - started < 60  # --dist_timeout 0.1 min, not 30 minutes
+    # torchrun's agent then waits about 30 s on the stopped rank before its SIGKILL; the test does not
+    os.kill(stalled, signal.SIGKILL)
+    result = job.wait(timeout=120)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: rank 0:")]
     assert len(lines) == 1, explain(result)
