@@ -46,11 +46,17 @@ $(SLURM_STAMP): | $(STAMP)
 	@touch $@
 
 # Every pinned requirement (setup.py, the spconv table of tools/pins.py, TORCH_VERSION) must exist for Python 3.11
-# and 3.12 on manylinux x86_64: resolved against the package index without installing anything.
-check-pins: venv
-	$(PY) tools/pins.py check --torch $(TORCH_VERSION)
+# and 3.12 on manylinux x86_64: resolved against the package index without installing anything. pins.py needs only
+# the standard library and pip, so where $(PYTHON) has pip it runs without the venv, beside its install (`make test`).
+PINS_PY := $(shell $(PYTHON) -m pip --version >/dev/null 2>&1 && echo $(PYTHON) || echo $(PY))
 
-test: venv slurm check-pins
+check-pins: $(if $(filter $(PY),$(PINS_PY)),venv)
+	$(PINS_PY) tools/pins.py check --torch $(TORCH_VERSION)
+
+# The venv's install and the pins check are independent: both at once (-j2), then the tests.
+test:
+	@$(MAKE) --no-print-directory -j2 venv check-pins
+	@$(MAKE) --no-print-directory slurm
 	$(PY) -m pytest -q --durations=25 tests
 
 # The fast lane: everything but the tests marked slow (multi-process runs, trainings, the SLURM cluster); a few

@@ -356,7 +356,8 @@ def test_evaluation_summary_holds_the_communication(stem, keys, toy_small):
 # ------------------------------------------------------------------------------------------ real ranks
 @pytest.mark.slow
 def test_backbone_fix_on_resume_freezes_and_stays_frozen_on_two_ranks(toy_small, tmp_path):
-    """2 ranks, toy V2X-ViT, 4 steps an epoch: 1 step; resumed with --set model.args.backbone_fix=true
+    """Toy V2X-ViT, 4 steps an epoch: 1 step (in process: the run the freeze starts from); on 2 ranks, resumed
+    with --set model.args.backbone_fix=true
     --allow_config_change to step 3 (stopped mid-epoch by --max_steps); resumed again without the flag to step 6,
     through the end of epoch 1. Every parameter of the frozen modules is bit-identical in the checkpoints from the
     freeze on, the fusion moved in each leg, and config.yaml carries the flag, so the second resume kept the
@@ -370,8 +371,8 @@ def test_backbone_fix_on_resume_freezes_and_stays_frozen_on_two_ranks(toy_small,
               "train_params.batch_size=2", *split_overrides(toy_small))
     legs = ((1, ()), (3, ("--set", "model.args.backbone_fix=true", "--allow_config_change")), (6, ()))
     weights = {}
-    for steps, flags in legs:
-        result = train(2, *common, *flags, "--max_steps", str(steps), timeout=600)
+    for world, (steps, flags) in zip((0, 2, 2), legs):
+        result = train(world, *common, *flags, "--max_steps", str(steps), timeout=600)
         assert result.returncode == 0, explain(result)
         weights[steps] = load_file(run / f"net_step{steps}.pth")  # read now: the run keeps only its newest
     model = create_model(zoo.hypes_of(config, "model.args.backbone_fix=true"))
