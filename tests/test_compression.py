@@ -386,3 +386,14 @@ def test_backbone_fix_on_resume_freezes_and_stays_frozen_on_two_ranks(toy_small,
     # As upstream's: the frozen BatchNorm layers keep updating their running statistics in train mode.
     running = "backbone.blocks.0.2.running_mean"
     assert not torch.equal(weights[3][running], weights[6][running])
+
+
+def test_the_evaluation_report_names_what_a_cav_sent():
+    from opencood_ddp.tasks.opencood import communication_lines, readable_bytes
+
+    assert readable_bytes(8650752) == "8.25 MiB" and readable_bytes(270336) == "264.00 KiB"
+    assert readable_bytes(96) == "96 B"
+    assert communication_lines({"bytes_per_cav_frame": None}) == []
+    line, = communication_lines({"bytes_per_cav_frame": 2 ** 20, "comm_rate": 0.25, "com": 0.5})
+    assert line == ("sent per cooperating CAV and frame: 1.00 MiB (Where2comm: comm_rate 0.2500 of the non-ego "
+                    "cells; OpenCOOD's com 0.5000)")

@@ -300,7 +300,8 @@ class Report:
         s = result.summary
         rows = ["| IoU | AP |", "|---|---:|"] + [f"| {iou} | {s[key]:.4f} |" for iou, key in
                                                 (("0.3", "ap30"), ("0.5", "ap_50"), ("0.7", "ap_70"))]
-        return "\n".join([self.convention.describe()] + rows + band_rows(s) + self.written_files())
+        return "\n".join([self.convention.describe()] + rows + band_rows(s) + communication_lines(s)
+                         + self.written_files())
 
     def written_files(self) -> List[str]:
         if self.run_dir is None:
@@ -314,6 +315,26 @@ class Report:
             name = pr_plot_name(self.options.global_sort, self.convention.preset)
             lines.append(f"precision-recall curves: {self.run_dir / name}")
         return lines
+
+
+def readable_bytes(count: float) -> str:
+    """8650752 -> '8.25 MiB'; late fusion's few boxes stay in bytes."""
+    for unit, size in (("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count:.0f} B"
+
+
+def communication_lines(summary: dict) -> List[str]:
+    """What a cooperating CAV sent per frame (tasks/communication.py), beside the AP it bought; nothing where the
+    evaluated fusion is not metered (early fusion)."""
+    if summary.get("bytes_per_cav_frame") is None:
+        return []
+    line = f"sent per cooperating CAV and frame: {readable_bytes(summary['bytes_per_cav_frame'])}"
+    if summary.get("comm_rate") is not None:
+        line += (f" (Where2comm: comm_rate {summary['comm_rate']:.4f} of the non-ego cells; OpenCOOD's com "
+                 f"{summary['com']:.4f})")
+    return [line]
 
 
 def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
