@@ -11,11 +11,19 @@ from opencood_ddp.engine.parity import relative_differences
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
-PARITY_TOL = 1e-4
+# A world size follows the 1-process run when its gap stays within this many times the noise floor, as
+# tools/parity_check.py judges: the floor is the 1-process run with each batch reversed, the same training in
+# exact arithmetic in another float summation order (measured, never a fixed tolerance).
+FLOOR_FACTOR = 5
 
 
 def load(run_dir, name="net_epoch2.pth"):
     return torch.load(run_dir / name, map_location="cpu")
+
+
+def noise_floor(synthetic_runs, *flags: str) -> float:
+    """The reversed-batch run's gap to the 1-process run (in process, at one thread as every run here)."""
+    return max_rel_diff(load(synthetic_runs(0, "--reverse_batch_order", *flags)), load(synthetic_runs(1, *flags)))
 
 
 def max_rel_diff(state, reference, buffers=True):
@@ -34,7 +42,7 @@ def epoch_losses(run_dir, epoch=2):
 def test_ranks_follow_the_one_process_run_with_sync_bn(synthetic_runs, world):
     """20 steps (2 epochs x 10) at effective batch 8: 1 x 8, 2 x 4, 4 x 2 end with the same parameters."""
     reference = load(synthetic_runs(1))
-    assert max_rel_diff(load(synthetic_runs(world)), reference) <= PARITY_TOL
+    assert max_rel_diff(load(synthetic_runs(world)), reference) <= FLOOR_FACTOR * noise_floor(synthetic_runs)
 
 
 def test_plain_python_equals_torchrun_at_world_size_one(synthetic_runs):
@@ -46,7 +54,8 @@ def test_accumulation_alone_is_exact_without_batchnorm(synthetic_runs):
     """2 ranks x --per_gpu_batch 2 x 2 accumulation steps == 1 x 8 when no BatchNorm is involved."""
     flags = ("--set", "synthetic.norm=none")
     reference = load(synthetic_runs(1, *flags))
-    assert max_rel_diff(load(synthetic_runs(2, "--per_gpu_batch", "2", *flags)), reference) <= PARITY_TOL
+    gap = max_rel_diff(load(synthetic_runs(2, "--per_gpu_batch", "2", *flags)), reference)
+    assert gap <= FLOOR_FACTOR * noise_floor(synthetic_runs, *flags)
 
 
 def test_accumulation_without_sync_bn_is_a_documented_bounded_difference(synthetic_runs):
@@ -110,7 +119,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, synthetic_runs):
 def test_resume_on_a_different_world_size_keeps_the_training(tmp_path, synthetic_runs):
     """Epoch 1 on 2 ranks, epoch 2 on 1: the same effective batch, so the same run as 2 epochs on 1 rank."""
     run_dir = resume_run(tmp_path, synthetic_runs, 2, 1)
-    assert max_rel_diff(load(run_dir), load(synthetic_runs(1))) <= PARITY_TOL
+    assert max_rel_diff(load(run_dir), load(synthetic_runs(1))) <= FLOOR_FACTOR * noise_floor(synthetic_runs)
 
 
 # ------------------------------------------------------------------------------------------------ files
