@@ -10,7 +10,7 @@ import yaml
 from opencood_ddp.data.geometry import boxes_to_corners
 from opencood_ddp.metrics import (DetectionStats, accumulate, average_precision, eval_summary,
                                   frame_stats, pr_curve, voc_ap)
-from opencood_ddp.postprocess.bev_iou import bev_iou_matrix
+from opencood_ddp.data.bev_iou import bev_iou_matrix
 
 
 def corners(*boxes):

@@ -27,7 +27,7 @@ from opencood_ddp.data.ego_view import frame_clouds
 from opencood_ddp.data.opv2v import scan_split
 from opencood_ddp.errors import DataError, run_tool
 from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
-from opencood_ddp.postprocess.bev_iou import bev_iou_matrix
+from opencood_ddp.postprocess import bev_iou_matrix
 from opencood_ddp.vis.export import npy_paths
 
 

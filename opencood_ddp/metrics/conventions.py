@@ -17,7 +17,7 @@ import shapely
 
 from opencood_ddp.metrics.ap import average_precision
 from opencood_ddp.metrics.detection import FrameStats, accumulate, frame_stats
-from opencood_ddp.postprocess.bev_iou import bev_polygons
+from opencood_ddp.postprocess import bev_polygons
 
 DistanceBand = Tuple[float, float]  # (low, high) metres, both exclusive
 V2V4REAL_BANDS: Tuple[DistanceBand, ...] = ((0.0, 30.0), (30.0, 50.0), (50.0, 100.0))

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from opencood_ddp.postprocess.bev_iou import bev_iou_matrix
+from opencood_ddp.postprocess import bev_iou_matrix
 
 IOU_THRESHOLDS: tuple[float, ...] = (0.3, 0.5, 0.7)
 

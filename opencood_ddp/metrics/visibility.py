@@ -12,7 +12,7 @@ from typing import List
 import numpy as np
 import shapely
 
-from opencood_ddp.postprocess.bev_iou import bev_polygons
+from opencood_ddp.postprocess import bev_polygons
 
 # Index = group number of visibility_groups.
 GROUPS = ("ego sees it", "only others see it", "barely seen")

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
-from opencood_ddp.postprocess.bev_iou import bev_iou_matrix, bev_polygons
+from opencood_ddp.data.bev_iou import bev_iou_matrix, bev_polygons
 from opencood_ddp.postprocess.box_coder import delta_to_boxes3d, encode
 from opencood_ddp.postprocess.boxes import (boxes_to_corners, corners_to_standup, normal_size_mask, normal_z_mask,
                                             project_corners, within_range_mask)

@@ -17,7 +17,7 @@ from typing import List, Union
 import numpy as np
 import torch
 
-from opencood_ddp.postprocess.bev_iou import bev_iou_matrix
+from opencood_ddp.data.bev_iou import bev_iou_matrix
 
 NMS_TOP_K = 1000
 
