@@ -96,13 +96,40 @@ def pose_to_matrix(pose: ArrayLike) -> np.ndarray:
     return mats[0] if single else mats
 
 
+def is_pose_matrix(pose: ArrayLike) -> bool:
+    """Whether ``pose`` is a (4, 4) sensor-to-world matrix (V2V4Real's ``lidar_pose``) rather than a 6-vector."""
+    return np.shape(pose)[-2:] == (4, 4)
+
+
+def as_pose_matrix(pose: ArrayLike) -> np.ndarray:
+    """A CARLA pose (6,) / (K, 6), or a (4, 4) / (K, 4, 4) sensor-to-world matrix, as float64 matrices."""
+    if is_pose_matrix(pose):
+        return np.asarray(pose, dtype=np.float64)
+    return pose_to_matrix(pose)
+
+
 def x1_to_x2(pose1: ArrayLike, pose2: ArrayLike) -> np.ndarray:
     """Matrix mapping coordinates in frame 1 into frame 2: ``inv(T2) @ T1`` (both world poses).
 
-    Either pose may be (6,) or (K, 6); the result broadcasts to (4, 4) or (K, 4, 4).
+    Either pose may be a 6-vector, (K, 6), a (4, 4) matrix or (K, 4, 4) (``as_pose_matrix``); the result
+    broadcasts to (4, 4) or (K, 4, 4). With matrices this is V2V4Real's ``x1_to_x2`` of two ndarrays.
     """
     # A general inverse (not the rigid R^T shortcut) keeps results bit-identical to upstream.
-    return np.matmul(np.linalg.inv(pose_to_matrix(pose2)), pose_to_matrix(pose1))
+    return np.matmul(np.linalg.inv(as_pose_matrix(pose2)), as_pose_matrix(pose1))
+
+
+def matrix_to_pose(matrix: ArrayLike) -> np.ndarray:
+    """(4, 4) sensor-to-world matrix -> CARLA pose ``[x, y, z, roll, yaw, pitch]`` (degrees), the inverse of
+    ``pose_to_matrix`` for a rotation matrix (HEAL's ``tfm_to_pose``, which its DAIR-V2X reader applies to the
+    calibration chain): yaw = atan2(R10, R00), roll = atan2(-R21, R22), pitch = atan2(R20, hypot(R21, R22)).
+    A rotation that is not orthonormal comes back orthonormal from ``pose_to_matrix`` of the result."""
+    m = np.asarray(matrix, dtype=np.float64)
+    if m.shape != (4, 4):
+        raise ValueError(f"matrix must have shape (4, 4), got {m.shape}")
+    yaw = math.degrees(math.atan2(m[1, 0], m[0, 0]))
+    roll = math.degrees(math.atan2(-m[2, 1], m[2, 2]))
+    pitch = math.degrees(math.atan2(m[2, 0], math.hypot(m[2, 1], m[2, 2])))
+    return np.array([m[0, 3], m[1, 3], m[2, 3], roll, yaw, pitch])
 
 
 def transform_points(points: ArrayLike, matrix: ArrayLike) -> np.ndarray:
@@ -250,23 +277,33 @@ def mask_ego_points(points: ArrayLike) -> np.ndarray:
     return pts[~ego_points_mask(pts)]
 
 
-def boxes_in_range_mask(corners: ArrayLike, lidar_range: ArrayLike) -> np.ndarray:
-    """(K,) bool: all 8 corners of each (K, 8, 3) box lie inside the range, faces included.
+def boxes_in_range_mask(corners: ArrayLike, lidar_range: ArrayLike, min_corners: int = 8) -> np.ndarray:
+    """(K,) bool: at least ``min_corners`` of the 8 corners of each (K, 8, 3) box lie inside the range, faces
+    included.
 
-    Upstream ``mask_boxes_outside_range_numpy`` with ``min_num_corners=8``: x, y and z are all tested
-    with ``>=`` / ``<=``.
+    Upstream ``mask_boxes_outside_range_numpy``: x, y and z are all tested with ``>=`` / ``<=``; OpenCOOD and HEAL
+    ask for all 8 corners, V2V4Real's fork for 2.
     """
     rng = _check_range(lidar_range)
     c = np.asarray(corners, dtype=np.float64)
     if c.ndim != 3 or c.shape[1:] != (8, 3):
         raise ValueError(f"corners must have shape (K, 8, 3), got {c.shape}")
     inside = np.all((c >= rng[:3]) & (c <= rng[3:]), axis=2)
-    return np.all(inside, axis=1)
+    return np.count_nonzero(inside, axis=1) >= min_corners
 
 
-def xy_distance(pose_a: Sequence[float], pose_b: Sequence[float]) -> float:
-    """Planar distance between two poses' positions, as upstream's communication-range test."""
-    return math.sqrt((pose_a[0] - pose_b[0]) ** 2 + (pose_a[1] - pose_b[1]) ** 2)
+def pose_xy(pose: ArrayLike) -> tuple:
+    """A pose's x and y: the first two entries of a 6-vector, the translation of a (4, 4) matrix."""
+    if is_pose_matrix(pose):
+        return pose[0][3], pose[1][3]
+    return pose[0], pose[1]
+
+
+def xy_distance(pose_a: ArrayLike, pose_b: ArrayLike) -> float:
+    """Planar distance between two poses' positions, as upstream's communication-range test (V2V4Real's
+    ``dist_two_pose`` for matrices)."""
+    (ax, ay), (bx, by) = pose_xy(pose_a), pose_xy(pose_b)
+    return math.sqrt((ax - bx) ** 2 + (ay - by) ** 2)
 
 
 def wrap_angle(angle: ArrayLike) -> ArrayLike:
@@ -310,12 +347,36 @@ def project_world_objects(
     without roll/pitch) lie inside ``lidar_range``, faces included. Insertion order follows ``vehicles``.
     ``source`` names the file in error messages.
     """
+    return _projected_objects(vehicles, lambda poses: x1_to_x2(poses, lidar_pose), lidar_range, order, source, 8)
+
+
+def project_local_objects(
+    vehicles: Mapping[Hashable, Mapping[str, Any]],
+    local_to_target: ArrayLike,
+    lidar_range: ArrayLike,
+    order: str = "hwl",
+    *,
+    source: str = "vehicles",
+    min_corners: int = 8,
+) -> Dict[Hashable, np.ndarray]:
+    """``vehicles`` given in a sensor's own frame (V2V4Real) -> ``{object_id: box (7,)}`` in a target frame.
+
+    As V2V4Real's ``project_world_objects`` with a matrix: each object pose (location + center, angle) becomes
+    ``local_to_target @ pose_to_matrix(object_pose)``; boxes are kept when at least ``min_corners`` corners of the
+    rebuilt box lie inside ``lidar_range`` (V2V4Real: 2)."""
+    matrix = np.asarray(local_to_target, dtype=np.float64)
+    return _projected_objects(vehicles, lambda poses: np.matmul(matrix, pose_to_matrix(poses)), lidar_range,
+                              order, source, min_corners)
+
+
+def _projected_objects(vehicles: Mapping[Hashable, Mapping[str, Any]], to_target: Any, lidar_range: ArrayLike,
+                       order: str, source: str, min_corners: int) -> Dict[Hashable, np.ndarray]:
+    """The boxes of ``vehicles`` whose object-to-target matrices ``to_target(object poses)`` gives, range-kept."""
     _check_order(order)
     if not vehicles:
         return {}
     location, center, angle, extent = (_stack_vehicle_field(vehicles, k, source) for k in _VEHICLE_KEYS)
-    object_to_lidar = x1_to_x2(_object_poses(location, center, angle), lidar_pose)
-    corners = _apply_to_corners(object_to_lidar, _corner_offsets(extent))
+    corners = _apply_to_corners(to_target(_object_poses(location, center, angle)), _corner_offsets(extent))
     boxes = corners_to_boxes(corners, order)
-    keep = boxes_in_range_mask(boxes_to_corners(boxes, order), lidar_range)
+    keep = boxes_in_range_mask(boxes_to_corners(boxes, order), lidar_range, min_corners)
     return {object_id: boxes[k] for k, object_id in enumerate(vehicles) if keep[k]}

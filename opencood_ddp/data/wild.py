@@ -238,6 +238,14 @@ def perturb_matrix(pose_matrix: Any, offset: np.ndarray) -> np.ndarray:
     return out
 
 
+def perturb(pose: Any, offset: np.ndarray) -> np.ndarray:
+    """A pose with a localisation error: ``perturb_pose`` for a 6-vector, ``perturb_matrix`` for a (4, 4)
+    sensor-to-world matrix (V2V4Real's poses, where upstream's ``add_loc_noise`` fails: its issue 39)."""
+    if np.shape(pose) == (4, 4):
+        return perturb_matrix(pose, offset)
+    return perturb_pose(pose, offset)
+
+
 # --------------------------------------------------------------------------------------------- hypes
 
 
@@ -326,5 +334,5 @@ def _heal_noise(hypes: Mapping, source: str) -> Optional[NoiseSetting]:
 
 __all__ = ["FRAME_INTERVAL_MS", "ASYNC_MODES", "LOC_ERR_MODES", "DelaySetting", "NoiseSetting", "WildSetting",
            "SampleKey", "delay_ms", "delay_frames", "clamp_delay", "UpstreamGlobalRng", "upstream_loc_noise",
-           "wild_rng", "sample_delays", "draw_pose_noise", "pose_offset", "perturb_pose", "perturb_matrix",
+           "wild_rng", "sample_delays", "draw_pose_noise", "pose_offset", "perturb", "perturb_pose", "perturb_matrix",
            "wild_setting_from_hypes"]
