@@ -55,8 +55,9 @@ class Entry:
 class Registry:
     """Names looked up by ``key`` (a dotted hypes key); ``packages`` hold the built-in entries."""
 
-    def __init__(self, kind: str, key: str, packages: Sequence[str] = ()):
+    def __init__(self, kind: str, key: str, packages: Sequence[str] = (), default: Optional[str] = None):
         self.kind, self.key, self.packages = kind, key, tuple(packages)
+        self.default = default  # the name an absent key means (fusion.dataset: opv2v, upstream's only layout)
         self._entries: Dict[str, Entry] = {}
         self._builtins_loaded = False
 
@@ -135,10 +136,15 @@ class Registry:
                           f"{did_you_mean(name, self.names())}; fix the hypes, or list the module that registers "
                           f"it under '{IMPORTS_KEY}:'")
 
+    def name_in(self, hypes: Mapping) -> Any:
+        """The name the hypes give at ``self.key``, or the registry's default when the key is absent."""
+        return get_key(hypes, self.key, self.default)
+
     def lookup(self, hypes: Mapping, source: str) -> Entry:
-        """The entry named at ``self.key`` in the hypes, its keys validated."""
-        validate(hypes, ((self.key, "str"),), source)
-        entry = self.get(get_key(hypes, self.key), source)
+        """The entry named at ``self.key`` in the hypes (or the default), its keys validated."""
+        if self.default is None or get_key(hypes, self.key) is not None:
+            validate(hypes, ((self.key, "str"),), source)
+        entry = self.get(self.name_in(hypes), source)
         entry.validate(hypes, source)
         return entry
 
@@ -215,14 +221,16 @@ def import_modules(hypes: Mapping, source: str = "hypes") -> List[str]:
 # The perception side's registries and the hypes key each is looked up by.
 MODELS = Registry("model", "model.core_method", ("opencood_ddp.models",))
 DATASETS = Registry("fusion dataset", "fusion.core_method", ("opencood_ddp.data.datasets",))
+# The data set a split is read from (HEAL's and CoAlign's key): its layout, poses, labels and conventions.
+SOURCES = Registry("data set", "fusion.dataset", ("opencood_ddp.data.sources",), default="opv2v")
 PREPROCESSORS = Registry("pre-processor", "preprocess.core_method", ("opencood_ddp.data.preprocessors",))
 POSTPROCESSORS = Registry("post-processor", "postprocess.core_method", ("opencood_ddp.postprocess",))
 LOSSES = Registry("loss", "loss.core_method", ("opencood_ddp.loss",))
 YAML_PARSERS = Registry("yaml parser", "yaml_parser", ("opencood_ddp.yaml_parsers",))
 SCHEDULERS = Registry("lr scheduler", "lr_scheduler.core_method", ("opencood_ddp.engine.schedulers",))
 
-ALL_REGISTRIES: Tuple[Registry, ...] = (MODELS, DATASETS, PREPROCESSORS, POSTPROCESSORS, LOSSES, YAML_PARSERS,
-                                        SCHEDULERS)
+ALL_REGISTRIES: Tuple[Registry, ...] = (MODELS, DATASETS, SOURCES, PREPROCESSORS, POSTPROCESSORS, LOSSES,
+                                        YAML_PARSERS, SCHEDULERS)
 
-__all__ = ["Entry", "Registry", "MODELS", "DATASETS", "PREPROCESSORS", "POSTPROCESSORS", "LOSSES", "YAML_PARSERS",
-           "SCHEDULERS", "ALL_REGISTRIES", "import_modules", "import_package", "did_you_mean", "IMPORTS_KEY"]
+__all__ = ["Entry", "Registry", "MODELS", "DATASETS", "SOURCES", "PREPROCESSORS", "POSTPROCESSORS", "LOSSES",
+           "YAML_PARSERS", "SCHEDULERS", "ALL_REGISTRIES", "import_modules", "import_package", "did_you_mean", "IMPORTS_KEY"]

@@ -43,7 +43,7 @@ def selected_entries(hypes: Mapping) -> list:
     its own error, and an unknown model's keys would all look unknown)."""
     entries = []
     for registry in ALL_REGISTRIES:
-        name = get_key(hypes, registry.key)
+        name = registry.name_in(hypes)
         if name is None:
             continue
         if not isinstance(name, str) or name not in registry:

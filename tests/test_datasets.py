@@ -193,7 +193,7 @@ def test_sample_and_batch_layout(toy_small, kind, train):
         for key, entry in sample.items():
             check_objects(entry, 100)
             if kind == "intermediate":
-                assert entry["cav_num"] == len(read_frame(dataset.index, 0 if sample is samples[0] else 1))
+                assert entry["cav_num"] == len(read_frame(dataset.source.index, 0 if sample is samples[0] else 1))
                 for k in range(entry["cav_num"]):
                     check_voxels({name: v[k] for name, v in entry["processed_lidar"].items()}, max_voxels, points)
                 assert entry["pairwise_t_matrix"].shape == (5, 5, 4, 4)
@@ -245,7 +245,7 @@ def test_gt_in_ego_frame_deduplicated_with_upstream_ranges(toy_small, kind):
         dataset = build_dataset(copy.deepcopy(hypes), split, train, SEED)
         dataset.augmentor = None  # compare geometry without the random transform
         for i in range(len(dataset)):
-            frame = read_frame(dataset.index, i)
+            frame = read_frame(dataset.source.index, i)
             ego_pose = next(iter(frame.values())).lidar_pose
             expected = expected_objects(frame, ego_pose, cav_range if train else GT_RANGE)
             if kind == "early":  # early fusion re-filters to cav_lidar_range, also at test time
@@ -275,7 +275,7 @@ def test_upstream_unique_order():
 def test_points_projected_cropped_and_ego_hits_removed(toy_small):
     hypes = toy_hypes("early", toy_small)
     dataset = build_dataset(hypes, "test", False, SEED, visualize=True)
-    frame = read_frame(dataset.index, 2)
+    frame = read_frame(dataset.source.index, 2)
     ego_pose = next(iter(frame.values())).lidar_pose
     expected = np.concatenate([transform_points(mask_ego_points(read_pcd(cav.pcd_path)),
                                                 x1_to_x2(cav.lidar_pose, ego_pose)) for cav in frame.values()])
@@ -302,7 +302,7 @@ def test_late_fusion_training_picks_a_cav_with_its_own_gt(toy_small):
     for epoch in range(4):
         dataset.set_epoch(epoch)
         for i in range(len(dataset)):
-            frame = read_frame(dataset.index, i, apply_comm_range=False)
+            frame = read_frame(dataset.source.index, i, apply_comm_range=False)
             ego = dataset[i]["ego"]
             # Identify the chosen CAV by its GT: the boxes must equal that CAV's own projection.
             matches = [cav_id for cav_id, cav in frame.items()
@@ -406,7 +406,7 @@ def test_augmentation_is_applied_jointly(toy_small):
 def _rng_after_shuffles(dataset, index):
     """The sample's RNG advanced past its per-CAV shuffles: the next draws are the augmentation's."""
     rng = sample_rng(dataset.seed, dataset.epoch, index)
-    for cav in read_frame(dataset.index, index).values():
+    for cav in read_frame(dataset.source.index, index).values():
         rng.permutation(len(read_pcd(cav.pcd_path)))
     return rng
 

@@ -279,7 +279,7 @@ def test_two_ranks_train_when_rank_1_reads_only_empty_frames(toy_small, tmp_path
     rank0 = rank_indices(dataset, per_rank, world_size, 0, seed)
     assert len(rank1) == len(dataset) // world_size and not set(rank0) & set(rank1)
     for n, index in enumerate(rank1):
-        scenario, timestamp = dataset.index.locate(index)
+        scenario, timestamp = dataset.source.index.locate(index)
         for cav in scenario.cavs:
             empty_frame(cav.yaml_path(timestamp), cav.pcd_path(timestamp), zero_points if n % 2 else lift_points)
     emptied = build_dataset(hypes, "train", train=True, seed=seed)

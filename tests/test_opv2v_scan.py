@@ -128,7 +128,7 @@ def test_read_frame_contents_and_single_parse(tmp_path, monkeypatch):
     assert ego.lidar_pose.dtype == np.float64
     assert ego.params["ego_speed"] == 18.5 and ego.params["lidar_pose"] == [1, 2, 3, 4, 5, 6]
     assert ego.pcd_path == scenario / "1" / "000072.pcd"
-    assert ego.yaml_path == scenario / "1" / "000072.yaml"
+    assert ego.meta_path == scenario / "1" / "000072.yaml"
     assert ego.distance_to_ego == 0.0
 
 

@@ -188,7 +188,7 @@ def test_prior_encoding_and_spatial_correction_per_sample(toy_rsu, split, train)
     seen_rsu = seen_moving = 0
     for i in range(len(dataset)):
         ego = dataset[i]["ego"]
-        frame = opv2v.read_frame(dataset.index, i)
+        frame = opv2v.read_frame(dataset.source.index, i)
         prior, correction = ego["prior_encoding"], ego["spatial_correction_matrix"]
         assert prior.shape == (max_cav, 3) and prior.dtype == np.float32
         assert correction.shape == (max_cav, 4, 4) and correction.dtype == np.float64

@@ -266,7 +266,7 @@ def test_the_index_reads_a_cav_at_an_earlier_timestamp_once(world, monkeypatch):
     frames = opv2v.ScenarioFrames(scenario, position)
     then = frames.frame(SLOTS[CAV], 2)
     assert frames.frame(SLOTS[CAV], 2) is then and len(calls) == 1
-    assert then.yaml_path.name == f"{STAMPS[0]}.yaml" and then.lidar_pose[0] == POSES[CAV][0][0]
+    assert then.meta_path.name == f"{STAMPS[0]}.yaml" and then.lidar_pose[0] == POSES[CAV][0][0]
     assert frames.frame(0).ego and not then.ego
     with pytest.raises(ValueError):
         frames.frame(SLOTS[CAV], 3)  # before the scenario's first frame
@@ -320,11 +320,11 @@ def test_intermediate_transformation_matrices_without_proj_first(world):
 def test_the_first_frame_is_never_delayed_and_the_second_reads_the_first(world):
     data = dataset(world, "intermediate", wild_setting=NOISY)
     assert [c.time_delay for c in data.received_cavs(0)] == [0, 0, 0]
-    assert [c.sent.yaml_path.name for c in data.received_cavs(0)] == [f"{STAMPS[0]}.yaml"] * 3
+    assert [c.sent.meta_path.name for c in data.received_cavs(0)] == [f"{STAMPS[0]}.yaml"] * 3
     one = data.received_cavs(1)
     assert [c.time_delay for c in one] == [0, 1, 1]
-    assert [c.sent.yaml_path.name for c in one] == [f"{STAMPS[1]}.yaml", f"{STAMPS[0]}.yaml", f"{STAMPS[0]}.yaml"]
-    assert all(c.current.yaml_path.name == f"{STAMPS[1]}.yaml" for c in one)
+    assert [c.sent.meta_path.name for c in one] == [f"{STAMPS[1]}.yaml", f"{STAMPS[0]}.yaml", f"{STAMPS[0]}.yaml"]
+    assert all(c.current.meta_path.name == f"{STAMPS[1]}.yaml" for c in one)
     np.testing.assert_allclose(data[1]["ego"]["prior_encoding"][:3, 1], [0, 1, 1])
 
 
@@ -333,7 +333,7 @@ def test_upstreams_real_delay_on_the_dataset(world):
     data = dataset(world, "intermediate", wild_setting=setting)
     cavs = data.received_cavs(2)
     # The RSU follows the reseeded stream: 2 frames (see the pure test), so it sends frame 0.
-    assert cavs[2].time_delay == 2 and cavs[2].sent.yaml_path.name == f"{STAMPS[0]}.yaml"
+    assert cavs[2].time_delay == 2 and cavs[2].sent.meta_path.name == f"{STAMPS[0]}.yaml"
     first = np.random.default_rng([SEED, 0, 2, 25, 1, 0, wild.DELAY_DRAWS]).uniform(0, 300)
     assert cavs[1].time_delay == min(2, int(first + 1.06 / 27 * 1000 + 10) // 100)
 
@@ -364,7 +364,7 @@ def test_late_fusion_training_reads_the_chosen_cavs_delayed_frame(world):
     data = build_dataset(hypes_for(world, "late", wild_setting=NOISY), "train", True, SEED)
     seed = next(s for s in range(100) if np.random.default_rng(s).integers(3) == SLOTS[CAV])
     sent, current = data.random_cav(2, np.random.default_rng(seed))
-    assert (sent.cav_id, sent.yaml_path.name, current.yaml_path.name) == (CAV, f"{STAMPS[1]}.yaml",
+    assert (sent.cav_id, sent.meta_path.name, current.meta_path.name) == (CAV, f"{STAMPS[1]}.yaml",
                                                                           f"{STAMPS[2]}.yaml")
     entry = data.process_cav(sent, current, np.random.default_rng(0))
     # object 9 now: (25, -10, 0.9), yaw 30, seen from the CAV's sent pose (frame 1, yaw 80)

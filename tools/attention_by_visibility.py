@@ -82,7 +82,7 @@ def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
         if weights.shape[2] < 2:
             continue  # a frame with the ego alone has nothing to fuse
         gt = spec.evaluate_batch.post.generate_gt_bbx(batch["frames"][0]).numpy()
-        groups = visibility_groups(frame_clouds(spec.dataset.index, index), gt, min_points)
+        groups = visibility_groups(frame_clouds(spec.dataset.source.index, index), gt, min_points)
         for box, group in zip(gt, groups):
             cell = cell_of(box, lidar_range, weights.shape[:2])
             if cell is not None:

@@ -28,13 +28,14 @@ The point clouds themselves are read elsewhere (``opencood_ddp.data.pcd``).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import operator
 import os
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import yaml
@@ -91,11 +92,12 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return " ".join(f"{problem}{where}".split())
 
 
-def load_opv2v_yaml(path: PathLike) -> Dict[str, Any]:
-    """Parse one OPV2V frame yaml into a dict; DataError (one line, naming the file) when it cannot."""
+def load_opv2v_yaml(path: PathLike, loader: type = Opv2vYamlLoader) -> Dict[str, Any]:
+    """Parse one OPV2V frame yaml into a dict; DataError (one line, naming the file) when it cannot. ``loader``: a
+    safe loader of this module's kind (V2V4Real's adds its numpy arrays)."""
     try:
         with open(path, "rb") as stream:
-            params = yaml.load(stream, Loader=Opv2vYamlLoader)
+            params = yaml.load(stream, Loader=loader)
     except FileNotFoundError:
         raise DataError(f"{path}: frame yaml not found (moved or deleted after scanning); restore it "
                         f"or rebuild the dataset index") from None
@@ -247,7 +249,7 @@ def _timestamps(cav_folder: Path) -> Tuple[str, ...]:
     return tuple(name[: -len(".yaml")] for name in sorted(names))
 
 
-def _check_timestamps(ego: CavRecord, cav: CavRecord) -> None:
+def check_cav_timestamps(ego: CavRecord, cav: CavRecord) -> None:
     """Every kept CAV is read at each ego timestamp, so a gap would fail mid-epoch: report it now."""
     missing = sorted(set(ego.timestamps).difference(cav.timestamps))
     if missing:
@@ -267,7 +269,7 @@ def _scan_scenario(folder: Path, max_cav: int) -> Scenario:
                         f"an RSU is never the ego; add the vehicles' folders or remove the scenario")
     cavs = tuple(CavRecord(cid, folder / cid, _timestamps(folder / cid)) for cid in cav_ids)
     for cav in cavs[1:]:
-        _check_timestamps(cavs[0], cav)
+        check_cav_timestamps(cavs[0], cav)
     return Scenario(folder.name, folder, cavs)
 
 
@@ -312,42 +314,55 @@ def scan_split(root_dir: PathLike, max_cav: int = DEFAULT_MAX_CAV, comm_range: f
 
 @dataclass(frozen=True)
 class CavFrame:
-    """One CAV at one timestamp: its yaml (parsed once), lidar pose, point-cloud path and ego flag."""
+    """One CAV at one timestamp, as a data source read it (``data/sources``): what it parsed, its LiDAR pose, its
+    point-cloud path and its ego and road-side flags. OPV2V and V2V4Real: one yaml, parsed once."""
 
     cav_id: str
-    params: Dict[str, Any]
-    lidar_pose: np.ndarray  # float64 (6,), [x, y, z, roll, yaw, pitch], CARLA world, degrees
+    params: Dict[str, Any]  # what the source parsed for this frame (OPV2V: the frame yaml)
+    # float64: OPV2V's [x, y, z, roll, yaw, pitch] (CARLA world, degrees; also DAIR-V2X's calibration chain, as HEAL
+    # stores it) or V2V4Real's (4, 4) LiDAR-to-world matrix; geometry.x1_to_x2 takes either
+    lidar_pose: np.ndarray
     pcd_path: Path
-    yaml_path: Path
+    meta_path: Path  # the file that holds this frame's pose (named in error lines)
     ego: bool
     distance_to_ego: float  # x-y distance between this lidar and the ego's, metres
+    infra: bool = False  # a road-side unit: never the ego, infra = 1 in V2X-ViT's prior encoding
 
-    @property
-    def infra(self) -> bool:
-        """A road-side unit (negative folder id): never the ego, infra = 1 in V2X-ViT's prior encoding."""
-        return is_rsu_id(self.cav_id)
+
+FrameReader = Callable[[CavRecord, str, bool], CavFrame]
+
+
+def read_opv2v_frame(cav: CavRecord, timestamp: str, ego: bool) -> CavFrame:
+    """One OPV2V/V2XSet CAV frame: its yaml parsed once; a negative folder id is a road-side unit."""
+    path = cav.yaml_path(timestamp)
+    params = load_opv2v_yaml(path)
+    return CavFrame(cav.cav_id, params, lidar_pose_of(params, path), cav.pcd_path(timestamp), path, ego,
+                    float("nan"), cav.infra)
 
 
 def _read_cav(cav: CavRecord, timestamp: str, ego: bool, ego_pose: Optional[np.ndarray]) -> CavFrame:
-    path = cav.yaml_path(timestamp)
-    params = load_opv2v_yaml(path)
-    pose = lidar_pose_of(params, path)
-    distance = 0.0 if ego_pose is None else xy_distance(pose, ego_pose)
-    return CavFrame(cav.cav_id, params, pose, cav.pcd_path(timestamp), path, ego, distance)
+    frame = read_opv2v_frame(cav, timestamp, ego)
+    distance = 0.0 if ego_pose is None else xy_distance(frame.lidar_pose, ego_pose)
+    return dataclasses.replace(frame, distance_to_ego=distance)
 
 
 class ScenarioFrames:
     """The kept CAVs of one scenario around one sample, for delayed reads: ``frame(slot, lag)`` is CAV ``slot``
-    (0 is the ego) ``lag`` frames before the sample's timestamp, its yaml parsed at most once per sample.
+    (0 is the ego) ``lag`` frames before the sample's timestamp, read by ``read`` at most once per sample.
 
     As upstream (``return_timestamp_key``), frames are counted in the ego's timestamp list, which every kept CAV
     has (checked at scan time). A frame's ``distance_to_ego`` is NaN: the dataset measures the distance it needs
     (upstream: the sent pose against the ego's current one). A plain object, built per sample, never pickled.
     """
 
-    def __init__(self, scenario: Scenario, position: int):
-        self.scenario, self.position = scenario, position
+    def __init__(self, scenario: Scenario, position: int, read: FrameReader = read_opv2v_frame):
+        self.scenario, self.position, self.read = scenario, position, read
         self._frames: Dict[Tuple[int, int], CavFrame] = {}
+
+    @property
+    def count(self) -> int:
+        """How many CAVs the sample has (the scenario's kept CAVs, ego first)."""
+        return len(self.scenario.cavs)
 
     def frame(self, slot: int, lag: int = 0) -> CavFrame:
         if not 0 <= lag <= self.position:
@@ -355,12 +370,8 @@ class ScenarioFrames:
                              f"timestamp position {self.position}")
         key = (slot, lag)
         if key not in self._frames:
-            record = self.scenario.cavs[slot]
             timestamp = self.scenario.timestamps[self.position - lag]
-            path = record.yaml_path(timestamp)
-            params = load_opv2v_yaml(path)
-            self._frames[key] = CavFrame(record.cav_id, params, lidar_pose_of(params, path),
-                                         record.pcd_path(timestamp), path, slot == 0, float("nan"))
+            self._frames[key] = self.read(self.scenario.cavs[slot], timestamp, slot == 0)
         return self._frames[key]
 
 

@@ -220,8 +220,16 @@ class VoxelPostprocessor:
         ego first), in upstream's id order (``upstream_unique_indices``). Corners are computed and projected
         in float64, then rounded to float32 (upstream rounds the corners to float32 first). A CAV entry with a
         ``transformation_matrix_clean`` (late fusion under pose noise) is projected by that one, so that the
-        ground truth stays where the objects are (HEAL/CoAlign's rule).
+        ground truth stays where the objects are (HEAL/CoAlign's rule). An ego entry that carries the sample's own
+        ground truth (``gt_object_bbx_center``, already in the ego frame: late fusion on DAIR-V2X-C, whose CAVs'
+        labels do not share ids) is that ground truth, range-filtered alike.
         """
+        ego = data_dict.get("ego", {})
+        if "gt_object_bbx_center" in ego:
+            center, mask = ego["gt_object_bbx_center"], ego["gt_object_bbx_mask"]
+            _require_single(center, "gt_object_bbx_center", "ego")
+            corners = boxes_to_corners(center[0][mask[0] == 1].double(), self.order).float()
+            return corners[within_range_mask(corners, self.gt_range)]
         corners_list: List[torch.Tensor] = []
         ids: List[Hashable] = []
         device = torch.device("cpu")

@@ -67,14 +67,14 @@ import torch
 from torch.utils.data import Dataset
 
 from opencood_ddp.data.augment import WorldAugmentor, WorldTransform, sample_rng, shuffle_points
-from opencood_ddp.data.ground_truth import GT_RANGE, evaluation_gt_range, upstream_unique_indices
+from opencood_ddp.data.ground_truth import GT_RANGE, evaluation_gt_range
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, mask_ego_points,
-                                        mask_points_by_range, project_world_objects, x1_to_x2, xy_distance)
-from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame, Opv2vIndex, ScenarioFrames, scan_split
-from opencood_ddp.data.pcd import read_pcd
+                                        mask_points_by_range, x1_to_x2, xy_distance)
+from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame
 from opencood_ddp.data.preprocessors import build_preprocessor, preprocessor_entry
+from opencood_ddp.data.sources import Objects, SampleFrames, SplitSource, build_source, source_entry
 from opencood_ddp.data.voxelize import collate_voxels
-from opencood_ddp.data.wild import SampleKey, pose_offset, perturb_pose, sample_delays, wild_setting_from_hypes
+from opencood_ddp.data.wild import SampleKey, perturb, pose_offset, sample_delays, wild_setting_from_hypes
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.hypes import get_key, hypes_source, range6, validate
 
@@ -188,6 +188,8 @@ class OpencoodDataset(Dataset):
     reads_upstream_loc_err: bool = False
     # fusion.args.cur_ego_pose_flag false (intermediate fusion): project onto the ego's pose at the CAV's frame.
     projects_to_delayed_ego: bool = False
+    # Which of sources.FUSIONS this dataset is: a source may treat them differently (V2V4Real's range test).
+    fusion: str = ""
 
     def __init__(self, hypes: Mapping, split: str, train: bool, seed: int,
                  post_processor: Optional[PostProcessor] = None, visualize: bool = False):
@@ -199,6 +201,7 @@ class OpencoodDataset(Dataset):
         pre = preprocessor_entry(hypes, source)
         validate(hypes, tuple(self.required_keys) + ((split_key, "str"),) + pre.required, source,
                  tuple(self.optional_keys) + pre.optional)
+        source_entry(hypes)  # the data set's own keys (fusion.dataset), before anything is read
         self.wild = wild_setting_from_hypes(hypes, source)
         self.hypes = hypes
         self.split, self.train, self.seed, self.visualize = split, bool(train), int(seed), bool(visualize)
@@ -217,8 +220,10 @@ class OpencoodDataset(Dataset):
         self.voxelizer = build_preprocessor(hypes, self.train)
         augments = self.train and self.augments(hypes) and bool(hypes["data_augment"])  # [] means none
         self.augmentor = WorldAugmentor(hypes["data_augment"]) if augments else None
-        # The scan raises DataError naming split_key for a missing folder or an empty split.
-        self.index: Opv2vIndex = scan_split(hypes[split_key], self.max_cav, key=split_key)
+        # The source raises DataError naming split_key for a missing folder or an empty split.
+        self.source: SplitSource = build_source(hypes, split_key, train=self.train, seed=self.seed,
+                                                max_cav=self.max_cav)
+        self.comm_range = self.source.comm_range(self.fusion)
 
     # ----------------------------------------------------------------------------------- protocol
 
@@ -236,12 +241,12 @@ class OpencoodDataset(Dataset):
         self.epoch = int(epoch)
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.source)
 
     def __getitem__(self, index: int) -> "OrderedDict[str, Any]":
         index = operator.index(index)
         if not 0 <= index < len(self):
-            raise IndexError(f"sample index {index} out of range for {len(self)} samples of {self.index.root}")
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples of {self.source.root}")
         return self.get_sample(index, sample_rng(self.seed, self.epoch, index))
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
@@ -249,11 +254,11 @@ class OpencoodDataset(Dataset):
 
     # ----------------------------------------------------------------------------------- received CAVs
 
-    def sample_frames(self, index: int) -> Tuple[ScenarioFrames, List[int], SampleKey]:
-        """The sample's scenario reader, the applied delay of each kept CAV (slot order) and its draw key."""
-        scenario, position = self.index.locate_position(index)
+    def sample_frames(self, index: int) -> Tuple[SampleFrames, List[int], SampleKey]:
+        """The sample's frame reader, the applied delay of each of its CAVs (slot order) and its draw key."""
+        frames = self.source.sample_frames(index)
         key = SampleKey(self.seed, self.epoch, index)
-        return ScenarioFrames(scenario, position), sample_delays(self.wild, len(scenario.cavs), position, key), key
+        return frames, sample_delays(self.wild, frames.count, frames.position, key), key
 
     def received_cavs(self, index: int) -> List[ReceivedCav]:
         """The sample's CAVs within the communication range (ego first), delayed and perturbed as the hypes say."""
@@ -261,13 +266,16 @@ class OpencoodDataset(Dataset):
         ego_now = frames.frame(0)
         received = []
         for slot, lag in enumerate(delays):
-            # Upstream's range test: the CAV's sent (delayed) true pose against the ego's current true pose.
-            if slot and xy_distance(frames.frame(slot, lag).lidar_pose, ego_now.lidar_pose) > self.index.comm_range:
+            if slot and not self.within_range(frames.frame(slot, lag), ego_now):
                 continue
             received.append(self.receive(frames, slot, lag, key))
         return received
 
-    def receive(self, frames: ScenarioFrames, slot: int, lag: int, key: SampleKey) -> ReceivedCav:
+    def within_range(self, sent: CavFrame, ego_now: CavFrame) -> bool:
+        """Upstream's range test: the CAV's sent (delayed) true pose against the ego's current true pose."""
+        return self.comm_range is None or xy_distance(sent.lidar_pose, ego_now.lidar_pose) <= self.comm_range
+
+    def receive(self, frames: SampleFrames, slot: int, lag: int, key: SampleKey) -> ReceivedCav:
         sent, ego_now = frames.frame(slot, lag), frames.frame(0)
         clean = x1_to_x2(sent.lidar_pose, ego_now.lidar_pose)
         noisy = self.wild.noise is not None and (self.wild.noise.mode != "upstream" or self.reads_upstream_loc_err)
@@ -281,18 +289,18 @@ class OpencoodDataset(Dataset):
         correction = np.identity(4) if reference_lag == 0 else x1_to_x2(reference, ego_now_pose)
         return ReceivedCav(slot, sent, frames.frame(slot), lag, to_ego, clean, correction, noisy)
 
-    def believed_pose(self, frames: ScenarioFrames, slot: int, lag: int, key: SampleKey, noisy: bool) -> np.ndarray:
+    def believed_pose(self, frames: SampleFrames, slot: int, lag: int, key: SampleKey, noisy: bool) -> np.ndarray:
         """CAV ``slot``'s pose ``lag`` frames back, with its localisation error when ``noisy``."""
         pose = frames.frame(slot, lag).lidar_pose
         offset = pose_offset(self.wild, slot, lag, key) if noisy else None
-        return pose if offset is None else perturb_pose(pose, offset)
+        return pose if offset is None else perturb(pose, offset)
 
     # ----------------------------------------------------------------------------------- points
 
-    def load_cav_points(self, cav_pcd_path: Any, rng: np.random.Generator) -> np.ndarray:
+    def load_cav_points(self, frame: CavFrame, rng: np.random.Generator) -> np.ndarray:
         """One CAV's cloud, read once, shuffled with the sample's RNG and without the car's own hits."""
-        points = read_pcd(cav_pcd_path)
-        report_non_finite(points, cav_pcd_path)
+        points = self.source.points(frame)
+        report_non_finite(points, frame.pcd_path)
         return mask_ego_points(shuffle_points(points, rng))
 
     def crop(self, points: np.ndarray) -> np.ndarray:
@@ -300,29 +308,19 @@ class OpencoodDataset(Dataset):
 
     # ----------------------------------------------------------------------------------- ground truth
 
-    def cav_objects(self, cav: CavFrame, target_pose: np.ndarray) -> Tuple[np.ndarray, List[Hashable]]:
-        """(K, 7) boxes of one CAV's ``vehicles`` in the frame of ``target_pose``, filtered by the GT range."""
-        vehicles = cav.params.get("vehicles")
-        if vehicles is None:
-            raise DataError(f"{cav.yaml_path}: no 'vehicles' mapping (use 'vehicles: {{}}' for an empty frame); "
-                            f"re-export this frame's yaml")
-        if not isinstance(vehicles, Mapping):
-            raise DataError(f"{cav.yaml_path}: 'vehicles' must be a mapping of id -> object, got "
-                            f"{type(vehicles).__name__}; re-export this frame's yaml")
-        projected = project_world_objects(vehicles, target_pose, self.gt_range, self.order,
-                                          source=str(cav.yaml_path))
-        boxes = np.array(list(projected.values()), dtype=np.float64).reshape(-1, 7)
-        return boxes, list(projected)
+    def cav_objects(self, cav: CavFrame, target_pose: np.ndarray) -> Objects:
+        """(K, 7) boxes one CAV contributes to the sample's ground truth, in the frame of ``target_pose``, filtered by
+        the GT range (``sources``: each data set's labels)."""
+        return self.source.objects(cav, target_pose, self.gt_range)
 
-    def merge_objects(self, per_cav: Iterable[Tuple[np.ndarray, List[Hashable]]]) -> Tuple[np.ndarray, List]:
-        """Stack the CAVs' boxes and drop repeated ids (upstream's order, first CAV's box kept)."""
-        boxes_list, ids = [], []
-        for boxes, cav_ids in per_cav:
-            boxes_list.append(boxes)
-            ids.extend(cav_ids)
-        stacked = np.concatenate(boxes_list) if boxes_list else np.zeros((0, 7))
-        keep = upstream_unique_indices(ids)
-        return stacked[keep].reshape(-1, 7), [ids[k] for k in keep]
+    def merge_objects(self, per_cav: Iterable[Objects]) -> Objects:
+        """The sample's ground truth from its CAVs' boxes (OPV2V: repeated ids dropped, the first CAV's box kept)."""
+        return self.source.merge(list(per_cav))
+
+    def sample_objects(self, cavs: Sequence[ReceivedCav]) -> Objects:
+        """The sample's ground truth in the ego's current true frame, from the CAVs' current frames."""
+        ego_pose = cavs[0].current.lidar_pose
+        return self.merge_objects(self.cav_objects(cav.current, ego_pose) for cav in cavs)
 
     def pad_objects(self, boxes: np.ndarray, where: Any) -> Tuple[np.ndarray, np.ndarray]:
         """(max_num, 7) float64 boxes and (max_num,) float64 mask, as upstream."""
@@ -336,9 +334,11 @@ class OpencoodDataset(Dataset):
         return center, mask
 
     def in_range_boxes(self, boxes: np.ndarray, ids: List) -> Tuple[np.ndarray, List]:
-        """Boxes whose 8 corners lie inside cav_lidar_range (upstream re-filters after augmentation)."""
-        keep = boxes_in_range_mask(boxes_to_corners(boxes, self.order), self.lidar_range) if len(boxes) else \
-            np.zeros(0, dtype=bool)
+        """Boxes whose corners lie inside cav_lidar_range (upstream re-filters after augmentation): all 8, or the
+        source's ``min_corners`` (V2V4Real: 2)."""
+        corners = self.source.min_corners
+        keep = boxes_in_range_mask(boxes_to_corners(boxes, self.order), self.lidar_range, corners) if len(boxes) \
+            else np.zeros(0, dtype=bool)
         return boxes[keep], [i for i, k in zip(ids, keep) if k]
 
     def sample_transform(self, rng: np.random.Generator) -> Optional[WorldTransform]:

@@ -34,24 +34,20 @@ from opencood_ddp.registry import DATASETS
 class EarlyFusionDataset(OpencoodDataset):
     """Raw-point fusion at the ego (PointPillar early fusion)."""
 
+    fusion = "early"
+
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         cavs = self.received_cavs(index)
-        ego_pose = cavs[0].current.lidar_pose  # the ego's true current pose: the ground truth's frame
-        clouds, objects = [], []
         to_ego = [cav.to_ego for cav in cavs]
-        for cav in cavs:
-            objects.append(self.cav_objects(cav.current, ego_pose))
-            points = self.load_cav_points(cav.sent.pcd_path, rng)
-            clouds.append(transform_points(points, cav.to_ego))
-        boxes, ids = self.merge_objects(objects)
-        points = np.concatenate(clouds)
+        boxes, ids = self.sample_objects(cavs)
+        points = np.concatenate([transform_points(self.load_cav_points(cav.sent, rng), cav.to_ego) for cav in cavs])
 
         transform = self.sample_transform(rng)
         if transform is not None:
             points, boxes = transform.points(points), transform.boxes(boxes)
         points = self.crop(points)
         boxes, ids = self.in_range_boxes(boxes, ids)
-        center, mask = self.pad_objects(boxes, f"sample {index} of {self.index.root}")
+        center, mask = self.pad_objects(boxes, f"sample {index} of {self.source.root}")
 
         ego: Dict[str, Any] = {"object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
                                "processed_lidar": self.voxelizer(points)}

@@ -53,7 +53,6 @@ import torch
 from opencood_ddp.data.datasets.base import (COMMON_OPTIONAL_KEYS, OpencoodDataset, ReceivedCav, cav_positions,
                                              identity_matrix)
 from opencood_ddp.data.geometry import transform_points
-from opencood_ddp.data.opv2v import ego_speed_of
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, hypes_source
@@ -72,6 +71,7 @@ class IntermediateFusionDataset(OpencoodDataset):
                                             ("fusion.args.cur_ego_pose_flag", "bool"))
 
     reads_upstream_loc_err = True  # upstream's intermediate dataset projects with the noisy poses
+    fusion = "intermediate"
 
     def __init__(self, hypes: Mapping, *args: Any, **kwargs: Any):
         self.proj_first = bool(get_key(hypes, "fusion.args.proj_first", True))
@@ -87,20 +87,20 @@ class IntermediateFusionDataset(OpencoodDataset):
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         cavs = self.received_cavs(index)
-        ego_pose = cavs[0].current.lidar_pose  # the ego's true current pose: the ground truth's frame
         to_ego = [cav.to_ego for cav in cavs]
-        clouds, objects = [], []
+        boxes, ids = self.sample_objects(cavs)
+        clouds = []
         for cav in cavs:
-            objects.append(self.cav_objects(cav.current, ego_pose))
-            points = self.load_cav_points(cav.sent.pcd_path, rng)
+            points = self.load_cav_points(cav.sent, rng)
             clouds.append(transform_points(points, cav.to_ego) if self.proj_first else points)
-        boxes, ids = self.merge_objects(objects)
 
         transform = self.sample_transform(rng)
         if transform is not None:
             clouds = [transform.points(points) for points in clouds]
-            boxes, ids = self.in_range_boxes(transform.boxes(boxes), ids)
-        center, mask = self.pad_objects(boxes, f"sample {index} of {self.index.root}")
+            boxes = transform.boxes(boxes)
+        if transform is not None or self.source.refilters_each_cav:
+            boxes, ids = self.in_range_boxes(boxes, ids)
+        center, mask = self.pad_objects(boxes, f"sample {index} of {self.source.root}")
         clouds = [self.crop(points) for points in clouds]
 
         ego: Dict[str, Any] = {
@@ -137,7 +137,7 @@ class IntermediateFusionDataset(OpencoodDataset):
         the float32 cast, as upstream's list -> tensor -> .float()."""
         prior = np.zeros((self.max_cav, 3), dtype=np.float32)
         for row, cav in enumerate(cavs):
-            speed = ego_speed_of(cav.sent.params, cav.sent.yaml_path) / UPSTREAM_SPEED_SCALE_KMH
+            speed = self.source.ego_speed_kmh(cav.sent) / UPSTREAM_SPEED_SCALE_KMH
             prior[row] = (speed, float(cav.time_delay), 1.0 if cav.infra else 0.0)
         return prior
 

@@ -31,7 +31,7 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import OpencoodDataset
+from opencood_ddp.data.datasets.base import OpencoodDataset, ReceivedCav
 from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.data.opv2v import CavFrame
 from opencood_ddp.data.voxelize import collate_voxels
@@ -42,17 +42,29 @@ from opencood_ddp.registry import DATASETS
 class LateFusionDataset(OpencoodDataset):
     """Single-CAV samples in training, all CAVs with their transforms at test (PointPillar late fusion)."""
 
+    fusion = "late"
+
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         if self.train:
             return OrderedDict(ego=self.process_cav(*self.random_cav(index, rng), rng))
         sample: "OrderedDict[str, Any]" = OrderedDict()
-        for cav in self.received_cavs(index):
+        cavs = self.received_cavs(index)
+        for cav in cavs:
             processed = self.process_cav(cav.sent, cav.current, rng)
             processed["transformation_matrix"] = cav.to_ego
             if cav.noisy:
                 processed["transformation_matrix_clean"] = cav.to_ego_clean
             sample["ego" if cav.ego else cav.cav_id] = processed
+        if self.source.gt_by_sample:
+            sample["ego"].update(self.sample_ground_truth(index, cavs))
         return sample
+
+    def sample_ground_truth(self, index: int, cavs: Sequence[ReceivedCav]) -> Dict[str, Any]:
+        """The sample's ground truth in the ego frame, as early and intermediate fusion build it, for a source whose
+        CAVs' own labels do not merge by id (``gt_by_sample``): the post-processor evaluates against it."""
+        boxes, ids = self.sample_objects(cavs)
+        center, mask = self.pad_objects(boxes, f"sample {index} of {self.source.root}")
+        return {"gt_object_bbx_center": center, "gt_object_bbx_mask": mask, "gt_object_ids": ids}
 
     def random_cav(self, index: int, rng: np.random.Generator) -> Tuple[CavFrame, CavFrame]:
         """Upstream's ``random.choice`` over the frame's CAVs (the ego when visualizing): its sent and current
@@ -64,9 +76,9 @@ class LateFusionDataset(OpencoodDataset):
     def process_cav(self, sent: CavFrame, current: CavFrame, rng: np.random.Generator) -> Dict[str, Any]:
         """One CAV in its own sent frame: its sent cloud, the current frame's objects placed with its sent pose."""
         # Upstream crops before removing the car's own hits; both are point masks, so the order is immaterial.
-        points = self.crop(self.load_cav_points(sent.pcd_path, rng))
-        boxes, ids = self.cav_objects(current, sent.lidar_pose)
-        center, mask = self.pad_objects(boxes, current.yaml_path)
+        points = self.crop(self.load_cav_points(sent, rng))
+        boxes, ids = self.source.own_objects(current, sent.lidar_pose, self.gt_range)
+        center, mask = self.pad_objects(boxes, current.meta_path)
         transform = self.sample_transform(rng)
         if transform is not None:
             points, valid = transform.points(points), transform.boxes(boxes)
@@ -85,6 +97,8 @@ class LateFusionDataset(OpencoodDataset):
         for key, cav in batch[0].items():
             entry: Dict[str, Any] = dict(self.stack_objects([cav]))
             entry["object_ids"] = cav["object_ids"]
+            if "gt_object_bbx_center" in cav:
+                entry.update(sample_ground_truth_batch(cav))
             entry["processed_lidar"] = collate_voxels([cav["processed_lidar"]])
             for matrix in ("transformation_matrix", "transformation_matrix_clean"):
                 if matrix in cav:
@@ -99,3 +113,10 @@ class LateFusionDataset(OpencoodDataset):
             output["ego"]["origin_lidar"] = [torch.from_numpy(np.concatenate(projected))]
         return output
 
+
+
+def sample_ground_truth_batch(cav: Mapping[str, Any]) -> Dict[str, Any]:
+    """A test batch's copy of ``sample_ground_truth``: tensors with a batch dimension of 1, and the ids."""
+    return {"gt_object_bbx_center": torch.from_numpy(cav["gt_object_bbx_center"][None]),
+            "gt_object_bbx_mask": torch.from_numpy(cav["gt_object_bbx_mask"][None]),
+            "gt_object_ids": cav["gt_object_ids"]}
