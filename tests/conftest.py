@@ -37,3 +37,33 @@ def toy_small(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("toy_small")
     generate_toy_opv2v(root, seed=0, scale="small")
     return root
+
+
+@pytest.fixture(scope="session")
+def toy_small_rsu(tmp_path_factory) -> Path:
+    """The small toy OPV2V world with a road-side unit per scenario (V2XSet style, seed 0), generated once."""
+    from opencood_ddp.toy.writer import generate_toy_opv2v
+
+    root = tmp_path_factory.mktemp("toy_small_rsu")
+    generate_toy_opv2v(root, seed=0, scale="small", rsu=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def toy_dairv2x(toy_small_rsu, tmp_path_factory) -> Path:
+    """DAIR-V2X-C-layout copy of the small RSU world (its data_dir: train.json, val.json, test.json inside)."""
+    from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
+
+    root = tmp_path_factory.mktemp("toy_dairv2x")
+    write_dairv2x_copy(toy_small_rsu, root, seed=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def toy_v2v4real(toy_small, tmp_path_factory) -> Path:
+    """V2V4Real-layout copy of the small toy world (train/validate/test folders, cars 0 and 1)."""
+    from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
+
+    root = tmp_path_factory.mktemp("toy_v2v4real")
+    write_v2v4real_copy(toy_small, root, seed=0)
+    return root

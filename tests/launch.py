@@ -53,6 +53,18 @@ def split_overrides(toy_root: Path) -> list[str]:
             "--set", f"test_dir={toy_root / 'test'}"]
 
 
+def dairv2x_overrides(data_dir: Path) -> list[str]:
+    """--set flags that read the DAIR-V2X-C-layout toy copy in `data_dir` (fusion.dataset and its split files)."""
+    return ["--set", "fusion.dataset=dairv2x", "--set", f"data_dir={data_dir}",
+            "--set", f"root_dir={data_dir / 'train.json'}", "--set", f"validate_dir={data_dir / 'val.json'}",
+            "--set", f"test_dir={data_dir / 'test.json'}"]
+
+
+def v2v4real_overrides(root: Path) -> list[str]:
+    """--set flags that read the V2V4Real-layout toy copy in `root`."""
+    return ["--set", "fusion.dataset=v2v4real", *split_overrides(root)]
+
+
 def explain(result: subprocess.CompletedProcess) -> str:
     return f"exit {result.returncode}\n--- stdout\n{result.stdout[-4000:]}\n--- stderr\n{result.stderr[-6000:]}"
 
