@@ -162,7 +162,8 @@ def test_the_built_in_entries_carry_upstreams_names():
                                   "point_pillar_intermediate", "point_pillar_transformer", "point_pillar_v2vnet",
                                   "point_pillar_where2comm", "second_intermediate"]
     assert fusion_methods() == {"early": "EarlyFusionDataset", "late": "LateFusionDataset",
-                                "intermediate": "IntermediateFusionDataset"}
+                                "nofusion": "LateFusionDataset", "intermediate": "IntermediateFusionDataset"}
+    assert R.SOURCES.names() == ["dairv2x", "opv2v", "v2v4real", "v2xset"]  # HEAL's fusion.dataset names
     assert R.PREPROCESSORS.names() == ["SpVoxelPreprocessor"]
     assert R.POSTPROCESSORS.names() == ["VoxelPostprocessor"]
     assert R.LOSSES.names() == ["point_pillar_loss"]

@@ -126,9 +126,10 @@ def matrix_to_pose(matrix: ArrayLike) -> np.ndarray:
     m = np.asarray(matrix, dtype=np.float64)
     if m.shape != (4, 4):
         raise ValueError(f"matrix must have shape (4, 4), got {m.shape}")
-    yaw = math.degrees(math.atan2(m[1, 0], m[0, 0]))
-    roll = math.degrees(math.atan2(-m[2, 1], m[2, 2]))
-    pitch = math.degrees(math.atan2(m[2, 0], math.hypot(m[2, 1], m[2, 2])))
+    # numpy's functions and HEAL's square root of squares (not hypot), so that the values are HEAL's bit for bit.
+    yaw = np.degrees(np.arctan2(m[1, 0], m[0, 0]))
+    roll = np.degrees(np.arctan2(-m[2, 1], m[2, 2]))
+    pitch = np.degrees(np.arctan2(m[2, 0], (m[2, 1] ** 2 + m[2, 2] ** 2) ** 0.5))
     return np.array([m[0, 3], m[1, 3], m[2, 3], roll, yaw, pitch])
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from opencood_ddp.data.datasets import SPLIT_KEYS, build_dataset, fusion_methods
+from opencood_ddp.data.datasets import NO_FUSION, SPLIT_KEYS, build_dataset, fusion_methods
 from opencood_ddp.data.ground_truth import evaluation_gt_range
-from opencood_ddp.data.opv2v import split_root
+from opencood_ddp.data.sources import check_split_path
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
 from opencood_ddp.engine.task import LossOutput, Task, move_tensors
 from opencood_ddp.errors import ConfigError
@@ -119,9 +119,11 @@ class FrameEvaluator:
         self.convention = convention
 
     def outputs(self, model: nn.Module, model_input: Mapping[str, Any], frames: int) -> List[Dict[str, Any]]:
-        """The model's output dict per frame, keyed like the frame's test batch."""
+        """The model's output dict per frame, keyed like the frame's test batch (no fusion: the ego's alone)."""
         if self.fusion_method == "late":  # every CAV detects in its own frame; one frame per batch
             return [{cav: model(entry) for cav, entry in model_input.items()}]
+        if self.fusion_method == NO_FUSION:  # the ego detects alone, on late fusion's frame
+            return [{"ego": model(model_input["ego"])}]
         output = model(model_input["ego"])
         # Per-sample maps are split by frame; a 0-d value describes the whole batch (Where2comm's comm_rate).
         return [{"ego": {key: value[i:i + 1] if value.dim() > 0 else value for key, value in output.items()}}
@@ -131,7 +133,9 @@ class FrameEvaluator:
         frames = batch["frames"]
         records = []
         for index, frame, output in zip(indices, frames, self.outputs(model, batch["model_input"], len(frames))):
-            boxes, scores = self.convention.predictions(*self.post.post_process(frame, output))
+            # No fusion: the ego's detections against the frame's whole ground truth (V2V4Real's inference_no_fusion).
+            detected = {cav: frame[cav] for cav in output}
+            boxes, scores = self.convention.predictions(*self.post.post_process(detected, output))
             gt = self.post.generate_gt_bbx(frame)
             if self.exporter is not None:
                 self.exporter(index, frame_points(frame), _numpy(boxes), _numpy(scores), _numpy(gt),
@@ -247,15 +251,15 @@ def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) ->
                           f"the model was trained with {found}; pass the matching --fusion_method")
     if request.batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1, got {request.batch_size}; pass 1 or more")
-    if fusion_method == "late" and request.batch_size != 1:
-        raise ConfigError(f"--batch_size {request.batch_size}: late fusion evaluates one frame per batch (each CAV "
+    if fusion_method in ("late", NO_FUSION) and request.batch_size != 1:
+        raise ConfigError(f"--batch_size {request.batch_size}: {fusion_method} evaluates one frame per batch (each CAV "
                           f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
     hypes = copy.deepcopy(hypes)
     # The split is checked here, under the name the user gave it, before it stands in for validate_dir.
     if request.dataset_dir is not None:
-        hypes["validate_dir"] = str(split_root(request.dataset_dir, "--dataset_dir"))
+        hypes["validate_dir"] = check_split_path(hypes, request.dataset_dir, "--dataset_dir")
     elif request.test_split and hypes.get("test_dir"):
-        hypes["validate_dir"] = str(split_root(str(hypes["test_dir"]), "test_dir"))
+        hypes["validate_dir"] = check_split_path(hypes, hypes["test_dir"], "test_dir")
     return hypes
 
 
@@ -279,13 +283,18 @@ def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional
                          evaluation_gt_range(hypes, hypes_source(hypes)))
 
 
-def eval_file_name(global_sort: bool, preset: str = DEFAULT_PRESET) -> str:
-    """eval.yaml, eval_global_sort.yaml (opencood with --global_sort_detections), eval_heal.yaml, eval_v2v4real.yaml."""
-    return f"eval{result_suffix(preset, global_sort)}.yaml"
+def eval_file_name(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "") -> str:
+    """eval.yaml, eval_global_sort.yaml (opencood with --global_sort_detections), eval_heal.yaml, eval_v2v4real.yaml;
+    no fusion evaluates the late-fusion run itself, so its files say so (eval_nofusion.yaml, ...)."""
+    return f"eval{fusion_suffix(fusion_method)}{result_suffix(preset, global_sort)}.yaml"
 
 
-def pr_plot_name(global_sort: bool, preset: str = DEFAULT_PRESET) -> str:
-    return f"pr_curve{result_suffix(preset, global_sort)}.png"
+def pr_plot_name(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "") -> str:
+    return f"pr_curve{fusion_suffix(fusion_method)}{result_suffix(preset, global_sort)}.png"
+
+
+def fusion_suffix(fusion_method: str) -> str:
+    return f"_{NO_FUSION}" if fusion_method == NO_FUSION else ""
 
 
 class Report:
@@ -312,7 +321,7 @@ class Report:
         if self.options.save_npy:
             lines.append(f"arrays: {self.run_dir / 'npy'}/*_pcd.npy, *_pred.npy, *_gt.npy")
         if self.options.pr_plot:
-            name = pr_plot_name(self.options.global_sort, self.convention.preset)
+            name = pr_plot_name(self.options.global_sort, self.convention.preset, self.options.fusion_method or "")
             lines.append(f"precision-recall curves: {self.run_dir / name}")
         return lines
 
@@ -351,12 +360,13 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
                             visualize=exporter is not None)
     finish = None
     if options.pr_plot and request.run_dir is not None:
-        finish = PrPlot(Path(request.run_dir) / pr_plot_name(options.global_sort, convention.preset), convention)
+        finish = PrPlot(Path(request.run_dir) / pr_plot_name(options.global_sort, convention.preset, fusion_method),
+                        convention)
     meter = CommunicationMeter.of(hypes, fusion_method)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
                     evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
                     summarize=Summary(convention, meter), move_to=move_tensors, finish=finish,
-                    result_name=eval_file_name(options.global_sort, convention.preset),
+                    result_name=eval_file_name(options.global_sort, convention.preset, fusion_method),
                     report=Report(options, request.run_dir, convention))
 
 

@@ -28,9 +28,19 @@ def build_dataset(hypes: Mapping, split: str = "train", train: bool = True, seed
     return entry.obj(hypes, split, train, seed, post_processor, visualize)
 
 
+# --fusion_method nofusion (upstream's and V2V4Real's): a late-fusion run evaluated on the ego's detections alone.
+NO_FUSION = "nofusion"
+
+
 def fusion_methods() -> dict:
-    """--fusion_method -> the dataset name that method evaluates, from the registered datasets."""
-    return {entry.meta["fusion_method"]: entry.name for entry in DATASETS.entries() if "fusion_method" in entry.meta}
+    """--fusion_method -> the dataset name that method evaluates, from the registered datasets (an entry's
+    ``fusion_method``, and ``ego_only_method`` where the same run may be evaluated without its other CAVs)."""
+    methods = {}
+    for entry in DATASETS.entries():
+        for key in ("fusion_method", "ego_only_method"):
+            if key in entry.meta:
+                methods[entry.meta[key]] = entry.name
+    return methods
 
 
-__all__ = ["build_dataset", "fusion_methods", "GT_RANGE", "SPLIT_KEYS", "OpencoodDataset", "PostProcessor"]
+__all__ = ["NO_FUSION", "build_dataset", "fusion_methods", "GT_RANGE", "SPLIT_KEYS", "OpencoodDataset", "PostProcessor"]

@@ -38,7 +38,7 @@ from opencood_ddp.data.voxelize import collate_voxels
 from opencood_ddp.registry import DATASETS
 
 
-@DATASETS.register("LateFusionDataset", fusion_method="late")
+@DATASETS.register("LateFusionDataset", fusion_method="late", ego_only_method="nofusion")
 class LateFusionDataset(OpencoodDataset):
     """Single-CAV samples in training, all CAVs with their transforms at test (PointPillar late fusion)."""
 

@@ -1,0 +1,193 @@
+"""V2V4Real: two real cars, OPV2V's folders, (4, 4) poses and labels in each car's own LiDAR frame.
+
+Layout (``{train,validate,test}/testoutput_CAV_data_<date>_<k>/<cav>/<timestamp>.{yaml,pcd}``, CAVs ``0`` and ``1``)
+is scanned by ``data/opv2v.py``: scenes, CAVs and timestamps sorted as strings, the first CAV the ego. The rules
+below are V2V4Real's own OpenCOOD fork's (ucla-mobility/V2V4Real; facts: ../shared/reference/DATASET_FACTS.md
+section 2), with the departures named in docs/compatibility.md:
+
+- ``lidar_pose`` is a (4, 4) LiDAR-to-world matrix. The fork's files hold it as a numpy array, which upstream reads
+  with PyYAML's unsafe loader; here a safe loader decodes exactly that array form (``!!python/object/apply:
+  numpy.core.multiarray._reconstruct``, float or integer data, no other object) and a plain nested list. Any other
+  shape is one error line naming the yaml.
+- ``vehicles`` are given in the CAV's own LiDAR frame: an object's pose is [location + center, angle] (degrees),
+  mapped by ``T_target<-cav @ pose_to_matrix(object pose)``. ``obj_type`` Pedestrian is dropped and every other
+  class is one vehicle class; an object's id is its ``ass_id`` (the association across the two cars) unless that
+  is -1, then ``object_id + 100 * cav_id``. A box is kept when at least 2 of its corners lie in the range
+  (``min_corners``), in training (cav_lidar_range) and at test (the GT range); intermediate fusion re-filters the
+  sample's boxes to cav_lidar_range with the same rule (``refilters_each_cav``).
+- Communication range: 70 m, tested by intermediate fusion only (the fork's early and late datasets take both
+  cars whatever their distance).
+- In training the fork shuffles each scene's CAV list once, so either car may be the ego; here the order is drawn
+  once per scene from the dataset's seed (the fork's draw is per process, so ranks disagree). At test the first
+  CAV (``0``) is the ego.
+- Delay and localisation error (``wild_setting``, ``noise_setting``) work on the matrices (``wild.perturb``):
+  the fork's ``add_loc_noise`` fails on them (its issue 39). The ground truth is placed with the true current
+  poses, also under delay or noise (the fork places it with the delayed, noisy transform).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Sequence
+
+import numpy as np
+import yaml
+
+from opencood_ddp.data.geometry import project_local_objects, x1_to_x2
+from opencood_ddp.data.opv2v import (CavFrame, CavRecord, Opv2vIndex, Opv2vYamlLoader, Scenario,
+                                     check_cav_timestamps, load_opv2v_yaml)
+from opencood_ddp.data.sources import Objects, SplitSource
+from opencood_ddp.data.sources.opv2v import Opv2vSource, boxes_and_ids, vehicles_of
+from opencood_ddp.errors import DataError
+from opencood_ddp.registry import SOURCES
+
+V2V4REAL_COMM_RANGE = 70.0  # metres: the fork's COM_RANGE, tested by its intermediate dataset only
+MIN_CORNERS = 2  # the fork's mask_boxes_outside_range_numpy default
+ID_STRIDE_PER_CAV = 100  # an unassociated object's id: object_id + 100 * cav_id
+DROPPED_CLASS = "Pedestrian"  # the fork's only skipped class; every other one is a vehicle
+TRAIN_ORDER_DRAWS = 11  # the last word of the generator key that orders a scene's CAVs in training
+
+# ------------------------------------------------------------------------------------------------- YAML
+
+
+class V2V4RealYamlLoader(Opv2vYamlLoader):
+    """OPV2V's safe loader plus the one Python object V2V4Real's frame files hold: numpy arrays (and scalars)."""
+
+
+def _fields(node: yaml.Node) -> Dict[str, yaml.Node]:
+    if not isinstance(node, yaml.MappingNode):
+        raise yaml.constructor.ConstructorError(None, None, "a numpy object must be a mapping", node.start_mark)
+    return {key.value: value for key, value in node.value}
+
+
+def _items(node: Optional[yaml.Node], count: int, what: str) -> list:
+    if not isinstance(node, yaml.SequenceNode) or len(node.value) != count:
+        raise yaml.constructor.ConstructorError(None, None, f"a numpy {what} must hold {count} items",
+                                                getattr(node, "start_mark", None))
+    return node.value
+
+
+def _numpy_dtype(loader: yaml.BaseLoader, node: yaml.Node) -> np.dtype:
+    """``!!python/object/apply:numpy.dtype {args: [f8, ...], state: [3, '<', ...]}`` -> a numeric dtype."""
+    if not node.tag.endswith(":numpy.dtype"):
+        raise yaml.constructor.ConstructorError(None, None, f"expected a numpy dtype, found {node.tag}",
+                                                node.start_mark)
+    fields = _fields(node)
+    code = str(loader.construct_scalar(fields["args"].value[0]))
+    order = str(loader.construct_scalar(fields["state"].value[1])) if "state" in fields else "|"
+    dtype = np.dtype(("<" if order == "|" else order) + code) if code[0] in "fiu" else None
+    if dtype is None or dtype.kind not in "fiu":
+        raise yaml.constructor.ConstructorError(None, None, f"numpy dtype {code!r} is not a number type",
+                                                node.start_mark)
+    return dtype
+
+
+def _construct_ndarray(loader: yaml.BaseLoader, node: yaml.Node) -> np.ndarray:
+    """PyYAML's form of a pickled ndarray: ``state`` = (version, shape, dtype, fortran order, raw bytes)."""
+    _version, shape_node, dtype_node, fortran_node, data_node = _items(_fields(node).get("state"), 5, "array state")
+    shape = tuple(int(loader.construct_scalar(item)) for item in shape_node.value)
+    dtype = _numpy_dtype(loader, dtype_node)
+    data = loader.construct_yaml_binary(data_node)
+    if len(data) != dtype.itemsize * int(np.prod(shape)):
+        raise yaml.constructor.ConstructorError(None, None, f"numpy array of shape {shape} and {dtype} holds "
+                                                f"{len(data)} bytes", node.start_mark)
+    fortran = loader.construct_yaml_bool(fortran_node)
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C").astype(np.float64)
+
+
+def _construct_scalar(loader: yaml.BaseLoader, node: yaml.Node) -> float:
+    """PyYAML's form of a numpy scalar: ``args`` = (dtype, raw bytes)."""
+    dtype_node, data_node = _items(_fields(node).get("args"), 2, "scalar")
+    dtype = _numpy_dtype(loader, dtype_node)
+    data = loader.construct_yaml_binary(data_node)
+    if len(data) != dtype.itemsize:
+        raise yaml.constructor.ConstructorError(None, None, f"numpy {dtype} scalar holds {len(data)} bytes",
+                                                node.start_mark)
+    return float(np.frombuffer(data, dtype=dtype)[0])
+
+
+for _module in ("numpy.core.multiarray", "numpy._core.multiarray"):  # written under numpy 1 and numpy 2
+    V2V4RealYamlLoader.add_constructor(f"tag:yaml.org,2002:python/object/apply:{_module}._reconstruct",
+                                       _construct_ndarray)
+    V2V4RealYamlLoader.add_constructor(f"tag:yaml.org,2002:python/object/apply:{_module}.scalar", _construct_scalar)
+
+
+def pose_matrix_of(params: Mapping[str, Any], path: Any) -> np.ndarray:
+    """The frame's ``lidar_pose`` as a float64 (4, 4) matrix; one DataError line naming ``path`` otherwise."""
+    if "lidar_pose" not in params:
+        raise DataError(f"{path}: no 'lidar_pose' (V2V4Real's 4x4 LiDAR-to-world matrix); re-export the frame yaml "
+                        f"or remove the timestamp")
+    try:
+        pose = np.asarray(params["lidar_pose"], dtype=np.float64)
+    except (TypeError, ValueError):
+        pose = np.empty(0)
+    if pose.shape != (4, 4) or not np.isfinite(pose).all():
+        raise DataError(f"{path}: 'lidar_pose' must be a finite 4x4 LiDAR-to-world matrix (V2V4Real), got "
+                        f"{'shape ' + str(pose.shape) if pose.size else repr(params['lidar_pose'])}; this is not a "
+                        f"V2V4Real frame: re-export it, or set fusion.dataset to the data set it belongs to")
+    return pose
+
+
+def read_v2v4real_frame(cav: CavRecord, timestamp: str, ego: bool) -> CavFrame:
+    """One car's frame: its yaml parsed once (safely), its (4, 4) pose."""
+    path = cav.yaml_path(timestamp)
+    params = load_opv2v_yaml(path, V2V4RealYamlLoader)
+    return CavFrame(cav.cav_id, params, pose_matrix_of(params, path), cav.pcd_path(timestamp), path, ego,
+                    float("nan"))
+
+
+# ------------------------------------------------------------------------------------------------ source
+
+
+@SOURCES.register("v2v4real")
+class V2V4RealSource(Opv2vSource):
+    """A V2V4Real split folder, read with its fork's rules (module docstring)."""
+
+    min_corners = MIN_CORNERS
+    refilters_each_cav = True
+    read_frame = staticmethod(read_v2v4real_frame)
+
+    def scan(self, folder: Any, split_key: str) -> Opv2vIndex:
+        index = dataclasses.replace(super().scan(folder, split_key), comm_range=V2V4REAL_COMM_RANGE)
+        if not self.train:
+            return index
+        scenes = tuple(self.training_order(k, scene) for k, scene in enumerate(index.scenarios))
+        return dataclasses.replace(index, scenarios=scenes)
+
+    def training_order(self, number: int, scene: Scenario) -> Scenario:
+        """The scene with its CAVs in the order drawn for training (the first is the ego), the same on every rank
+        and epoch: a generator keyed by the seed and the scene's number."""
+        order = np.random.default_rng([self.seed, number, TRAIN_ORDER_DRAWS]).permutation(len(scene.cavs))
+        cavs = tuple(scene.cavs[i] for i in order)
+        for cav in cavs[1:]:  # the new ego's timestamps are the scene's: every other car must have them
+            check_cav_timestamps(cavs[0], cav)
+        return dataclasses.replace(scene, cavs=cavs)
+
+    def comm_range(self, fusion: str) -> Optional[float]:
+        return self.index.comm_range if fusion == "intermediate" else None
+
+    def objects(self, frame: CavFrame, target_pose: np.ndarray, gt_range: Sequence[float]) -> Objects:
+        """The car's labels (its own LiDAR frame) in the frame of ``target_pose``, kept with 2 corners in range; ids
+        from ``ass_id``, else ``object_id + 100 * cav_id``."""
+        vehicles = {object_id: content for object_id, content in vehicles_of(frame).items()
+                    if not (isinstance(content, Mapping) and content.get("obj_type", "Car") == DROPPED_CLASS)}
+        projected = project_local_objects(vehicles, x1_to_x2(frame.lidar_pose, target_pose), gt_range, self.order,
+                                          source=str(frame.meta_path), min_corners=self.min_corners)
+        boxes, object_ids = boxes_and_ids(projected)
+        return boxes, [self.object_id(object_id, vehicles[object_id], frame) for object_id in object_ids]
+
+    @staticmethod
+    def object_id(object_id: Any, content: Mapping[str, Any], frame: CavFrame) -> Any:
+        """The fork's id rule: ``ass_id`` (default: the object id) unless -1, then ``object_id + 100 * cav_id``."""
+        association = content.get("ass_id", object_id)
+        if association != -1:
+            return association
+        try:
+            return int(object_id) + ID_STRIDE_PER_CAV * int(frame.cav_id)
+        except ValueError:
+            raise DataError(f"{frame.meta_path}: object {object_id!r} has ass_id -1, so its id is object_id + 100 "
+                            f"* cav_id, which needs integer ids and CAV folder {frame.cav_id!r}; rename the CAV "
+                            f"folders 0 and 1 as V2V4Real does") from None
+
+
+__all__ = ["V2V4RealSource", "V2V4RealYamlLoader", "pose_matrix_of", "read_v2v4real_frame"]
