@@ -17,6 +17,7 @@ nothing to do with OPV2V, and a 1-epoch F-Cooper run on the toy world for the ch
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -30,7 +31,8 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, TRAIN, explain, in_process, split_overrides, torchrun
+from launch import (REPO, TRAIN, dairv2x_overrides, explain, in_process, split_overrides, torchrun,
+                    v2v4real_overrides)
 
 
 INFERENCE = REPO / "tools" / "inference_ddp.py"
@@ -110,6 +112,8 @@ class World:
     tmp: Path
     toy_root: Path
     runs: dict = field(default_factory=dict)  # name -> fixture run (never modified: copy_run first)
+    dairv2x_root: Optional[Path] = None  # the DAIR-V2X-C-layout toy copy (its data_dir; copy_dairv2x first)
+    v2v4real_root: Optional[Path] = None  # the V2V4Real-layout toy copy
 
     def copy_run(self, name: str) -> Path:
         target = self.tmp / f"existing_{name}"
@@ -125,21 +129,38 @@ class World:
         shutil.copytree(self.toy_root / "train", target)
         return target
 
+    def copy_dairv2x(self) -> Path:
+        target = self.tmp / "dairv2x"
+        shutil.copytree(self.dairv2x_root, target)
+        return target
+
+    def dairv2x_args(self, data_dir: Path) -> list:
+        """A new toy F-Cooper run on a DAIR-V2X-C data_dir."""
+        return [*self.toy_args(), *dairv2x_overrides(data_dir)]
+
+    def v2v4real_args(self, root: Path) -> list:
+        return [*self.toy_args(), *v2v4real_overrides(root)]
+
+
+def first_sample_of_last_rank(samples: int, world: int, seed: int = 0) -> int:
+    """The first training sample the last rank reads (the only rank at world 1): the trainer deals samples with
+    torch's DistributedSampler(shuffle=True, seed=train_params.seed, drop_last)."""
+    from torch.utils.data import DistributedSampler
+
+    replicas = max(world, 1)
+    return list(DistributedSampler(range(samples), num_replicas=replicas, rank=replicas - 1, shuffle=True,
+                                   seed=seed, drop_last=True))[0]
+
 
 def first_frame_of_last_rank(split: Path, world: int, seed: int = 0) -> tuple[Path, Path]:
     """(yaml, pcd) of the ego CAV in the first training sample the last rank reads (the only rank at world 1).
 
-    The trainer deals samples with torch's DistributedSampler(shuffle=True, seed=train_params.seed, drop_last);
-    the frame rank 0 does not read is the case the per-step agreement exists for."""
-    from torch.utils.data import DistributedSampler
+    The frame rank 0 does not read is the case the per-step agreement exists for."""
 
     from opencood_ddp.data.opv2v import scan_split
 
     index = scan_split(split)
-    replicas = max(world, 1)
-    sample = list(DistributedSampler(range(len(index)), num_replicas=replicas, rank=replicas - 1, shuffle=True,
-                                     seed=seed, drop_last=True))[0]
-    scenario, timestamp = index.locate(sample)
+    scenario, timestamp = index.locate(first_sample_of_last_rank(len(index), world, seed))
     return scenario.ego.yaml_path(timestamp), scenario.ego.pcd_path(timestamp)
 
 
@@ -327,6 +348,44 @@ def foreign_checkpoint(tool: str) -> Callable[[World, int], Call]:
     return setup
 
 
+def dairv2x_missing_label(w: World, world: int) -> Call:
+    """A training frame (the last rank's first) whose cooperative label file was never installed: mid-epoch."""
+    data_dir = w.copy_dairv2x()
+    frames = json.loads((data_dir / "train.json").read_text())
+    label = data_dir / "cooperative" / "label_world" / f"{frames[first_sample_of_last_rank(len(frames), world)]}.json"
+    label.unlink()
+    return Call(TRAIN, w.dairv2x_args(data_dir), [str(label), "label file not found", "complemented labels go in"],
+                not_created=w.tmp / "new_run")
+
+
+def dairv2x_empty_offset(w: World, world: int) -> Call:
+    data_dir = w.copy_dairv2x()
+    info = data_dir / "cooperative" / "data_info.json"
+    entries = json.loads(info.read_text())
+    entries[0]["system_error_offset"] = {}
+    info.write_text(json.dumps(entries))
+    return Call(TRAIN, w.dairv2x_args(data_dir), [str(info), "system_error_offset of vehicle frame", "(no offset)"],
+                not_created=w.tmp / "new_run")
+
+
+def dairv2x_unknown_frame(w: World, world: int) -> Call:
+    data_dir = w.copy_dairv2x()
+    split = data_dir / "train.json"
+    split.write_text(json.dumps(json.loads(split.read_text()) + ["999999"]))
+    return Call(TRAIN, w.dairv2x_args(data_dir), [f"root_dir {split}", "vehicle frame 999999", "no entry in",
+                                                  "use the split files"], not_created=w.tmp / "new_run")
+
+
+def v2v4real_pose_not_4x4(w: World, world: int) -> Call:
+    root = w.tmp / "v2v4real"
+    shutil.copytree(w.v2v4real_root, root)
+    frame_yaml, _ = first_frame_of_last_rank(root / "train", world)
+    frame_yaml.write_text(re.sub(r"lidar_pose: !!python[^\n]*\n(  .*\n)*", "lidar_pose: [1.0, 2.0, 0.0, 0.0, 90.0, 0.0]\n",
+                                 frame_yaml.read_text()))
+    return Call(TRAIN, w.v2v4real_args(root), [str(frame_yaml), "4x4 LiDAR-to-world matrix", "re-export"],
+                not_created=w.tmp / "new_run")
+
+
 def _checkpoint_call(tool: str, run: Path, needles: list) -> Call:
     if tool == "inference":
         return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--num_workers", "0"],
@@ -400,6 +459,10 @@ ROWS = [
     ("unwritable-run-inference", unwritable_run("inference"), (0,), {0: UNWRITABLE}),
     ("not-a-run-train", not_a_run("train"), (0,), {}),
     ("not-a-run-inference", not_a_run("inference"), (0,), {}),
+    ("dairv2x-missing-label-file", dairv2x_missing_label, (0, 2), {}),
+    ("dairv2x-empty-system-error-offset", dairv2x_empty_offset, (0, 2), {}),
+    ("dairv2x-split-id-without-data-info", dairv2x_unknown_frame, (0, 2), {}),
+    ("v2v4real-pose-not-4x4", v2v4real_pose_not_4x4, (0, 2), {}),
 ]
 
 # The torchrun rows start processes: `make test` runs them, `make test-fast` does not.
@@ -426,8 +489,8 @@ def restore_modes(folder: Path) -> None:
 
 
 @pytest.mark.parametrize("setup, world", CASES)
-def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run):
-    w = World(tmp_path, toy_small, {"synthetic": synthetic_run, "fcooper": toy_run})
+def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run, toy_dairv2x, toy_v2v4real):
+    w = World(tmp_path, toy_small, {"synthetic": synthetic_run, "fcooper": toy_run}, toy_dairv2x, toy_v2v4real)
     call = setup(w, world)
     before = snapshot(call.existing_run) if call.existing_run is not None else None
     started = time.monotonic()
