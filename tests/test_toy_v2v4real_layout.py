@@ -177,9 +177,10 @@ def test_objects_in_the_cav_frame_map_back_to_the_source_world_boxes(sets):
             # Upstream: x_to_world([location + center, angle]) in the CAV frame, then into the world.
             local = np.add(obj["location"], obj["center"]).tolist() + obj["angle"]
             world = lidar_to_world @ pose_to_matrix(local)
-            assert np.allclose(world[:3, 3], np.add(box["location"], box["center"]), rtol=0, atol=1e-9)
+            # The copy writes six decimals, as the toy OPV2V writer: micrometres and micro-degrees.
+            assert np.allclose(world[:3, 3], np.add(box["location"], box["center"]), rtol=0, atol=2e-6)
             yaw = np.degrees(np.arctan2(world[1, 0], world[0, 0]))
-            assert abs((yaw - box["angle"][1] + 180.0) % 360.0 - 180.0) < 1e-9
+            assert abs((yaw - box["angle"][1] + 180.0) % 360.0 - 180.0) < 1e-6
             assert np.allclose(world[2, :3], [0.0, 0.0, 1.0], rtol=0, atol=1e-12)  # level, as the toy's
 
 

@@ -3,11 +3,18 @@
 
 Usage: python tools/benchmark_dataset.py [--data data/toy_opv2v] [--hypes hypes_yaml/toy/...yaml]
                                          [--workers 0 2] [--batch-size 2] [--train] [--torch-threads N]
+                                         [--layouts opv2v dairv2x v2v4real]
 
 The data folder is generated (toy world, demo scale, seed 0) when it holds no toy set yet. Each worker count
 reads the whole split once after a short warm-up in the main process (spconv's first call loads its ops);
 the best of ``--repeats`` passes is reported. Then cProfile runs ``--profile-samples`` samples and their
 collation in the main process and the cumulative time is grouped into stages.
+
+``--layouts`` measures the data sets' readers side by side in one run, each on its copy of the same toy world
+(``DATA_dairv2x`` and ``DATA_v2v4real`` beside ``--data``, made by make_toy_opv2v.py's writers; DAIR-V2X-C's from
+the world with a road-side unit, ``DATA_rsu``): samples/s and CAVs/s, since their samples hold 2 (DAIR-V2X-C: the
+vehicle and the road-side unit; V2V4Real: two cars) or 2-4 (OPV2V) CAVs. Intermediate fusion counts CAVs by
+``record_len``.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ from torch.utils.data import DataLoader
 from opencood_ddp.data.augment import WorldTransform
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.hypes import apply_overrides, load_hypes
+from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
+from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
 from opencood_ddp.toy.writer import generate_toy_opv2v
 from opencood_ddp.yaml_parsers import run_yaml_parser
 
@@ -62,18 +71,55 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="passes per worker count; the best is reported")
     parser.add_argument("--profile-samples", type=int, default=24)
+    parser.add_argument("--layouts", nargs="+", choices=("opv2v", "dairv2x", "v2v4real"), default=["opv2v"],
+                        help="the data sets' readers to measure side by side, each on its copy of the toy world")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch intra-op threads of the main process (0: torch's default). DataLoader workers "
                              "always use 1; spconv's output copies are slow with 2+ threads on a busy machine")
     return parser.parse_args(argv)
 
 
-def samples_per_second(dataset, batch_size: int, workers: int) -> float:
+def throughput(dataset, batch_size: int, workers: int) -> Tuple[float, float]:
+    """(samples/s, CAVs/s) of one pass over the split; CAVs by record_len where the batch has it."""
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         collate_fn=dataset.collate_batch_train)
+    samples = cavs = 0
     start = time.perf_counter()
-    count = sum(int(batch["ego"]["object_bbx_center"].shape[0]) for batch in loader)
-    return count / (time.perf_counter() - start)
+    for batch in loader:
+        count = int(batch["ego"]["object_bbx_center"].shape[0])
+        samples += count
+        cavs += int(batch["ego"]["record_len"].sum()) if "record_len" in batch["ego"] else count
+    seconds = time.perf_counter() - start
+    return samples / seconds, cavs / seconds
+
+
+def layout_overrides(layout: str, data: Path) -> List[str]:
+    """The hypes overrides that read the layout's copy of the toy world in ``data`` (writing the copy first)."""
+    if layout == "opv2v":
+        return [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
+    copy = data.with_name(f"{data.name}_{layout}")
+    if layout == "v2v4real":
+        write_v2v4real_copy(data, copy, seed=0)
+        return [f"fusion.dataset={layout}", f"root_dir={copy / 'train'}", f"validate_dir={copy / 'validate'}",
+                f"test_dir={copy / 'test'}"]
+    world = data.with_name(f"{data.name}_rsu")
+    generate_toy_opv2v(world, seed=0, scale="demo", rsu=True)
+    write_dairv2x_copy(world, copy, seed=0)
+    return [f"fusion.dataset={layout}", f"data_dir={copy}", f"root_dir={copy / 'train.json'}",
+            f"validate_dir={copy / 'val.json'}", f"test_dir={copy / 'test.json'}"]
+
+
+def measure_layouts(args: argparse.Namespace, data: Path) -> None:
+    """Every --layouts reader on its copy of the world, one line per reader and worker count."""
+    for layout in args.layouts:
+        hypes = run_yaml_parser(apply_overrides(load_hypes(args.hypes), layout_overrides(layout, data)), args.hypes)
+        dataset = build_dataset(hypes, args.split, args.train, seed=0)
+        dataset.collate_batch_train([dataset[0], dataset[1]])  # warm-up: spconv's ops, page cache
+        for workers in args.workers:
+            best = max((throughput(dataset, args.batch_size, workers) for _ in range(args.repeats)),
+                       key=lambda pair: pair[1])
+            print(f"{layout:<9} num_workers={workers}: {best[0]:.1f} samples/s, {best[1]:.1f} CAVs/s "
+                  f"({len(dataset)} samples)")
 
 
 def _matches(spec: tuple, filename: str, line: int, function: str) -> bool:
@@ -109,6 +155,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.torch_threads)
     summary = generate_toy_opv2v(args.data, seed=0, scale="demo")
     data = Path(args.data)
+    if args.layouts != ["opv2v"]:
+        measure_layouts(args, data)
+        return 0
     hypes = apply_overrides(load_hypes(args.hypes), [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}",
                                                      f"test_dir={data / 'test'}"])
     hypes = run_yaml_parser(hypes, args.hypes)
@@ -120,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")
     dataset.collate_batch_train([dataset[0], dataset[1]])  # warm-up: spconv's ops, page cache
     for workers in args.workers:
-        best = max(samples_per_second(dataset, args.batch_size, workers) for _ in range(args.repeats))
+        best = max(throughput(dataset, args.batch_size, workers)[0] for _ in range(args.repeats))
         print(f"num_workers={workers}: {best:.1f} samples/s")
 
     total, stages, top = profile(dataset, args.profile_samples, args.batch_size)

@@ -62,7 +62,7 @@ from opencood_ddp.toy.manifest import (MANIFEST_FORMAT, MANIFEST_NAME, is_comple
 
 LAYOUT = "v2v4real"
 # Bump whenever the written bytes change for a given source and seed, so stale copies are rewritten.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 # V2V4Real has exactly two vehicles per scenario, folders "0" and "1".
 CAVS_PER_SCENARIO = 2
 SCENARIO_PREFIX = "testoutput_CAV_data_"
@@ -360,9 +360,12 @@ def _local_fields(box: Mapping, world_to_lidar: np.ndarray) -> dict:
     world_pose = [*(np.asarray(box["location"]) + np.asarray(box["center"])), *box["angle"]]
     local = matrix_to_pose(world_to_lidar @ pose_to_matrix(world_pose))
     center = np.array([CENTER_OFFSET_M, 0.0, 0.0])
-    # "+ 0.0" turns the -0.0 that atan2 gives a level box into 0.0, so the yaml reads 0.0, not -0.0.
-    return {"angle": [float(v) + 0.0 for v in local[3:]], "center": [float(v) for v in center],
-            "extent": [float(v) for v in box["extent"]], "location": [float(v) for v in local[:3] - center]}
+    # Six decimals (micrometres, micro-degrees), as the toy OPV2V writer's: the same text per number as the set it
+    # copies, so that the two readers' throughputs compare like for like. "+ 0.0" turns the -0.0 that atan2 (or
+    # rounding) gives a level box into 0.0, so the yaml reads 0.0, not -0.0.
+    return {"angle": [round(float(v), 6) + 0.0 for v in local[3:]], "center": [float(v) for v in center],
+            "extent": [float(v) for v in box["extent"]],
+            "location": [round(float(v), 6) + 0.0 for v in local[:3] - center]}
 
 
 def _frame_objects(vehicles: Mapping[int, dict], shared: set, truck: Optional[int], lidar_to_world: np.ndarray,
