@@ -22,7 +22,7 @@ from opencood_ddp.data.opv2v import load_opv2v_yaml
 from opencood_ddp.errors import DataError
 from opencood_ddp.toy.config import SPLITS
 from opencood_ddp.toy.manifest import MANIFEST_NAME, read_toy_manifest, write_manifest
-from opencood_ddp.toy.v2v4real_layout import (ASS_ID_OFFSET, CENTER_OFFSET_M, LIST_RADIUS_M, dump_v2v4real_yaml,
+from opencood_ddp.toy.v2v4real_layout import (V2V4REAL_SET, ASS_ID_OFFSET, CENTER_OFFSET_M, LIST_RADIUS_M, dump_v2v4real_yaml,
                                               format_v2v4real_summary, write_v2v4real_copy)
 from opencood_ddp.toy.writer import generate_toy_opv2v
 
@@ -247,7 +247,8 @@ def test_the_copy_is_byte_identical_when_made_twice_and_reused_when_complete(set
     reused = write_v2v4real_copy(source, copy, seed=SEED)
     assert reused["skipped"] and reused["frames"] == first["frames"]
     assert {p: p.stat().st_mtime_ns for p in before} == before
-    manifest = read_toy_manifest(copy)
+    assert read_toy_manifest(copy) is None  # a copy's manifest is its own kind, never taken for a toy OPV2V set
+    manifest = read_toy_manifest(copy, V2V4REAL_SET)
     assert manifest["complete"] and manifest["layout"] == "v2v4real" and manifest["seed"] == SEED
     assert manifest["source"] == {k: v for k, v in read_toy_manifest(source).items()
                                   if k not in ("summary", "complete")}

@@ -57,7 +57,8 @@ from opencood_ddp.data.opv2v import is_rsu_id, lidar_pose_of, load_opv2v_yaml, o
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.toy.config import SPLITS
-from opencood_ddp.toy.manifest import MANIFEST_NAME, is_complete_match, read_toy_manifest, write_manifest
+from opencood_ddp.toy.manifest import (MANIFEST_NAME, ToySetKind, is_complete_match, prepare_output_dir,
+                                       read_toy_manifest, write_manifest)
 
 PathLike = Union[str, Path]
 
@@ -114,9 +115,10 @@ _FOLDERS = (
     "infrastructure-side/calib/virtuallidar_to_world", "infrastructure-side/calib/virtuallidar_to_camera",
     "infrastructure-side/calib/camera_intrinsic", "infrastructure-side/label/virtuallidar",
 )
-# Everything this module writes at the top of out_dir; a folder holding anything else is never deleted.
-_OUR_ENTRIES = frozenset((*SPLIT_FILES.values(), "cooperative", "vehicle-side", "infrastructure-side",
-                          MANIFEST_NAME, MANIFEST_NAME + ".tmp"))
+# Everything this module writes at the top of out_dir (a folder holding anything else is never deleted) and where its
+# clouds are (the reuse check counts them).
+DAIRV2X_SET = ToySetKind(LAYOUT_FORMAT, (*SPLIT_FILES.values(), "cooperative", "vehicle-side", "infrastructure-side"),
+                         tuple(f"{folder}/*.pcd" for folder in _VELODYNE), "the DAIR-V2X-C-layout toy copy")
 
 
 @dataclass(frozen=True)
@@ -163,19 +165,19 @@ def write_dairv2x_copy(opv2v_root: PathLike, out_dir: PathLike, seed: int = 0) -
     seed = int(seed)
     source = Path(opv2v_root)
     out = Path(out_dir)
-    identity = {"layout": LAYOUT, "layout_version": LAYOUT_VERSION, "seed": seed,
+    identity = {"format": LAYOUT_FORMAT, "layout": LAYOUT, "layout_version": LAYOUT_VERSION, "seed": seed,
                 "source": _source_identity(source)}
-    existing = _read_copy_manifest(out)
-    if existing is not None and _is_complete_copy(out, existing, identity):
+    existing = read_toy_manifest(out, DAIRV2X_SET)
+    if existing is not None and is_complete_match(out, existing, identity, DAIRV2X_SET):
         return dict(existing["summary"], out_dir=str(out), skipped=True)
     splits = _source_frames(source)
-    _prepare_copy_dir(out, existing)
-    write_manifest(out, dict(identity, format=LAYOUT_FORMAT, complete=False))
+    prepare_output_dir(out, existing, DAIRV2X_SET)
+    write_manifest(out, dict(identity, complete=False))
     began = time.perf_counter()
     clouds = _write_copy(out, splits, seed)
     summary = {"frames": {split: len(frames) for split, frames in zip(SPLITS, splits)}, "clouds": clouds,
                "seconds": round(time.perf_counter() - began, 2), "seed": seed}
-    write_manifest(out, dict(identity, format=LAYOUT_FORMAT, complete=True, summary=summary))
+    write_manifest(out, dict(identity, complete=True, summary=summary))
     return dict(summary, out_dir=str(out), skipped=False)
 
 
@@ -252,58 +254,6 @@ def _source_frames(source: Path) -> List[List[_SourceFrame]]:
 
 
 # ------------------------------------------------------------------------------------- manifest and folder
-
-
-def _read_copy_manifest(out: Path) -> Optional[dict]:
-    """The manifest of an earlier DAIR-V2X copy in out, or None (none there, or someone else's)."""
-    path = out / MANIFEST_NAME
-    if not path.is_file():
-        return None
-    try:
-        manifest = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        return None
-    if not isinstance(manifest, dict) or manifest.get("format") != LAYOUT_FORMAT:
-        return None
-    return manifest
-
-
-def _is_complete_copy(out: Path, manifest: dict, identity: dict) -> bool:
-    """A finished copy of this identity whose clouds are all still there (a cheap integrity check)."""
-    if not manifest.get("complete") or any(manifest.get(k) != v for k, v in identity.items()):
-        return False
-    expected = (manifest.get("summary") or {}).get("clouds")
-    found = sum(1 for folder in _VELODYNE for _ in (out / folder).glob("*.pcd"))
-    return expected == found and (out / "cooperative" / "data_info.json").is_file()
-
-
-def _prepare_copy_dir(out: Path, manifest: Optional[dict]) -> None:
-    """Make out an empty folder, deleting only what an earlier copy wrote; never anything else.
-
-    The toy set's own ``prepare_output_dir`` cannot serve here: it knows only the OPV2V split folders.
-    """
-    if not out.exists():
-        out.mkdir(parents=True)
-        return
-    if not out.is_dir():
-        raise DataError(f"{out} is a file, not a folder: choose another out_dir for the DAIR-V2X copy")
-    entries = sorted(p.name for p in out.iterdir())
-    if not entries:
-        return
-    if manifest is None:
-        raise DataError(f"refusing to write the DAIR-V2X copy into {out}: the folder is not empty and has no "
-                        f"{MANIFEST_NAME} of an earlier copy; choose an empty or new out_dir")
-    foreign = [name for name in entries if name not in _OUR_ENTRIES]
-    if foreign:
-        raise DataError(f"refusing to replace the DAIR-V2X copy in {out}: it also holds {foreign[0]!r}, which the "
-                        f"converter did not write; move it away or choose another out_dir")
-    (out / MANIFEST_NAME).unlink()
-    for name in entries:
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
 
 
 # ------------------------------------------------------------------------------------------------ the copy

@@ -4,8 +4,9 @@ finished. A complete set with the same identity is reused; an earlier toy set is
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import yaml
 
@@ -18,8 +19,23 @@ MANIFEST_FORMAT = "opencood_ddp-toy-opv2v"
 GENERATOR_VERSION = 1
 
 
-def read_toy_manifest(out_dir) -> Optional[dict]:
-    """The manifest of a toy set in out_dir, or None when there is none (or it is not one of ours)."""
+@dataclass(frozen=True)
+class ToySetKind:
+    """What a writer of a toy set owns: its manifest's ``format``, the top-level entries it creates (a folder holding
+    anything else is never deleted), the globs of its point clouds (the integrity check) and its name in messages."""
+
+    format: str
+    entries: Tuple[str, ...]
+    clouds: Tuple[str, ...]
+    what: str
+
+
+# The toy world in OPV2V's layout (toy/writer.py); its copies in other layouts define their own kinds.
+OPV2V_SET = ToySetKind(MANIFEST_FORMAT, SPLITS, tuple(f"{split}/*/*/*.pcd" for split in SPLITS), "the toy OPV2V set")
+
+
+def read_toy_manifest(out_dir, kind: ToySetKind = OPV2V_SET) -> Optional[dict]:
+    """The manifest of a toy set of ``kind`` in out_dir, or None when there is none (or it is not of that kind)."""
     path = Path(out_dir) / MANIFEST_NAME
     if not path.is_file():
         return None
@@ -27,7 +43,7 @@ def read_toy_manifest(out_dir) -> Optional[dict]:
         manifest = yaml.safe_load(path.read_text())
     except yaml.YAMLError:
         return None
-    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != kind.format:
         return None
     return manifest
 
@@ -38,36 +54,40 @@ def identity_of(seed: int, scale: str, binary: bool, config: ToyWorldConfig) -> 
             "scale": scale, "binary": bool(binary), "config": config.to_dict()}
 
 
-def is_complete_match(out: Path, manifest: dict, identity: dict) -> bool:
+def is_complete_match(out: Path, manifest: dict, identity: dict, kind: ToySetKind = OPV2V_SET) -> bool:
     """The manifest in out says a finished set of this identity, and the clouds it counted are still there."""
     if not manifest.get("complete") or any(manifest.get(k) != v for k, v in identity.items()):
         return False
     # Cheap integrity check: the number of clouds on disk is the one recorded.
     expected = manifest.get("summary", {}).get("clouds")
-    return expected == sum(1 for split in SPLITS for _ in (out / split).glob("*/*/*.pcd"))
+    return expected == sum(1 for pattern in kind.clouds for _ in Path(out).glob(pattern))
 
 
-def prepare_output_dir(out: Path, manifest: Optional[dict]) -> None:
-    """Make out an empty folder, deleting only what an earlier toy set wrote; never anything else."""
+def prepare_output_dir(out: Path, manifest: Optional[dict], kind: ToySetKind = OPV2V_SET) -> None:
+    """Make out an empty folder, deleting only what an earlier toy set of ``kind`` wrote; never anything else."""
     if not out.exists():
         out.mkdir(parents=True)
         return
     if not out.is_dir():
-        raise DataError(f"{out} is a file, not a folder: choose another --out for the toy OPV2V set")
+        raise DataError(f"{out} is a file, not a folder: choose another --out for {kind.what}")
     entries = sorted(p.name for p in out.iterdir())
     if not entries:
         return
     if manifest is None:
-        raise DataError(f"refusing to write the toy OPV2V set into {out}: the folder is not empty and has no "
-                        f"{MANIFEST_NAME}; choose an empty or new --out folder")
-    foreign = [name for name in entries if name not in SPLITS + (MANIFEST_NAME,)]
+        raise DataError(f"refusing to write {kind.what} into {out}: the folder is not empty and has no "
+                        f"{MANIFEST_NAME} of one; choose an empty or new --out folder")
+    owned = kind.entries + (MANIFEST_NAME, MANIFEST_NAME + ".tmp")
+    foreign = [name for name in entries if name not in owned]
     if foreign:
-        raise DataError(f"refusing to replace the toy OPV2V set in {out}: it also holds {foreign[0]!r}, which "
+        raise DataError(f"refusing to replace {kind.what} in {out}: it also holds {foreign[0]!r}, which "
                         f"the generator did not write; move it away or choose another --out folder")
     (out / MANIFEST_NAME).unlink()
-    for split in SPLITS:
-        if (out / split).exists():
-            shutil.rmtree(out / split)
+    for name in kind.entries:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
 
 
 def write_manifest(out: Path, manifest: dict) -> None:

@@ -57,12 +57,16 @@ from opencood_ddp.data.geometry import matrix_to_pose, pose_to_matrix
 from opencood_ddp.data.opv2v import ego_speed_of, is_rsu_id, lidar_pose_of, load_opv2v_yaml, order_cav_ids
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.toy.config import GROUND_Z, SPLITS
-from opencood_ddp.toy.manifest import (MANIFEST_FORMAT, MANIFEST_NAME, is_complete_match, prepare_output_dir,
+from opencood_ddp.toy.manifest import (MANIFEST_NAME, ToySetKind, is_complete_match, prepare_output_dir,
                                        read_toy_manifest, write_manifest)
 
 LAYOUT = "v2v4real"
 # Bump whenever the written bytes change for a given source and seed, so stale copies are rewritten.
 LAYOUT_VERSION = 2
+# The copy's own manifest kind: the same split folders as the toy OPV2V set, so that neither writer takes the other's
+# folder for its own.
+V2V4REAL_SET = ToySetKind("opencood_ddp-toy-v2v4real", SPLITS, tuple(f"{split}/*/*/*.pcd" for split in SPLITS),
+                          "the V2V4Real-layout toy copy")
 # V2V4Real has exactly two vehicles per scenario, folders "0" and "1".
 CAVS_PER_SCENARIO = 2
 SCENARIO_PREFIX = "testoutput_CAV_data_"
@@ -98,15 +102,13 @@ def write_v2v4real_copy(opv2v_root, out_dir, seed: int = 0) -> dict:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ConfigError(f"V2V4Real copy seed {seed!r} must be a non-negative integer")
     source, out = Path(opv2v_root), Path(out_dir)
-    # "format" is the toy manifests' own: read_toy_manifest ignores any other, and would then refuse to replace
-    # or reuse this copy; "layout" tells a copy from the toy OPV2V set it was made from.
-    identity = {"format": MANIFEST_FORMAT, "layout": LAYOUT, "layout_version": LAYOUT_VERSION, "seed": int(seed),
-                "source": _source_identity(source)}
+    identity = {"format": V2V4REAL_SET.format, "layout": LAYOUT, "layout_version": LAYOUT_VERSION,
+                "seed": int(seed), "source": _source_identity(source)}
     _refuse_overlap(source, out)
-    existing = read_toy_manifest(out)
-    if existing is not None and is_complete_match(out, existing, identity):
+    existing = read_toy_manifest(out, V2V4REAL_SET)
+    if existing is not None and is_complete_match(out, existing, identity, V2V4REAL_SET):
         return dict(existing["summary"], out_dir=str(out), skipped=True)
-    prepare_output_dir(out, existing)
+    prepare_output_dir(out, existing, V2V4REAL_SET)
     write_manifest(out, dict(identity, complete=False))
     began = time.perf_counter()
     stats = _copy_all_splits(source, out, int(seed))
@@ -211,9 +213,6 @@ def _source_identity(source: Path) -> dict:
     manifest = read_toy_manifest(source)
     if manifest is None:
         raise DataError(f"{source}: not a toy OPV2V set (no {MANIFEST_NAME} of the toy generator); {fix}")
-    if "layout" in manifest:
-        raise DataError(f"{source}: this is a {manifest['layout']}-layout copy, not a toy OPV2V set; point at the "
-                        f"toy OPV2V set it was made from")
     identity = {k: v for k, v in manifest.items() if k not in ("summary", "complete")}
     if not is_complete_match(source, manifest, identity):
         raise DataError(f"{source}: the toy OPV2V set is incomplete (interrupted, or point clouds missing); "
