@@ -22,8 +22,8 @@ from opencood_ddp.data.opv2v import load_opv2v_yaml
 from opencood_ddp.errors import DataError
 from opencood_ddp.toy.config import SPLITS
 from opencood_ddp.toy.manifest import MANIFEST_NAME, read_toy_manifest, write_manifest
-from opencood_ddp.toy.v2v4real_layout import (V2V4REAL_SET, ASS_ID_OFFSET, CENTER_OFFSET_M, LIST_RADIUS_M, dump_v2v4real_yaml,
-                                              format_v2v4real_summary, write_v2v4real_copy)
+from opencood_ddp.toy.v2v4real_layout import (ASS_ID_OFFSET, CENTER_OFFSET_M, LIST_RADIUS_M, V2V4REAL_SET,
+                                              dump_v2v4real_yaml, format_v2v4real_summary, write_v2v4real_copy)
 from opencood_ddp.toy.writer import generate_toy_opv2v
 
 SEED = 0

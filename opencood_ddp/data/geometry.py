@@ -24,7 +24,7 @@ Everything is computed in float64; inputs may be lists, tuples or arrays.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Hashable, Mapping, Sequence
+from typing import Any, Dict, Hashable, Mapping
 
 import numpy as np
 

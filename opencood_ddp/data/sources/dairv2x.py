@@ -286,8 +286,8 @@ class DairV2XSource(SplitSource):
     def data_folder(hypes: Mapping) -> Path:
         folder = Path(hypes["data_dir"])
         if not folder.is_dir():
-            raise DataError(f"data_dir {folder}: folder not found; set data_dir (or --set data_dir=PATH) to DAIR-V2X-C's "
-                            f"cooperative-vehicle-infrastructure folder")
+            raise DataError(f"data_dir {folder}: folder not found; set data_dir (or --set data_dir=PATH) to "
+                            f"DAIR-V2X-C's cooperative-vehicle-infrastructure folder")
         return folder
 
     @staticmethod

@@ -27,7 +27,6 @@ section 2), with the departures named in docs/compatibility.md:
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import numpy as np
@@ -36,7 +35,7 @@ import yaml
 from opencood_ddp.data.geometry import project_local_objects, x1_to_x2
 from opencood_ddp.data.opv2v import (CavFrame, CavRecord, Opv2vIndex, Opv2vYamlLoader, Scenario,
                                      check_cav_timestamps, load_opv2v_yaml)
-from opencood_ddp.data.sources import Objects, SplitSource
+from opencood_ddp.data.sources import Objects
 from opencood_ddp.data.sources.opv2v import Opv2vSource, boxes_and_ids, vehicles_of
 from opencood_ddp.errors import DataError
 from opencood_ddp.registry import SOURCES
