@@ -8,20 +8,22 @@ from __future__ import annotations
 from typing import Hashable, List, Mapping, Sequence, Tuple
 
 from opencood_ddp.hypes import get_key, range6
+from opencood_ddp.registry import SOURCES
 
 # Upstream's evaluation range (opencood/data_utils/datasets/__init__.py).
 GT_RANGE: Tuple[float, ...] = (-140.0, -40.0, -3.0, 140.0, 40.0, 1.0)
 
 
 def evaluation_gt_range(hypes: Mapping, source: str) -> Tuple[float, ...]:
-    """The GT range outside training: our ``postprocess.gt_range`` when set, else upstream's GT_RANGE.
+    """The GT range outside training: our ``postprocess.gt_range`` when set, else the data set's own (its
+    ``fusion.dataset`` entry's ``gt_range``: V2V4Real's fork has its own), else upstream's GT_RANGE.
 
     The datasets filter test-time GT with it and the post-processor filters detections with it, so both sides
     of the evaluation see the same area.
     """
     if get_key(hypes, "postprocess.gt_range") is not None:
         return range6(hypes, "postprocess.gt_range", source)
-    return GT_RANGE
+    return tuple(SOURCES.get(SOURCES.name_in(hypes), source).meta.get("gt_range", GT_RANGE))
 
 
 def upstream_unique_indices(ids: Sequence[Hashable]) -> List[int]:

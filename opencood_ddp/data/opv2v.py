@@ -242,10 +242,14 @@ def order_cav_ids(names: List[str], max_cav: int) -> List[str]:
     return ordered[:max_cav]
 
 
-def _timestamps(cav_folder: Path) -> Tuple[str, ...]:
-    """Sorted yaml stems of a CAV folder, skipping files whose name contains 'additional'."""
+# Yaml names that are not frames: upstream skips OPV2V's "additional" files (V2V4Real's fork also "camera_gt").
+NOT_FRAMES: Tuple[str, ...] = ("additional",)
+
+
+def _timestamps(cav_folder: Path, not_frames: Tuple[str, ...]) -> Tuple[str, ...]:
+    """Sorted yaml stems of a CAV folder, skipping files whose name contains one of ``not_frames``."""
     with os.scandir(cav_folder) as entries:
-        names = [e.name for e in entries if e.name.endswith(".yaml") and "additional" not in e.name]
+        names = [e.name for e in entries if e.name.endswith(".yaml") and not any(word in e.name for word in not_frames)]
     return tuple(name[: -len(".yaml")] for name in sorted(names))
 
 
@@ -259,7 +263,7 @@ def check_cav_timestamps(ego: CavRecord, cav: CavRecord) -> None:
         )
 
 
-def _scan_scenario(folder: Path, max_cav: int) -> Scenario:
+def _scan_scenario(folder: Path, max_cav: int, not_frames: Tuple[str, ...]) -> Scenario:
     cav_ids = order_cav_ids(_subdirectories(folder), max_cav)
     if not cav_ids:
         raise DataError(f"{folder}: scenario has no CAV folder (<cav_id>/<timestamp>.yaml); restore its "
@@ -267,7 +271,7 @@ def _scan_scenario(folder: Path, max_cav: int) -> Scenario:
     if is_rsu_id(cav_ids[0]):  # RSUs sort last, so the first kept folder is one only when all are
         raise DataError(f"{folder}: every CAV folder is a road-side unit (negative id: {', '.join(cav_ids)}) and "
                         f"an RSU is never the ego; add the vehicles' folders or remove the scenario")
-    cavs = tuple(CavRecord(cid, folder / cid, _timestamps(folder / cid)) for cid in cav_ids)
+    cavs = tuple(CavRecord(cid, folder / cid, _timestamps(folder / cid, not_frames)) for cid in cav_ids)
     for cav in cavs[1:]:
         check_cav_timestamps(cavs[0], cav)
     return Scenario(folder.name, folder, cavs)
@@ -294,14 +298,15 @@ def split_root(root_dir: PathLike, key: str = "root_dir") -> Path:
 
 
 def scan_split(root_dir: PathLike, max_cav: int = DEFAULT_MAX_CAV, comm_range: float = COMM_RANGE,
-               key: str = "root_dir") -> Opv2vIndex:
+               key: str = "root_dir", not_frames: Tuple[str, ...] = NOT_FRAMES) -> Opv2vIndex:
     """Index an OPV2V split folder (file names only: no yaml is parsed). See the module docstring.
 
-    ``key`` is where the folder came from (root_dir, validate_dir, test_dir, --dataset_dir): errors name it."""
+    ``key`` is where the folder came from (root_dir, validate_dir, test_dir, --dataset_dir): errors name it.
+    ``not_frames``: words of yaml names that are not frames."""
     if max_cav < 1:
         raise ConfigError(f"train_params.max_cav must be >= 1, got {max_cav}; fix the hypes YAML")
     root = split_root(root_dir, key)
-    index = Opv2vIndex(root, tuple(_scan_scenario(root / n, max_cav) for n in _subdirectories(root)),
+    index = Opv2vIndex(root, tuple(_scan_scenario(root / n, max_cav, not_frames) for n in _subdirectories(root)),
                        max_cav, float(comm_range))
     if len(index) == 0:
         raise DataError(f"{key} {root}: no timestamp yaml in any ego CAV folder (empty split); check that the "

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from opencood_ddp.data.ground_truth import GT_RANGE, evaluation_gt_range
+from opencood_ddp.data.sources.v2v4real import V2V4REAL_GT_RANGE
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import range6
 from opencood_ddp.metrics import FrameStats
@@ -40,7 +41,7 @@ PRESETS = ("opencood", "heal", "v2v4real")
 # HEAL's `inference.py --range X,Y` sets gt_range to x +-X, y +-Y and keeps cav_lidar_range's z; its maintainer
 # evaluated the DAIR-V2X LiDAR checkpoints with --range 102.4,51.2 (github.com/yifanlu0227/HEAL/issues/23).
 HEAL_XY = (102.4, 51.2)
-V2V4REAL_RANGE: Tuple[float, ...] = (-100.0, -40.0, -5.0, 100.0, 40.0, 3.0)  # V2V4Real's GT_RANGE
+V2V4REAL_RANGE: Tuple[float, ...] = V2V4REAL_GT_RANGE  # V2V4Real's GT_RANGE (its reader's default area too)
 
 
 @dataclass(frozen=True)

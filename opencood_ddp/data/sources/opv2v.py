@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from opencood_ddp.data.geometry import project_world_objects
-from opencood_ddp.data.opv2v import (CavFrame, FrameReader, Opv2vIndex, ScenarioFrames, ego_speed_of,
+from opencood_ddp.data.opv2v import (NOT_FRAMES, CavFrame, FrameReader, Opv2vIndex, ScenarioFrames, ego_speed_of,
                                      read_opv2v_frame, scan_split, split_root)
 from opencood_ddp.data.sources import Objects, SplitSource
 from opencood_ddp.errors import DataError
@@ -33,9 +33,12 @@ class Opv2vSource(SplitSource):
         self.index: Opv2vIndex = self.scan(hypes[split_key], split_key)
         self.root = self.index.root
 
+    # Words of yaml names that are not frames (upstream: OPV2V's "additional" files).
+    not_frames = NOT_FRAMES
+
     def scan(self, folder: Any, split_key: str) -> Opv2vIndex:
         """The split's index; the scan raises DataError naming ``split_key`` for a missing folder or empty split."""
-        return scan_split(folder, self.max_cav, key=split_key)
+        return scan_split(folder, self.max_cav, key=split_key, not_frames=self.not_frames)
 
     @staticmethod
     def split_path(path: Any, key: str) -> Path:

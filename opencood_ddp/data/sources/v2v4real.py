@@ -15,6 +15,8 @@ section 2), with the departures named in docs/compatibility.md:
   is -1, then ``object_id + 100 * cav_id``. A box is kept when at least 2 of its corners lie in the range
   (``min_corners``), in training (cav_lidar_range) and at test (the GT range); intermediate fusion re-filters the
   sample's boxes to cav_lidar_range with the same rule (``refilters_each_cav``).
+- Timestamps skip yaml names holding ``additional`` or ``camera_gt``. The test-time GT range is the fork's
+  GT_RANGE [-100, -40, -5, 100, 40, 3] unless ``postprocess.gt_range`` says otherwise.
 - Communication range: 70 m, tested by intermediate fusion only (the fork's early and late datasets take both
   cars whatever their distance).
 - In training the fork shuffles each scene's CAV list once, so either car may be the ego; here the order is drawn
@@ -41,6 +43,8 @@ from opencood_ddp.errors import DataError
 from opencood_ddp.registry import SOURCES
 
 V2V4REAL_COMM_RANGE = 70.0  # metres: the fork's COM_RANGE, tested by its intermediate dataset only
+# The fork's GT_RANGE: its test-time ground truth and detections, where the hypes set no postprocess.gt_range.
+V2V4REAL_GT_RANGE = (-100.0, -40.0, -5.0, 100.0, 40.0, 3.0)
 MIN_CORNERS = 2  # the fork's mask_boxes_outside_range_numpy default
 ID_STRIDE_PER_CAV = 100  # an unassociated object's id: object_id + 100 * cav_id
 DROPPED_CLASS = "Pedestrian"  # the fork's only skipped class; every other one is a vehicle
@@ -138,13 +142,14 @@ def read_v2v4real_frame(cav: CavRecord, timestamp: str, ego: bool) -> CavFrame:
 # ------------------------------------------------------------------------------------------------ source
 
 
-@SOURCES.register("v2v4real")
+@SOURCES.register("v2v4real", gt_range=V2V4REAL_GT_RANGE)
 class V2V4RealSource(Opv2vSource):
     """A V2V4Real split folder, read with its fork's rules (module docstring)."""
 
     min_corners = MIN_CORNERS
     refilters_each_cav = True
     read_frame = staticmethod(read_v2v4real_frame)
+    not_frames = ("additional", "camera_gt")  # the fork skips both kinds of yaml
 
     def scan(self, folder: Any, split_key: str) -> Opv2vIndex:
         index = dataclasses.replace(super().scan(folder, split_key), comm_range=V2V4REAL_COMM_RANGE)
@@ -189,4 +194,4 @@ class V2V4RealSource(Opv2vSource):
                             f"folders 0 and 1 as V2V4Real does") from None
 
 
-__all__ = ["V2V4RealSource", "V2V4RealYamlLoader", "pose_matrix_of", "read_v2v4real_frame"]
+__all__ = ["V2V4REAL_GT_RANGE", "V2V4RealSource", "V2V4RealYamlLoader", "pose_matrix_of", "read_v2v4real_frame"]
