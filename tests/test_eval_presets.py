@@ -191,6 +191,11 @@ def test_eval_yaml_keys_put_the_convention_beside_its_numbers():
     assert {preset: eval_file_name(False, preset) for preset in PRESETS} == {
         "opencood": "eval.yaml", "heal": "eval_heal.yaml", "v2v4real": "eval_v2v4real.yaml"}
     assert eval_file_name(True) == "eval_global_sort.yaml" and eval_file_name(True, "heal") == "eval_heal.yaml"
+    # No fusion evaluates a late-fusion run: its files never overwrite the late-fusion ones.
+    assert eval_file_name(False, "heal", "nofusion") == "eval_nofusion_heal.yaml"
+    assert eval_file_name(False, "opencood", "late") == "eval.yaml"
+    assert sweep.sweep_file_stem(True, "opencood", "nofusion") == "noise_sweep_nofusion_global_sort"
+    assert sweep.sweep_file_stem(False, "v2v4real", "late") == "noise_sweep_v2v4real"
 
 
 def test_the_report_names_the_convention_and_the_bands():

@@ -371,4 +371,4 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
 
 
 __all__ = ["build_task", "build_eval", "DetectionEvalOptions", "DetectionStep",
-           "batch_size_of", "eval_file_name", "pr_plot_name"]
+           "batch_size_of", "eval_file_name", "fusion_suffix", "pr_plot_name"]

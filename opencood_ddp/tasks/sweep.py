@@ -42,7 +42,7 @@ from opencood_ddp.hypes import get_key
 from opencood_ddp.metrics.conventions import AP_CONVENTIONS
 from opencood_ddp.tasks import build_eval as build_task_eval
 from opencood_ddp.tasks.eval_presets import DEFAULT_PRESET, preset_global_sort, result_suffix
-from opencood_ddp.tasks.opencood import DetectionEvalOptions
+from opencood_ddp.tasks.opencood import DetectionEvalOptions, fusion_suffix
 from opencood_ddp.vis.sweep_plot import SweepPanel, plot_sweep
 
 DEFAULT_STDS = (0.0, 0.2, 0.4, 0.6)  # HEAL's and CoAlign's inference_w_noise.py levels (m and degrees)
@@ -319,9 +319,10 @@ def convention_record(preset: str, convention: str, results: Sequence[EvalResult
     return record
 
 
-def sweep_file_stem(global_sort: bool, preset: str = DEFAULT_PRESET) -> str:
-    """As eval.yaml, eval_global_sort.yaml, eval_heal.yaml: no convention overwrites another's table."""
-    return f"noise_sweep{result_suffix(preset, global_sort)}"
+def sweep_file_stem(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "") -> str:
+    """As eval.yaml, eval_global_sort.yaml, eval_heal.yaml, eval_nofusion.yaml: no convention, and no fusion of the
+    same run, overwrites another's table."""
+    return f"noise_sweep{fusion_suffix(fusion_method)}{result_suffix(preset, global_sort)}"
 
 
 def _number(value: float) -> str:
@@ -364,7 +365,7 @@ def _panel(xlabel: str, levels: Sequence[Mapping], ticks: List[str]) -> SweepPan
 def write_sweep(run_dir: Path, table: Mapping) -> List[Path]:
     """noise_sweep.yaml, .md and .png (…_global_sort.* for that convention), each written atomically."""
     stem = run_dir / sweep_file_stem(table["ap_convention"] == ap_convention(True),
-                                     table.get("eval_preset", DEFAULT_PRESET))
+                                     table.get("eval_preset", DEFAULT_PRESET), table.get("fusion_method", ""))
     paths = [stem.with_suffix(".yaml"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     yaml_text = yaml.safe_dump(dict(table), sort_keys=False, width=120)
     atomic_write(paths[0], lambda handle: handle.write(yaml_text.encode()))
