@@ -252,7 +252,8 @@ def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) ->
     if request.batch_size < 1:
         raise ConfigError(f"--batch_size must be at least 1, got {request.batch_size}; pass 1 or more")
     if fusion_method in ("late", NO_FUSION) and request.batch_size != 1:
-        raise ConfigError(f"--batch_size {request.batch_size}: {fusion_method} evaluates one frame per batch (each CAV "
+        named = "late fusion" if fusion_method == "late" else "no fusion"
+        raise ConfigError(f"--batch_size {request.batch_size}: {named} evaluates one frame per batch (each CAV "
                           f"detects on its own); pass --batch_size 1, or use early or intermediate fusion")
     hypes = copy.deepcopy(hypes)
     # The split is checked here, under the name the user gave it, before it stands in for validate_dir.
