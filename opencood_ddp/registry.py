@@ -233,4 +233,5 @@ ALL_REGISTRIES: Tuple[Registry, ...] = (MODELS, DATASETS, SOURCES, PREPROCESSORS
                                         YAML_PARSERS, SCHEDULERS)
 
 __all__ = ["Entry", "Registry", "MODELS", "DATASETS", "SOURCES", "PREPROCESSORS", "POSTPROCESSORS", "LOSSES",
-           "YAML_PARSERS", "SCHEDULERS", "ALL_REGISTRIES", "import_modules", "import_package", "did_you_mean", "IMPORTS_KEY"]
+           "YAML_PARSERS", "SCHEDULERS", "ALL_REGISTRIES", "import_modules", "import_package", "did_you_mean",
+           "IMPORTS_KEY"]

@@ -380,8 +380,8 @@ def v2v4real_pose_not_4x4(w: World, world: int) -> Call:
     root = w.tmp / "v2v4real"
     shutil.copytree(w.v2v4real_root, root)
     frame_yaml, _ = first_frame_of_last_rank(root / "train", world)
-    frame_yaml.write_text(re.sub(r"lidar_pose: !!python[^\n]*\n(  .*\n)*", "lidar_pose: [1.0, 2.0, 0.0, 0.0, 90.0, 0.0]\n",
-                                 frame_yaml.read_text()))
+    six_numbers = "lidar_pose: [1.0, 2.0, 0.0, 0.0, 90.0, 0.0]\n"
+    frame_yaml.write_text(re.sub(r"lidar_pose: !!python[^\n]*\n(  .*\n)*", six_numbers, frame_yaml.read_text()))
     return Call(TRAIN, w.v2v4real_args(root), [str(frame_yaml), "4x4 LiDAR-to-world matrix", "re-export"],
                 not_created=w.tmp / "new_run")
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, List, Mapping, Optional
 
 import numpy as np
 
+from opencood_ddp.data.geometry import is_pose_matrix
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 
@@ -241,7 +242,7 @@ def perturb_matrix(pose_matrix: Any, offset: np.ndarray) -> np.ndarray:
 def perturb(pose: Any, offset: np.ndarray) -> np.ndarray:
     """A pose with a localisation error: ``perturb_pose`` for a 6-vector, ``perturb_matrix`` for a (4, 4)
     sensor-to-world matrix (V2V4Real's poses, where upstream's ``add_loc_noise`` fails: its issue 39)."""
-    if np.shape(pose) == (4, 4):
+    if is_pose_matrix(pose):
         return perturb_matrix(pose, offset)
     return perturb_pose(pose, offset)
 
@@ -334,5 +335,6 @@ def _heal_noise(hypes: Mapping, source: str) -> Optional[NoiseSetting]:
 
 __all__ = ["FRAME_INTERVAL_MS", "ASYNC_MODES", "LOC_ERR_MODES", "DelaySetting", "NoiseSetting", "WildSetting",
            "SampleKey", "delay_ms", "delay_frames", "clamp_delay", "UpstreamGlobalRng", "upstream_loc_noise",
-           "wild_rng", "sample_delays", "draw_pose_noise", "pose_offset", "perturb", "perturb_pose", "perturb_matrix",
+           "wild_rng", "sample_delays", "draw_pose_noise", "pose_offset", "perturb", "perturb_pose",
+           "perturb_matrix",
            "wild_setting_from_hypes"]

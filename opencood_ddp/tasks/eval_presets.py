@@ -41,7 +41,6 @@ PRESETS = ("opencood", "heal", "v2v4real")
 # HEAL's `inference.py --range X,Y` sets gt_range to x +-X, y +-Y and keeps cav_lidar_range's z; its maintainer
 # evaluated the DAIR-V2X LiDAR checkpoints with --range 102.4,51.2 (github.com/yifanlu0227/HEAL/issues/23).
 HEAL_XY = (102.4, 51.2)
-V2V4REAL_RANGE: Tuple[float, ...] = V2V4REAL_GT_RANGE  # V2V4Real's GT_RANGE (its reader's default area too)
 
 
 @dataclass(frozen=True)
@@ -125,7 +124,7 @@ def eval_convention(preset: str, global_sort: bool, hypes: Mapping, source: str)
         x, y = HEAL_XY
         return EvalConvention("heal", ranked, (-x, -y, lidar[2], x, y, lidar[5]), pred_range_z=True)
     if preset == "v2v4real":
-        return EvalConvention("v2v4real", ranked, V2V4REAL_RANGE, bands=V2V4REAL_BANDS)
+        return EvalConvention("v2v4real", ranked, V2V4REAL_GT_RANGE, bands=V2V4REAL_BANDS)
     return EvalConvention(DEFAULT_PRESET, ranked, tuple(evaluation_gt_range(hypes, source)))
 
 
@@ -148,5 +147,5 @@ def band_rows(summary: Mapping) -> List[str]:
     return [header, "|---|" + "---:|" * len(BAND_IOU_THRESHOLDS)] + rows
 
 
-__all__ = ["DEFAULT_PRESET", "PRESETS", "HEAL_XY", "V2V4REAL_RANGE", "EvalConvention", "eval_convention",
+__all__ = ["DEFAULT_PRESET", "PRESETS", "HEAL_XY", "EvalConvention", "eval_convention",
            "preset_global_sort", "result_suffix", "band_rows"]

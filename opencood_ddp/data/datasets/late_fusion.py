@@ -114,7 +114,6 @@ class LateFusionDataset(OpencoodDataset):
         return output
 
 
-
 def sample_ground_truth_batch(cav: Mapping[str, Any]) -> Dict[str, Any]:
     """A test batch's copy of ``sample_ground_truth``: tensors with a batch dimension of 1, and the ids."""
     return {"gt_object_bbx_center": torch.from_numpy(cav["gt_object_bbx_center"][None]),

@@ -384,19 +384,26 @@ class DairV2XSource(SplitSource):
     def single_side_in(self, frame: CavFrame, to_target: Optional[np.ndarray]) -> Objects:
         """An agent's single-side labels, mapped by ``to_target`` (None: left in its own frame, as HEAL's
         ``load_single_objects_dairv2x``), 8 corners in the label range."""
-        pair = frame.params["pair"]
-        if frame.infra:
-            path = self.data_dir / "infrastructure-side/label/virtuallidar" / f"{pair.infra_id}.json"
-        else:
-            folder = "lidar_backup" if self.camera_labels else "lidar"
-            path = self.data_dir / "vehicle-side/label" / folder / f"{pair.vehicle_id}.json"
-        boxes, ids = single_side_boxes(self.labels(path), path, self.order)
+        boxes, ids = self.single_side_labels(frame)
         if to_target is not None and len(boxes):
             corners = boxes_to_corners(boxes, self.order)
             boxes = corners_to_boxes(corners @ to_target[:3, :3].T + to_target[:3, 3], self.order)
         if frame.infra:
             ids = [INFRA_ID_OFFSET + object_id for object_id in ids]
         return self.in_label_range(boxes, ids)
+
+    def single_side_labels(self, frame: CavFrame) -> Tuple[np.ndarray, List[int]]:
+        """The agent's single-side boxes in its own frame, read once per sample: late fusion's test samples ask for
+        them twice with ``merged_single_side`` (each CAV's own labels, and the sample's merged ground truth)."""
+        if "single_side" not in frame.params:  # the frame's dict is the sample's own (``DairFrames``)
+            pair = frame.params["pair"]
+            if frame.infra:
+                path = self.data_dir / "infrastructure-side/label/virtuallidar" / f"{pair.infra_id}.json"
+            else:
+                folder = "lidar_backup" if self.camera_labels else "lidar"
+                path = self.data_dir / "vehicle-side/label" / folder / f"{pair.vehicle_id}.json"
+            frame.params["single_side"] = single_side_boxes(self.labels(path), path, self.order)
+        return frame.params["single_side"]
 
     def in_label_range(self, boxes: np.ndarray, ids: List[int]) -> Objects:
         keep = boxes_in_range_mask(boxes_to_corners(boxes, self.order), self.label_range) if len(boxes) else []
