@@ -3,7 +3,7 @@
 
 Usage: python tools/benchmark_dataset.py [--data data/toy_opv2v] [--hypes hypes_yaml/toy/...yaml]
                                          [--workers 0 2] [--batch-size 2] [--train] [--torch-threads N]
-                                         [--layouts opv2v dairv2x v2v4real]
+                                         [--layouts opv2v opv2v_2cav dairv2x v2v4real [--yaml]]
 
 The data folder is generated (toy world, demo scale, seed 0) when it holds no toy set yet. Each worker count
 reads the whole split once after a short warm-up in the main process (spconv's first call loads its ops);
@@ -14,7 +14,9 @@ collation in the main process and the cumulative time is grouped into stages.
 (``DATA_dairv2x`` and ``DATA_v2v4real`` beside ``--data``, made by make_toy_opv2v.py's writers; DAIR-V2X-C's from
 the world with a road-side unit, ``DATA_rsu``): samples/s and CAVs/s, since their samples hold 2 (DAIR-V2X-C: the
 vehicle and the road-side unit; V2V4Real: two cars) or 2-4 (OPV2V) CAVs. Intermediate fusion counts CAVs by
-``record_len``.
+``record_len``. ``opv2v_2cav`` is the OPV2V reader cut to 2 CAVs per sample (``train_params.max_cav=2``): the
+control for a reader whose samples hold 2. The readers take turns pass by pass, so a change in the machine's
+load falls on all of them. ``--yaml`` adds each frame-yaml reader's parse time per file, PyYAML against ours.
 """
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import yaml
 from torch.utils.data import DataLoader
 
 from opencood_ddp.data.augment import WorldTransform
 from opencood_ddp.data.datasets import build_dataset
+from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_yaml_bytes
+from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
 from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
@@ -71,8 +76,11 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="passes per worker count; the best is reported")
     parser.add_argument("--profile-samples", type=int, default=24)
-    parser.add_argument("--layouts", nargs="+", choices=("opv2v", "dairv2x", "v2v4real"), default=["opv2v"],
+    parser.add_argument("--layouts", nargs="+", choices=("opv2v", "opv2v_2cav", "dairv2x", "v2v4real"), default=["opv2v"],
                         help="the data sets' readers to measure side by side, each on its copy of the toy world")
+    parser.add_argument("--yaml", action="store_true",
+                        help="with --layouts: also time each OPV2V-layout reader's frame-yaml parse, PyYAML's "
+                             "yaml.load against the readers' route (fast_yaml), per file, in turns")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch intra-op threads of the main process (0: torch's default). DataLoader workers "
                              "always use 1; spconv's output copies are slow with 2+ threads on a busy machine")
@@ -95,8 +103,9 @@ def throughput(dataset, batch_size: int, workers: int) -> Tuple[float, float]:
 
 def layout_overrides(layout: str, data: Path) -> List[str]:
     """The hypes overrides that read the layout's copy of the toy world in ``data`` (writing the copy first)."""
-    if layout == "opv2v":
-        return [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
+    if layout in ("opv2v", "opv2v_2cav"):
+        cut = ["train_params.max_cav=2"] if layout == "opv2v_2cav" else []
+        return cut + [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
     copy = data.with_name(f"{data.name}_{layout}")
     if layout == "v2v4real":
         write_v2v4real_copy(data, copy, seed=0)
@@ -110,16 +119,50 @@ def layout_overrides(layout: str, data: Path) -> List[str]:
 
 
 def measure_layouts(args: argparse.Namespace, data: Path) -> None:
-    """Every --layouts reader on its copy of the world, one line per reader and worker count."""
+    """Every --layouts reader on its copy of the world, one line per reader and worker count. The readers take
+    turns pass by pass (best of ``--repeats`` each), so a change in the machine's load falls on all of them."""
+    datasets = {}
     for layout in args.layouts:
         hypes = run_yaml_parser(apply_overrides(load_hypes(args.hypes), layout_overrides(layout, data)), args.hypes)
-        dataset = build_dataset(hypes, args.split, args.train, seed=0)
-        dataset.collate_batch_train([dataset[0], dataset[1]])  # warm-up: spconv's ops, page cache
-        for workers in args.workers:
-            best = max((throughput(dataset, args.batch_size, workers) for _ in range(args.repeats)),
-                       key=lambda pair: pair[1])
-            print(f"{layout:<9} num_workers={workers}: {best[0]:.1f} samples/s, {best[1]:.1f} CAVs/s "
-                  f"({len(dataset)} samples)")
+        datasets[layout] = build_dataset(hypes, args.split, args.train, seed=0)
+        datasets[layout].collate_batch_train([datasets[layout][0], datasets[layout][1]])  # warm-up: spconv, cache
+    for workers in args.workers:
+        best = {layout: (0.0, 0.0) for layout in datasets}
+        for _ in range(args.repeats):
+            for layout, dataset in datasets.items():
+                best[layout] = max(best[layout], throughput(dataset, args.batch_size, workers), key=lambda p: p[1])
+        reference = best.get("opv2v", (0.0, 0.0))[1]
+        for layout, (samples, cavs) in best.items():
+            against = f", {cavs / reference:.2f}x OPV2V's CAVs/s" if reference and layout != "opv2v" else ""
+            print(f"{layout:<9} num_workers={workers}: {samples:.1f} samples/s, {cavs:.1f} CAVs/s "
+                  f"({len(datasets[layout])} samples{against})")
+
+
+def frame_yaml_loader(layout: str) -> Optional[type]:
+    """The safe loader of a layout whose frames are yaml files (None for DAIR-V2X-C: json, read once)."""
+    return {"opv2v": Opv2vYamlLoader, "opv2v_2cav": Opv2vYamlLoader, "v2v4real": V2V4RealYamlLoader}.get(layout)
+
+
+def measure_yaml(layouts: Sequence[str], data: Path, split: str, repeats: int = 7) -> None:
+    """ms per frame yaml of each layout's split: PyYAML's ``yaml.load`` and the readers' route, in turns, on
+    the same bytes (read into memory first), with the collector as a dataset process leaves it (enabled)."""
+    routes = {"yaml.load": lambda text, loader: yaml.load(text, Loader=loader), "fast_yaml": load_yaml_bytes}
+    roots = {data if layout.startswith("opv2v") else data.with_name(f"{data.name}_{layout}"): layout
+             for layout in reversed(layouts) if frame_yaml_loader(layout) is not None}  # opv2v_2cav reads opv2v's
+    for root, layout in reversed(roots.items()):
+        loader = frame_yaml_loader(layout)
+        texts = [path.read_bytes() for path in sorted((root / split).glob("*/*/*.yaml"))]
+        best = {route: float("inf") for route in routes}
+        for _ in range(repeats):
+            for route, parse in routes.items():
+                start = time.perf_counter()
+                for text in texts:
+                    parse(text, loader)
+                best[route] = min(best[route], (time.perf_counter() - start) / len(texts))
+        size = sum(map(len, texts)) / len(texts) / 1000
+        print(f"{layout:<9} frame yaml ({len(texts)} files, {size:.1f} kB each): yaml.load "
+              f"{1000 * best['yaml.load']:.3f} ms, fast_yaml {1000 * best['fast_yaml']:.3f} ms per file "
+              f"({best['yaml.load'] / best['fast_yaml']:.2f}x)")
 
 
 def _matches(spec: tuple, filename: str, line: int, function: str) -> bool:
@@ -157,6 +200,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     data = Path(args.data)
     if args.layouts != ["opv2v"]:
         measure_layouts(args, data)
+        if args.yaml:
+            measure_yaml(args.layouts, data, args.split)
         return 0
     hypes = apply_overrides(load_hypes(args.hypes), [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}",
                                                      f"test_dir={data / 'test'}"])

@@ -22,7 +22,8 @@ Departures from upstream, for robustness and identical on well-formed OPV2V/V2XS
 - a CAV lacking one of the ego's timestamps is reported at scan time (upstream fails mid-epoch).
 
 YAML is parsed once per CAV and frame with libyaml's C loader when present, plus upstream's extra
-float rule (``1e-3`` is a float, not a string) and a safe constructor for ``!!python/tuple``.
+float rule (``1e-3`` is a float, not a string) and a safe constructor for ``!!python/tuple``; the document
+is built through ``fast_yaml`` (the same value, about twice as fast).
 The point clouds themselves are read elsewhere (``opencood_ddp.data.pcd``).
 """
 from __future__ import annotations
@@ -40,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 import yaml
 
+from opencood_ddp.data import fast_yaml
 from opencood_ddp.data.geometry import xy_distance
 from opencood_ddp.errors import ConfigError, DataError
 
@@ -92,12 +94,21 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return " ".join(f"{problem}{where}".split())
 
 
+def load_yaml_bytes(data: bytes, loader: type) -> Any:
+    """``yaml.load(data, Loader=loader)``, through fast_yaml's route when the document allows it (same value)."""
+    try:
+        return fast_yaml.load(data, loader)
+    except (fast_yaml.HandBack, yaml.YAMLError, ValueError, TypeError):
+        return yaml.load(data, Loader=loader)  # the loader's own value, or its own error
+
+
 def load_opv2v_yaml(path: PathLike, loader: type = Opv2vYamlLoader) -> Dict[str, Any]:
     """Parse one OPV2V frame yaml into a dict; DataError (one line, naming the file) when it cannot. ``loader``: a
     safe loader of this module's kind (V2V4Real's adds its numpy arrays)."""
     try:
         with open(path, "rb") as stream:
-            params = yaml.load(stream, Loader=loader)
+            data = stream.read()
+        params = load_yaml_bytes(data, loader)
     except FileNotFoundError:
         raise DataError(f"{path}: frame yaml not found (moved or deleted after scanning); restore it "
                         f"or rebuild the dataset index") from None
@@ -108,6 +119,9 @@ def load_opv2v_yaml(path: PathLike, loader: type = Opv2vYamlLoader) -> Dict[str,
     except yaml.YAMLError as exc:
         raise DataError(f"{path}: malformed YAML ({_yaml_problem(exc)}); re-download or repair the "
                         f"file") from None
+    except (ValueError, TypeError) as exc:  # PyYAML's constructors on a mistagged scalar, e.g. '!!int x'
+        raise DataError(f"{path}: malformed YAML value ({' '.join(str(exc).split())}); re-download or repair "
+                        f"the file") from None
     if not isinstance(params, dict):
         raise DataError(f"{path}: expected a mapping of frame fields, got {type(params).__name__}; "
                         f"re-download or repair the file")

@@ -1,0 +1,171 @@
+"""fast_yaml builds exactly what the frame loaders build, and hands back whatever it does not cover.
+
+The reference is PyYAML's own ``yaml.load`` with the same loader class: the values must be equal and of the
+same types (1 and 1.0 and True compare equal in Python, so types are compared too), and a document the loader
+refuses must be refused with the loader's own error.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from opencood_ddp.data import fast_yaml
+from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_opv2v_yaml, load_yaml_bytes
+from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
+from opencood_ddp.errors import DataError
+
+
+def _typed(value, inside=()):
+    """A comparable form that keeps every scalar's type (and NaN, -0.0 and array dtypes exact); a collection
+    that contains itself (a recursive alias) shows as ("cycle", how many levels up)."""
+    if isinstance(value, (dict, list, tuple)) and id(value) in inside:
+        return ("cycle", len(inside) - inside.index(id(value)))
+    inside = inside + (id(value),)
+    if isinstance(value, dict):
+        return ("dict", [(_typed(key, inside), _typed(item, inside)) for key, item in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_typed(item, inside) for item in value])
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.shape, value.tobytes())
+    if isinstance(value, float):
+        return ("float", "nan" if math.isnan(value) else value.hex())
+    return (type(value).__name__, value)
+
+
+def _same_as_loader(text: str, loader=Opv2vYamlLoader):
+    """The loader's value, after checking that the frame readers' route (fast_yaml, handing back to the loader
+    where it must) builds the same; where the loader refuses the document, the route raises the same error."""
+    data = text.encode()
+    try:
+        expected = yaml.load(data, Loader=loader)
+    except (yaml.YAMLError, ValueError) as exc:
+        with pytest.raises(type(exc)) as ours:
+            load_yaml_bytes(data, loader)
+        assert str(ours.value) == str(exc)
+        return None
+    assert _typed(load_yaml_bytes(data, loader)) == _typed(expected)
+    return expected
+
+
+SCALARS = """
+decimals: [0.0, -0.0, +1.5, 1., 15.725032, -87.87199, 1.5e-05, 1.5E+3, 2.5e3, 0.1e-1]
+no_dot_exponents: [1e-3, 2E5, -4e+2]
+ints: [0, -0, +7, 1151, -12, 010, 0o17, 0x1F, 0b101, 1_000, 1:30, 00]
+floats_1_1: [1_000.5, .5, .5e-3, 1:30.5, .inf, -.Inf, .NaN, 6.8523015e+5]
+words: [Van, Car, yes, No, on, OFF, true, False, null, Null, ~, '', "1.5", '7', n, y, key=, abc123]
+empty:
+timestamps: [2021-09-06, 2001-12-14t21:59:43.10-05:00]
+quoted: {"0": a, '1.5': b}
+binary: !!binary aGVsbG8=
+tagged: [!!str 1.5, !!int "12", !!float "3", !!bool "yes"]
+nested: [[1, [2.5, [x]]], {a: {b: {c: [1e-3]}}}]
+"""
+
+ADVERSARIAL = {
+    "anchor and alias": "a: &x [1.5, 2]\nb: *x\nc: &y {k: 1}\nd: *y\n",
+    "merge key": "base: &b {x: 1, y: 2.5}\nderived:\n  <<: *b\n  y: 3\n",
+    "value key": "=: 1\n",
+    "recursive list": "a: &r [1, *r]\n",
+    "recursive map": "a: &m {self: *m}\n",
+    "complex key (unhashable: refused)": "? [1, 2]\n: x\n",
+    "int tag on a word (refused)": "a: !!int x\n",
+    "two documents (refused)": "a: 1\n---\nb: 2\n",
+    "unclosed list (refused)": "a: [1, 2\n",
+    "python object (refused)": "a: !!python/object/apply:os.system [ls]\n",
+    "set": "s: !!set {a, b}\n",
+    "omap": "o: !!omap [{a: 1}, {b: 2}]\n",
+    "tuple": "t: !!python/tuple [1, 2.5, [3]]\n",
+    "tuple with alias": "a: &x 1.5\nt: !!python/tuple [*x, *x]\n",
+    "duplicate keys": "a: 1\na: 2.5\n",
+    "top-level list": "- 1\n- 2.5\n",
+    "top-level scalar": "1.5\n",
+    "empty document": "",
+}
+
+
+def test_scalars_resolve_and_build_as_the_loader_does():
+    _same_as_loader(SCALARS)
+
+
+@pytest.mark.parametrize("name", sorted(ADVERSARIAL))
+def test_documents_the_route_does_not_cover_get_the_loaders_value(name):
+    _same_as_loader(ADVERSARIAL[name])
+
+
+def test_aliases_of_plain_nodes_are_one_object_as_in_pyyaml():
+    value = fast_yaml.load(ADVERSARIAL["anchor and alias"].encode(), Opv2vYamlLoader)
+    assert value["a"] is value["b"] and value["c"] is value["d"]
+
+
+@pytest.mark.parametrize("text", ["recursive list", "merge key", "value key", "complex key (unhashable: refused)"])
+def test_uncovered_documents_are_handed_back(text):
+    with pytest.raises(fast_yaml.HandBack):
+        fast_yaml.load(ADVERSARIAL[text].encode(), Opv2vYamlLoader)
+
+
+@pytest.mark.parametrize("name", [name for name in ADVERSARIAL if "refused" in name])
+def test_refused_documents_are_one_data_error_line_naming_the_file(name, tmp_path):
+    path = tmp_path / "000000.yaml"
+    path.write_text(ADVERSARIAL[name])
+    with pytest.raises(DataError) as error:
+        load_opv2v_yaml(path)
+    assert str(error.value).startswith(str(path)) and "\n" not in str(error.value)
+
+
+NUMPY_POSE = """lidar_pose: !!python/object/apply:numpy.core.multiarray._reconstruct
+  args:
+  - !!python/name:numpy.ndarray ''
+  - !!python/tuple
+    - 0
+  - !!binary |
+    Yg==
+  state: !!python/tuple
+  - 1
+  - !!python/tuple
+    - 2
+    - 2
+  - !!python/object/apply:numpy.dtype
+    args:
+    - f8
+    - false
+    - true
+    state: !!python/tuple
+    - 3
+    - <
+    - null
+    - null
+    - null
+    - -1
+    - -1
+    - 0
+  - false
+  - !!binary |
+    AAAAAAAA8D8AAAAAAAAAQAAAAAAAAAhAAAAAAAAAEEA=
+speed: 1.5
+"""
+
+
+def test_v2v4real_numpy_pose_is_built_by_its_constructor():
+    value = _same_as_loader(NUMPY_POSE, V2V4RealYamlLoader)
+    assert value["lidar_pose"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+
+@pytest.mark.parametrize("fixture", ["toy_small", "toy_v2v4real"])
+def test_every_toy_frame_yaml_is_built_as_the_loader_builds_it(fixture, request):
+    root = request.getfixturevalue(fixture)
+    loader = V2V4RealYamlLoader if fixture == "toy_v2v4real" else Opv2vYamlLoader
+    paths = sorted(root.rglob("*.yaml"))
+    assert len(paths) > 20
+    for path in paths:
+        data = path.read_bytes()
+        # fast_yaml itself, not the hand-back: the frame files must take the fast route
+        assert _typed(fast_yaml.load(data, loader)) == _typed(yaml.load(data, Loader=loader)), path
+
+
+def test_a_timestamp_is_a_datetime_as_in_pyyaml():
+    value = _same_as_loader("t: 2001-12-14 21:59:43.10\n")
+    assert isinstance(value["t"], datetime.datetime)
