@@ -3,7 +3,8 @@
 
 Usage: python tools/benchmark_dataset.py [--data data/toy_opv2v] [--hypes hypes_yaml/toy/...yaml]
                                          [--workers 0 2] [--batch-size 2] [--train] [--torch-threads N]
-                                         [--layouts opv2v opv2v_2cav dairv2x v2v4real [--yaml]]
+                                         [--layouts opv2v opv2v_2cav dairv2x v2v4real [--yaml]
+                                          [--upstream OPENCOOD_CHECKOUT]]
 
 The data folder is generated (toy world, demo scale, seed 0) when it holds no toy set yet. Each worker count
 reads the whole split once after a short warm-up in the main process (spconv's first call loads its ops);
@@ -16,7 +17,8 @@ the world with a road-side unit, ``DATA_rsu``): samples/s and CAVs/s, since thei
 vehicle and the road-side unit; V2V4Real: two cars) or 2-4 (OPV2V) CAVs. Intermediate fusion counts CAVs by
 ``record_len``. ``opv2v_2cav`` is the OPV2V reader cut to 2 CAVs per sample (``train_params.max_cav=2``): the
 control for a reader whose samples hold 2. The readers take turns pass by pass, so a change in the machine's
-load falls on all of them. ``--yaml`` adds each frame-yaml reader's parse time per file, PyYAML against ours.
+load falls on all of them. ``--upstream DIR`` adds upstream OpenCOOD's reader (a checkout, with its
+dependencies) on OPV2V's copy to the turns. ``--yaml`` adds each frame-yaml reader's parse time per file, PyYAML against ours.
 """
 from __future__ import annotations
 
@@ -78,6 +80,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--profile-samples", type=int, default=24)
     parser.add_argument("--layouts", nargs="+", choices=("opv2v", "opv2v_2cav", "dairv2x", "v2v4real"), default=["opv2v"],
                         help="the data sets' readers to measure side by side, each on its copy of the toy world")
+    parser.add_argument("--upstream", metavar="DIR",
+                        help="with --layouts: also time upstream OpenCOOD's IntermediateFusionDataset, imported "
+                             "from the checkout DIR (its dependencies installed), on OPV2V's copy, in the turns")
     parser.add_argument("--yaml", action="store_true",
                         help="with --layouts: also time each OPV2V-layout reader's frame-yaml parse, PyYAML's "
                              "yaml.load against the readers' route (fast_yaml), per file, in turns")
@@ -126,6 +131,8 @@ def measure_layouts(args: argparse.Namespace, data: Path) -> None:
         hypes = run_yaml_parser(apply_overrides(load_hypes(args.hypes), layout_overrides(layout, data)), args.hypes)
         datasets[layout] = build_dataset(hypes, args.split, args.train, seed=0)
         datasets[layout].collate_batch_train([datasets[layout][0], datasets[layout][1]])  # warm-up: spconv, cache
+    if args.upstream:
+        datasets["upstream"] = upstream_dataset(args, data)
     for workers in args.workers:
         best = {layout: (0.0, 0.0) for layout in datasets}
         for _ in range(args.repeats):
@@ -134,8 +141,23 @@ def measure_layouts(args: argparse.Namespace, data: Path) -> None:
         reference = best.get("opv2v", (0.0, 0.0))[1]
         for layout, (samples, cavs) in best.items():
             against = f", {cavs / reference:.2f}x OPV2V's CAVs/s" if reference and layout != "opv2v" else ""
+            if layout == "upstream" and reference:
+                against = f"; our OPV2V reader: {reference / cavs:.1f}x this"
             print(f"{layout:<9} num_workers={workers}: {samples:.1f} samples/s, {cavs:.1f} CAVs/s "
                   f"({len(datasets[layout])} samples{against})")
+
+
+def upstream_dataset(args: argparse.Namespace, data: Path):
+    """Upstream OpenCOOD's IntermediateFusionDataset from the checkout ``args.upstream``, on the same hypes and
+    the same split as ours (upstream's test mode reads ``validate_dir``, so it points at ``--split``)."""
+    sys.path.insert(0, str(Path(args.upstream).resolve()))
+    from opencood.data_utils.datasets.intermediate_fusion_dataset import IntermediateFusionDataset
+
+    hypes = run_yaml_parser(apply_overrides(load_hypes(args.hypes), layout_overrides("opv2v", data)), args.hypes)
+    hypes["validate_dir" if not args.train else "root_dir"] = str(data / args.split)
+    dataset = IntermediateFusionDataset(hypes, visualize=False, train=args.train)
+    dataset.collate_batch_train([dataset[0], dataset[1]])
+    return dataset
 
 
 def frame_yaml_loader(layout: str) -> Optional[type]:
