@@ -12,7 +12,7 @@ import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import numpy as np
 import pytest
@@ -21,7 +21,7 @@ import yaml
 from launch import REPO, one_line_error as named_line, v2v4real_overrides
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.geometry import pose_to_matrix
-from opencood_ddp.errors import DataError
+from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.toy.v2v4real_layout import dump_v2v4real_yaml
 from opencood_ddp.yaml_parsers import run_yaml_parser
@@ -115,16 +115,17 @@ def object_id(oid, obj: dict, cav: str):
     return association if association != -1 else int(oid) + ID_STRIDE * int(cav)
 
 
-def expected_gt(scene: Path, stamp: str, cavs: List[str], rng) -> SimpleNamespace:
+def expected_gt(scene: Path, stamp: str, cavs: List[str], rng, to_ego_of: Optional[Dict] = None) -> SimpleNamespace:
     """The sample's ground truth in the frame of cavs[0] (facts 2.2, 2.6): every car's non-Pedestrian objects with
-    >= 2 corners in the range, the first car's box kept for a repeated id. Also what the rule dropped."""
+    >= 2 corners in the range, the first car's box kept for a repeated id. Also what the rule dropped. A car's
+    labels travel by ``to_ego_of[cav]`` where given (the fork's delayed transform), else by its current pose."""
     ego_pose = pose(scene, cavs[0], stamp)
     boxes: Dict = {}
     origin: Dict = {}
     pedestrians, types = [], set()
     for cav in cavs:
         frame = read_yaml(scene / cav / f"{stamp}.yaml")
-        to_ego = np.linalg.inv(ego_pose) @ np.asarray(frame["lidar_pose"], dtype=np.float64)
+        to_ego = (to_ego_of or {}).get(cav, np.linalg.inv(ego_pose) @ np.asarray(frame["lidar_pose"], np.float64))
         for oid, obj in frame["vehicles"].items():
             box = object_box(to_ego, obj)
             if corners_in(box, rng) < MIN_CORNERS:
@@ -420,6 +421,36 @@ def test_delay_reads_car_1_one_timestamp_earlier(v4r):
                                    atol=1e-9, rtol=0)
         assert ego["prior_encoding"][1, 1] == min(position, 1) and ego["prior_encoding"][0, 1] == 0
         assert ego["prior_encoding"][1, 0] == np.float32(read_yaml(scene / "1" / f"{earlier}.yaml")["ego_speed"] / 30)
+
+
+def test_as_received_places_car_1s_current_labels_with_its_delayed_pose_as_the_fork_does(v4r):
+    """Facts 2.4 (the fork's reform_param): under delay, the current timestamp's labels travel with the transform of
+    the delayed pose. ``fusion.args.gt_transform: as_received`` reproduces it; the default keeps the true poses."""
+    received = dataset("intermediate", v4r.root, ASYNC, "fusion.args.gt_transform=as_received")
+    true_poses = dataset("intermediate", v4r.root, ASYNC)
+    moved = 0
+    for index, scene, position, stamp in samples(v4r.test):
+        earlier = stamps(scene)[max(position - 1, 0)]
+        delayed = {"1": np.linalg.inv(pose(scene, "0", stamp)) @ pose(scene, "1", earlier)}
+        expected = expected_gt(scene, stamp, ["0", "1"], v4r.rng, delayed)
+        assert_gt(received[index], expected)
+        assert_gt(true_poses[index], expected_gt(scene, stamp, ["0", "1"], v4r.rng))
+        moved += position > 0 and any(origin == "1" for origin, _ in expected.origin.values())
+    assert moved, "the test split must hold delayed samples with car-1-only objects"
+
+
+def test_as_received_with_localisation_error_uses_the_noisy_transform_of_the_points(v4r):
+    noisy = dataset("intermediate", v4r.root, LOC_ERR, "fusion.args.gt_transform=as_received")
+    for index, scene, _, stamp in samples(v4r.test):
+        cars = noisy.received_cavs(index)
+        assert np.abs(cars[1].to_ego - cars[1].to_ego_clean).max() > 1e-3  # the points' transform is the noisy one
+        assert_gt(noisy[index], expected_gt(scene, stamp, ["0", "1"], v4r.rng, {"1": cars[1].to_ego}), tol=1e-5)
+
+
+def test_an_unknown_gt_transform_is_one_line_naming_the_key(v4r):
+    with pytest.raises(ConfigError) as error:
+        dataset("intermediate", v4r.root, "fusion.args.gt_transform=delayed")
+    one_line_error(error, "fusion.args.gt_transform", "true_poses", "as_received")
 
 
 # --------------------------------------------------------------------------------------------- bad inputs

@@ -318,7 +318,11 @@ class OpencoodDataset(Dataset):
         return self.source.merge(list(per_cav))
 
     def sample_objects(self, cavs: Sequence[ReceivedCav]) -> Objects:
-        """The sample's ground truth in the ego's current true frame, from the CAVs' current frames."""
+        """The sample's ground truth in the ego's current true frame, from the CAVs' current frames; where the
+        source's labels follow the points (V2V4Real's fork), each CAV's current labels mapped with ``to_ego``."""
+        if self.source.labels_follow_points:
+            return self.merge_objects(self.source.objects_through(cav.current, cav.to_ego, self.gt_range)
+                                      for cav in cavs)
         ego_pose = cavs[0].current.lidar_pose
         return self.merge_objects(self.cav_objects(cav.current, ego_pose) for cav in cavs)
 

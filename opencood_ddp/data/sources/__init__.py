@@ -19,7 +19,8 @@ What a dataset asks of a source (``SplitSource``; each method's docstring says w
 - ``points(frame)``: the (N, 4) float32 cloud of a frame, in its own LiDAR frame;
 - ``ego_speed_kmh(frame)``: V2X-ViT's prior encoding;
 - ``objects(frame, target_pose, gt_range)``: the frame's contribution to the sample's ground truth in the target
-  frame, ``merge(per_cav)`` the sample's ground truth from them; ``own_objects`` a CAV's own labels (late fusion).
+  frame, ``merge(per_cav)`` the sample's ground truth from them; ``own_objects`` a CAV's own labels (late fusion);
+  ``objects_through(frame, transform, gt_range)`` where ``labels_follow_points`` (V2V4Real's fork under delay).
 
 A source is built once per dataset in the main process and pickled into DataLoader workers: it holds plain data
 (indexes, parsed metadata), never open files, and draws nothing at random but from keys of its own (the seed).
@@ -63,6 +64,10 @@ class SplitSource:
     # Late fusion's test-time ground truth is the sample's (as early and intermediate fusion build it), not the union
     # of what each CAV labels (DAIR-V2X-C: the road-side unit's labels do not share the vehicle's ids).
     gt_by_sample: bool = False
+    # Early and intermediate fusion map each CAV's current labels with the transform its points were received with
+    # (its delayed, noisy pose: ``objects_through``) instead of its current true pose: V2V4Real's fork, whose Async
+    # column is measured that way (``fusion.args.gt_transform: as_received``).
+    labels_follow_points: bool = False
 
     root: Path  # the split's folder or file, named in messages
 
@@ -95,6 +100,11 @@ class SplitSource:
     def objects(self, frame: CavFrame, target_pose: np.ndarray, gt_range: Sequence[float]) -> Objects:
         """The boxes the frame contributes to the sample's ground truth, in the frame of ``target_pose`` (a pose of
         the frame's kind), kept by ``gt_range`` (``min_corners`` corners inside)."""
+        raise NotImplementedError
+
+    def objects_through(self, frame: CavFrame, transform: np.ndarray, gt_range: Sequence[float]) -> Objects:
+        """The frame's boxes mapped by the (4, 4) ``transform`` from its LiDAR frame, kept by ``gt_range``: for a
+        source whose labels are in each CAV's own frame and that sets ``labels_follow_points``."""
         raise NotImplementedError
 
     def own_objects(self, frame: CavFrame, target_pose: np.ndarray, gt_range: Sequence[float]) -> Objects:

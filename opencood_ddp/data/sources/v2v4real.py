@@ -24,7 +24,9 @@ section 2), with the departures named in docs/compatibility.md:
   CAV (``0``) is the ego.
 - Delay and localisation error (``wild_setting``, ``noise_setting``) work on the matrices (``wild.perturb``):
   the fork's ``add_loc_noise`` fails on them (its issue 39). The ground truth is placed with the true current
-  poses, also under delay or noise (the fork places it with the delayed, noisy transform).
+  poses, also under delay or noise; the fork places each car's current labels with the delayed, noisy transform
+  its points travel with (its ``reform_param``), and ``fusion.args.gt_transform: as_received`` does the same in
+  early and intermediate fusion, so that its Async column can be compared.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ from opencood_ddp.data.opv2v import (CavFrame, CavRecord, Opv2vIndex, Opv2vYamlL
                                      check_cav_timestamps, load_opv2v_yaml)
 from opencood_ddp.data.sources import Objects
 from opencood_ddp.data.sources.opv2v import Opv2vSource, boxes_and_ids, vehicles_of
-from opencood_ddp.errors import DataError
+from opencood_ddp.errors import ConfigError, DataError
+from opencood_ddp.hypes import get_key
 from opencood_ddp.registry import SOURCES
 
 V2V4REAL_COMM_RANGE = 70.0  # metres: the fork's COM_RANGE, tested by its intermediate dataset only
@@ -47,6 +50,11 @@ V2V4REAL_COMM_RANGE = 70.0  # metres: the fork's COM_RANGE, tested by its interm
 V2V4REAL_GT_RANGE = (-100.0, -40.0, -5.0, 100.0, 40.0, 3.0)
 MIN_CORNERS = 2  # the fork's mask_boxes_outside_range_numpy default
 ID_STRIDE_PER_CAV = 100  # an unassociated object's id: object_id + 100 * cav_id
+# Early and intermediate fusion's ground truth under delay or localisation error: each car's current labels mapped
+# with its current true pose (ours, the default), or with the delayed, noisy transform its points travel with (the
+# fork's reform_param: its README's Async column was measured so).
+GT_TRANSFORM_KEY = "fusion.args.gt_transform"
+GT_TRANSFORMS = ("true_poses", "as_received")
 DROPPED_CLASS = "Pedestrian"  # the fork's only skipped class; every other one is a vehicle
 TRAIN_ORDER_DRAWS = 11  # the last word of the generator key that orders a scene's CAVs in training
 
@@ -142,7 +150,14 @@ def read_v2v4real_frame(cav: CavRecord, timestamp: str, ego: bool) -> CavFrame:
 # ------------------------------------------------------------------------------------------------ source
 
 
-@SOURCES.register("v2v4real", gt_range=V2V4REAL_GT_RANGE)
+def _check_hypes(hypes: Mapping, source: str) -> None:
+    mode = get_key(hypes, GT_TRANSFORM_KEY, GT_TRANSFORMS[0])
+    if mode not in GT_TRANSFORMS:
+        raise ConfigError(f"{source}: key {GT_TRANSFORM_KEY} must be one of {', '.join(GT_TRANSFORMS)}, got "
+                          f"{mode!r}; fix the hypes ({GT_TRANSFORMS[1]} reproduces the fork's Async ground truth)")
+
+
+@SOURCES.register("v2v4real", gt_range=V2V4REAL_GT_RANGE, optional=((GT_TRANSFORM_KEY, "str"),), check=_check_hypes)
 class V2V4RealSource(Opv2vSource):
     """A V2V4Real split folder, read with its fork's rules (module docstring)."""
 
@@ -150,6 +165,10 @@ class V2V4RealSource(Opv2vSource):
     refilters_each_cav = True
     read_frame = staticmethod(read_v2v4real_frame)
     not_frames = ("additional", "camera_gt")  # the fork skips both kinds of yaml
+
+    def __init__(self, hypes: Mapping, split_key: str, *, train: bool, seed: int, max_cav: int):
+        super().__init__(hypes, split_key, train=train, seed=seed, max_cav=max_cav)
+        self.labels_follow_points = get_key(hypes, GT_TRANSFORM_KEY, GT_TRANSFORMS[0]) == GT_TRANSFORMS[1]
 
     def scan(self, folder: Any, split_key: str) -> Opv2vIndex:
         index = dataclasses.replace(super().scan(folder, split_key), comm_range=V2V4REAL_COMM_RANGE)
@@ -173,9 +192,12 @@ class V2V4RealSource(Opv2vSource):
     def objects(self, frame: CavFrame, target_pose: np.ndarray, gt_range: Sequence[float]) -> Objects:
         """The car's labels (its own LiDAR frame) in the frame of ``target_pose``, kept with 2 corners in range; ids
         from ``ass_id``, else ``object_id + 100 * cav_id``."""
+        return self.objects_through(frame, x1_to_x2(frame.lidar_pose, target_pose), gt_range)
+
+    def objects_through(self, frame: CavFrame, transform: np.ndarray, gt_range: Sequence[float]) -> Objects:
         vehicles = {object_id: content for object_id, content in vehicles_of(frame).items()
                     if not (isinstance(content, Mapping) and content.get("obj_type", "Car") == DROPPED_CLASS)}
-        projected = project_local_objects(vehicles, x1_to_x2(frame.lidar_pose, target_pose), gt_range, self.order,
+        projected = project_local_objects(vehicles, transform, gt_range, self.order,
                                           source=str(frame.meta_path), min_corners=self.min_corners)
         boxes, object_ids = boxes_and_ids(projected)
         return boxes, [self.object_id(object_id, vehicles[object_id], frame) for object_id in object_ids]
@@ -194,4 +216,4 @@ class V2V4RealSource(Opv2vSource):
                             f"folders 0 and 1 as V2V4Real does") from None
 
 
-__all__ = ["V2V4REAL_GT_RANGE", "V2V4RealSource", "V2V4RealYamlLoader", "pose_matrix_of", "read_v2v4real_frame"]
+__all__ = ["GT_TRANSFORMS", "GT_TRANSFORM_KEY", "V2V4REAL_GT_RANGE", "V2V4RealSource", "V2V4RealYamlLoader", "pose_matrix_of", "read_v2v4real_frame"]
