@@ -10,11 +10,15 @@ Upstream counterpart: ``opencood/loss/point_pillar_loss.py`` (``PointPillarLoss`
 - a NaN regression target costs nothing on every code, yaw included (upstream: a NaN yaw target gives a NaN
   loss, because its NaN replacement runs after the sin encoding has spread the NaN to the prediction);
 - the logged parts are returned (detached) instead of kept in a ``loss_dict`` attribute.
+
+With ``loss.args.dir`` (CoAlign's and HEAL's configs) a third term classifies each positive anchor's heading
+into the sector the post-processor's label ``dir_targets`` names (``postprocess/direction.py``); its part is
+``dir``.
 """
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from torch import nn
@@ -106,10 +110,11 @@ class PointPillarLoss(nn.Module):
     ``cls_weight * cls`` and its ``reg_loss`` is ``reg * smooth-L1``), so total == parts['cls'] + parts['reg'].
     """
 
-    def __init__(self, cls_weight: float, reg: float):
+    def __init__(self, cls_weight: float, reg: float, dir_weight: Optional[float] = None, dir_bins: int = 2):
         super().__init__()
         self.cls_weight = float(cls_weight)
         self.reg_coe = float(reg)
+        self.dir_weight, self.dir_bins = (None if dir_weight is None else float(dir_weight)), int(dir_bins)
 
     def forward(self, output_dict: Mapping[str, torch.Tensor],
                 label_dict: Mapping[str, torch.Tensor]) -> LossTerms:
@@ -124,7 +129,13 @@ class PointPillarLoss(nn.Module):
             conf_part = self.cls_weight * cls_loss
             reg_part = self.reg_coe * reg_loss
             total = conf_part + reg_part
-        return LossTerms(total=total, parts={"cls": conf_part.detach(), "reg": reg_part.detach()})
+            parts = {"cls": conf_part.detach(), "reg": reg_part.detach()}
+            if self.dir_weight is not None:
+                dir_part = self.dir_weight * self._dir_loss(output_dict["dm"].to(dtype), label_dict, positives,
+                                                            normalizer)
+                total = total + dir_part
+                parts["dir"] = dir_part.detach()
+        return LossTerms(total=total, parts=parts)
 
     @staticmethod
     def _positives(pos_equal_one: torch.Tensor, psm: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -154,18 +165,55 @@ class PointPillarLoss(nn.Module):
         return per_code.sum() / batch
 
 
+    def _dir_loss(self, dm: torch.Tensor, label_dict: Mapping[str, torch.Tensor], positives: torch.Tensor,
+                  normalizer: torch.Tensor) -> torch.Tensor:
+        """CoAlign's direction term: softmax cross entropy of each anchor's heading sector (the label
+        ``dir_targets``, made by the post-processor from ``postprocess.dir_args``), on positive anchors weighted as
+        the regression (1 / positives of the sample), summed and divided by the batch size."""
+        if "dir_targets" not in label_dict:
+            raise ValueError("loss.args.dir needs the label dir_targets, which the post-processor makes with "
+                             "postprocess.dir_args; add it to the hypes (the same dir_args as the loss's)")
+        batch = dm.shape[0]
+        logits = dm.permute(0, 2, 3, 1).reshape(-1, self.dir_bins)  # (B*H*W*A, bins): the anchors' order
+        sector = label_dict["dir_targets"].to(device=dm.device, dtype=torch.long).reshape(-1)
+        per_anchor = nn.functional.cross_entropy(logits, sector, reduction="none")
+        return (per_anchor.reshape(batch, -1) * positives / normalizer).sum() / batch
+
+
 def check_loss_weights(hypes: Mapping, source: str) -> None:
     for key in ("cls_weight", "reg"):
         value = hypes["loss"]["args"][key]
         if not (math.isfinite(value) and value >= 0):
             raise ConfigError(f"{source}: key loss.args.{key} must be a finite number >= 0, got {value!r}; "
                               f"fix the hypes or pass --set loss.args.{key}=VALUE")
+    direction = hypes["loss"]["args"].get("dir")
+    if direction is not None and not _direction_block(direction):
+        raise ConfigError(f"{source}: key loss.args.dir must be {{weight: number >= 0, args: {{dir_offset, num_bins: "
+                          f"integer >= 1, anchor_yaw}}[, type: {DIR_LOSS_TYPE}]}}, got {direction!r}; CoAlign's is "
+                          f"{{type: {DIR_LOSS_TYPE}, weight: 0.2, args: *dir_args}} (postprocess.dir_args and "
+                          f"model.args.dir_args the same)")
+
+
+DIR_LOSS_TYPE = "WeightedSoftmaxClassificationLoss"  # CoAlign's and HEAL's `type` of the term, the only one
+
+
+def _direction_block(block) -> bool:
+    if not isinstance(block, Mapping) or not {"weight", "args"} <= set(block) <= {"weight", "args", "type"} \
+            or block.get("type", DIR_LOSS_TYPE) != DIR_LOSS_TYPE or not isinstance(block["args"], Mapping):
+        return False
+    weight, bins = block["weight"], block["args"].get("num_bins")
+    return (isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
+            and weight >= 0 and isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1)
 
 
 @LOSSES.register("point_pillar_loss", required=(("loss.args.cls_weight", "number"), ("loss.args.reg", "number")),
-                 check=check_loss_weights)
+                 optional=(("loss.args.dir", "dict"),), check=check_loss_weights)
 def build_point_pillar_loss(args: Mapping) -> PointPillarLoss:
-    return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"])
+    direction = args.get("dir")
+    if direction is None:
+        return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"])
+    return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"], dir_weight=direction["weight"],
+                           dir_bins=direction["args"]["num_bins"])
 
 
 __all__ = ["PointPillarLoss", "build_point_pillar_loss", "sigmoid_focal_loss", "sigmoid_cross_entropy_with_logits", "smooth_l1",

@@ -57,12 +57,14 @@ PILLAR_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, ki
 PILLAR_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, kind in (
     ("base_bev_backbone.compression", "int"), ("compression", "int"), ("backbone_fix", "bool"),
     ("anchor_num", "positive_int"),
+    ("dir_args", "dict"),  # CoAlign's and HEAL's direction classifier (postprocess/direction.py)
     # Written by the yaml_parser; its absence gets its own hint in check_pillar_args.
     ("point_pillar_scatter.grid_size", "list")))
 FCOOPER_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + ((_ARGS + "shrink_header", "dict"),)
 # What upstream's backbone_fix() freezes, by attribute name (the same list in every model that has the method):
 # everything but the fusion. Absent modules (no shrink header, no compressor) are skipped.
-BACKBONE_FIX = ("pillar_vfe", "scatter", "backbone", "naive_compressor", "shrink_conv", "cls_head", "reg_head")
+BACKBONE_FIX = ("pillar_vfe", "scatter", "backbone", "naive_compressor", "shrink_conv", "cls_head", "reg_head",
+                "dir_head")
 Map = Tuple[int, int, int]  # (channels, rows, cols) of a float32 map
 
 
@@ -119,6 +121,9 @@ class PointPillar(nn.Module):
         channels = self.head_channels()
         self.cls_head = nn.Conv2d(channels, anchor_number(args), kernel_size=1)
         self.reg_head = nn.Conv2d(channels, 7 * anchor_number(args), kernel_size=1)
+        direction = args.get("dir_args")
+        if direction is not None:  # CoAlign's name and shape: num_bins logits per anchor
+            self.dir_head = nn.Conv2d(channels, int(direction["num_bins"]) * anchor_number(args), kernel_size=1)
         if args.get("backbone_fix", False):
             self.backbone_fix()
 
@@ -173,9 +178,16 @@ class PointPillar(nn.Module):
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         return features
 
+    def heads(self, features: torch.Tensor) -> dict:
+        """The 1x1 heads on the fused map: class scores ``psm``, box residuals ``rm`` and, with
+        ``model.args.dir_args``, the direction logits ``dm``."""
+        out = {"psm": self.cls_head(features), "rm": self.reg_head(features)}
+        if hasattr(self, "dir_head"):
+            out["dm"] = self.dir_head(features)
+        return out
+
     def forward(self, data_dict: Mapping) -> dict:
-        features = self.neck(self.encode(data_dict), data_dict)
-        return {"psm": self.cls_head(features), "rm": self.reg_head(features)}
+        return self.heads(self.neck(self.encode(data_dict), data_dict))
 
 
 def _grid_rows_cols(args: Mapping) -> Tuple[int, int]:

@@ -298,5 +298,4 @@ class PointPillarWhere2comm(PointPillar):
             mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len)
             fused = self.fusion_net.fuse(0, features if mask is None else features * mask, record_len, theta,
                                          is_ego)
-        return {"psm": self.cls_head(fused), "rm": self.reg_head(fused), "comm_rate": rates.comm_rate,
-                "com": rates.com}
+        return {**self.heads(fused), "comm_rate": rates.comm_rate, "com": rates.com}

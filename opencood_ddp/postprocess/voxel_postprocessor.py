@@ -23,6 +23,8 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, range6, validate
 from opencood_ddp.postprocess import box_coder
 from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
+from opencood_ddp.postprocess.direction import (DirectionArgs, apply_direction, check_direction_agreement,
+                                                direction_logits, direction_targets)
 from opencood_ddp.postprocess.boxes import (boxes_to_corners, normal_size_mask, normal_z_mask, project_corners,
                                             within_range_mask)
 from opencood_ddp.postprocess.nms import nms_rotated
@@ -51,6 +53,7 @@ REQUIRED_KEYS: Tuple[Tuple[str, str], ...] = (
 OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
     ("postprocess.anchor_args.feature_stride", "positive_int"),
     ("postprocess.gt_range", "list"),
+    ("postprocess.dir_args", "dict"),  # the direction classifier's decoding (postprocess/direction.py)
 )
 _PARSER_KEYS = ("W", "H", "vw", "vh")
 
@@ -81,6 +84,8 @@ def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
                             f"postprocess.anchor_args.r ({args['r']!r})")
     range6({"postprocess": postprocess}, "postprocess.anchor_args.cav_lidar_range", source)
     evaluation_gt_range({"postprocess": postprocess}, source)
+    if postprocess.get("dir_args") is not None:
+        DirectionArgs.read(postprocess["dir_args"], "postprocess.dir_args", source)
     spec = AnchorSpec.from_anchor_args(args)
     if min(spec.feature_shape) < 1:
         raise _fail(source, f"the BEV grid {spec.grid_w} x {spec.grid_h} (postprocess.anchor_args.W, H) is smaller "
@@ -104,7 +109,8 @@ _PARSER_WRITTEN = tuple(spec for spec in REQUIRED_KEYS if spec[0].rsplit(".", 1)
 @POSTPROCESSORS.register("VoxelPostprocessor",
                          required=tuple(spec for spec in REQUIRED_KEYS if spec not in _PARSER_WRITTEN),
                          optional=OPTIONAL_KEYS + _PARSER_WRITTEN,
-                         check=lambda hypes, source: check_postprocess_hypes(hypes["postprocess"], source))
+                         check=lambda hypes, source: (check_postprocess_hypes(hypes["postprocess"], source),
+                                                      check_direction_agreement(hypes, source)))
 class VoxelPostprocessor:
     """Anchors, training labels and detections for anchor-based BEV heads (upstream's VoxelPostprocessor).
 
@@ -126,6 +132,8 @@ class VoxelPostprocessor:
         self.score_threshold = float(target_args["score_threshold"])
         self.nms_thresh = float(self.params["nms_thresh"])
         self.gt_range: Tuple[float, ...] = evaluation_gt_range({"postprocess": self.params}, source)
+        direction = self.params.get("dir_args")
+        self.direction = None if direction is None else DirectionArgs.read(direction, "postprocess.dir_args", source)
         # (anchors, their standup boxes) of the last generate_label call; the datasets pass one cached array.
         self._standup_cache: Optional[Tuple[np.ndarray, np.ndarray]] = None
 
@@ -142,10 +150,14 @@ class VoxelPostprocessor:
 
     def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray,
                        mask: np.ndarray) -> Dict[str, np.ndarray]:
-        """pos_equal_one, neg_equal_one (H, W, A) and targets (H, W, 7A), float64 (see ``targets``)."""
+        """pos_equal_one, neg_equal_one (H, W, A) and targets (H, W, 7A), float64 (see ``targets``); with
+        ``dir_args`` also dir_targets (H, W, A) int64 (``direction``)."""
         gt = np.asarray(gt_box_center, dtype=np.float64).reshape(-1, 7)
         valid = gt[np.asarray(mask).reshape(-1) == 1]
-        return assign_targets(valid, anchors, self.pos_threshold, self.neg_threshold, self.anchor_standup(anchors))
+        labels = assign_targets(valid, anchors, self.pos_threshold, self.neg_threshold, self.anchor_standup(anchors))
+        if self.direction is not None:  # (H, W, A) the sector of each anchor's target heading
+            labels["dir_targets"] = direction_targets(labels["targets"], self.direction)
+        return labels
 
     def anchor_standup(self, anchors: np.ndarray) -> np.ndarray:
         """Standup boxes of ``anchors``, computed once per anchor array (anchors are never modified in place)."""
@@ -155,9 +167,10 @@ class VoxelPostprocessor:
 
     @staticmethod
     def collate_batch(label_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
-        """Per-sample label dicts -> {'targets', 'pos_equal_one', 'neg_equal_one'} with a batch dimension."""
+        """Per-sample label dicts -> {'targets', 'pos_equal_one', 'neg_equal_one'[, 'dir_targets']} with a batch
+        dimension."""
         return {key: torch.from_numpy(np.array([label[key] for label in label_list]))
-                for key in ("targets", "pos_equal_one", "neg_equal_one")}
+                for key in ("targets", "pos_equal_one", "neg_equal_one", "dir_targets") if key in label_list[0]}
 
     # ----------------------------------------------------------------------------------- evaluation side
 
@@ -174,6 +187,9 @@ class VoxelPostprocessor:
             raise ValueError(f"CAV {cav_id!r}: psm {tuple(psm.shape)} gives {prob.shape[0]} scores for "
                              f"{boxes.shape[0]} anchors; the head's anchor_number and postprocess.anchor_args.num "
                              f"disagree")
+        if self.direction is not None:  # the heading's sector from the direction head (CoAlign's decoding)
+            logits = direction_logits(output["dm"].float(), self.direction.num_bins)[0]
+            boxes = torch.cat([boxes[:, :6], apply_direction(boxes[:, 6], logits, self.direction)[:, None]], dim=1)
         keep = prob > self.score_threshold  # strict, as upstream's torch.gt
         boxes, scores = boxes[keep], prob[keep]
         corners = project_corners(boxes_to_corners(boxes, self.order), cav["transformation_matrix"])
