@@ -169,3 +169,13 @@ def test_every_toy_frame_yaml_is_built_as_the_loader_builds_it(fixture, request)
 def test_a_timestamp_is_a_datetime_as_in_pyyaml():
     value = _same_as_loader("t: 2001-12-14 21:59:43.10\n")
     assert isinstance(value["t"], datetime.datetime)
+
+
+def test_the_collector_is_on_again_after_a_document_and_after_a_hand_back():
+    import gc
+    assert gc.isenabled()
+    fast_yaml.load(SCALARS.encode(), Opv2vYamlLoader)
+    assert gc.isenabled()
+    with pytest.raises(fast_yaml.HandBack):
+        fast_yaml.load(ADVERSARIAL["merge key"].encode(), Opv2vYamlLoader)
+    assert gc.isenabled()

@@ -167,9 +167,9 @@ class _Builder:
 def load(data: bytes, loader_cls: type) -> Any:
     """The value of the single document in ``data`` as ``loader_cls`` (a safe PyYAML loader) builds it.
     Raises HandBack (or a YAMLError) where the caller must parse with ``loader_cls`` itself."""
+    loader = _fast_loader(loader_cls)(data)
     collecting = gc.isenabled()
     gc.disable()  # see _pause_note
-    loader = _fast_loader(loader_cls)(data)
     try:
         node = loader.get_single_node()
         if node is None:
