@@ -169,10 +169,13 @@ def measure_yaml(layouts: Sequence[str], data: Path, split: str, repeats: int = 
     """ms per frame yaml of each layout's split: PyYAML's ``yaml.load`` and the readers' route, in turns, on
     the same bytes (read into memory first), with the collector as a dataset process leaves it (enabled)."""
     routes = {"yaml.load": lambda text, loader: yaml.load(text, Loader=loader), "fast_yaml": load_yaml_bytes}
-    roots = {data if layout.startswith("opv2v") else data.with_name(f"{data.name}_{layout}"): layout
-             for layout in reversed(layouts) if frame_yaml_loader(layout) is not None}  # opv2v_2cav reads opv2v's
-    for root, layout in reversed(roots.items()):
+    measured = set()
+    for layout in layouts:
         loader = frame_yaml_loader(layout)
+        root = data if layout.startswith("opv2v") else data.with_name(f"{data.name}_{layout}")
+        if loader is None or root in measured:  # opv2v_2cav reads opv2v's files
+            continue
+        measured.add(root)
         texts = [path.read_bytes() for path in sorted((root / split).glob("*/*/*.yaml"))]
         best = {route: float("inf") for route in routes}
         for _ in range(repeats):

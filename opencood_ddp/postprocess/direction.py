@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -90,11 +90,6 @@ def apply_direction(yaw: torch.Tensor, logits: torch.Tensor, args: DirectionArgs
     return limit_period(yaw - args.dir_offset, 0.0, args.period) + args.dir_offset + args.period * sector
 
 
-def model_direction(hypes: Mapping, source: str) -> Optional[DirectionArgs]:
-    block = get_key(hypes, MODEL_KEY)
-    return None if block is None else DirectionArgs.read(block, MODEL_KEY, source)
-
-
 def check_direction_agreement(hypes: Mapping, source: str) -> None:
     """The three blocks are present together and hold the same values, one per anchor yaw of
     postprocess.anchor_args.r: a head without its loss would not train (and DDP would find it unused), one
@@ -126,4 +121,4 @@ def check_direction_agreement(hypes: Mapping, source: str) -> None:
 
 
 __all__ = ["DirectionArgs", "apply_direction", "check_direction_agreement", "direction_logits", "direction_targets",
-           "limit_period", "model_direction"]
+           "limit_period"]
