@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
@@ -56,8 +55,8 @@ from opencood_ddp.data.opv2v import is_rsu_id, lidar_pose_of, load_opv2v_yaml, o
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.toy.config import SPLITS
-from opencood_ddp.toy.manifest import (MANIFEST_NAME, ToySetKind, is_complete_match, prepare_output_dir,
-                                       read_toy_manifest, write_manifest)
+from opencood_ddp.toy.manifest import (MANIFEST_NAME, ToySetKind, is_complete_match, read_toy_manifest,
+                                       write_toy_set)
 
 PathLike = Union[str, Path]
 
@@ -166,18 +165,12 @@ def write_dairv2x_copy(opv2v_root: PathLike, out_dir: PathLike, seed: int = 0) -
     out = Path(out_dir)
     identity = {"format": LAYOUT_FORMAT, "layout": LAYOUT, "layout_version": LAYOUT_VERSION, "seed": seed,
                 "source": _source_identity(source)}
-    existing = read_toy_manifest(out, DAIRV2X_SET)
-    if existing is not None and is_complete_match(out, existing, identity, DAIRV2X_SET):
-        return dict(existing["summary"], out_dir=str(out), skipped=True)
-    splits = _source_frames(source)
-    prepare_output_dir(out, existing, DAIRV2X_SET)
-    write_manifest(out, dict(identity, complete=False))
-    began = time.perf_counter()
-    clouds = _write_copy(out, splits, seed)
-    summary = {"frames": {split: len(frames) for split, frames in zip(SPLITS, splits)}, "clouds": clouds,
-               "seconds": round(time.perf_counter() - began, 2), "seed": seed}
-    write_manifest(out, dict(identity, complete=True, summary=summary))
-    return dict(summary, out_dir=str(out), skipped=False)
+    def plan():  # the source's frames, checked before an earlier copy is replaced
+        splits = _source_frames(source)
+        return lambda: {"frames": {split: len(frames) for split, frames in zip(SPLITS, splits)},
+                        "clouds": _write_copy(out, splits, seed), "seed": seed}
+
+    return write_toy_set(out, identity, DAIRV2X_SET, plan)
 
 
 def format_dairv2x_summary(summary: Mapping[str, Any]) -> str:

@@ -4,9 +4,10 @@ finished. A complete set with the same identity is reused; an earlier toy set is
 from __future__ import annotations
 
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import yaml
 
@@ -96,3 +97,23 @@ def write_manifest(out: Path, manifest: dict) -> None:
     tmp.write_text(yaml.safe_dump(manifest, sort_keys=True))
     tmp.replace(out / MANIFEST_NAME)   # atomic: a manifest is either the old or the new one
 
+
+def write_toy_set(out: Path, identity: dict, kind: ToySetKind, plan: Callable[[], Callable[[], dict]]) -> dict:
+    """What every writer of a toy set does around its manifest; returns the summary (``out_dir``, ``skipped``).
+
+    A complete set of ``identity`` in ``out`` is reused. Otherwise ``plan()`` runs first: the checks that may refuse
+    the job, before anything in ``out`` is touched; it returns the writer. Then an earlier set of ``kind`` is
+    removed, the manifest says the set is incomplete, the writer writes it and returns its summary, and the
+    manifest says it is complete, with that summary and the writer's ``seconds``.
+    """
+    existing = read_toy_manifest(out, kind)
+    if existing is not None and is_complete_match(out, existing, identity, kind):
+        return dict(existing["summary"], out_dir=str(out), skipped=True)
+    write = plan()
+    prepare_output_dir(out, existing, kind)
+    write_manifest(out, dict(identity, complete=False))
+    began = time.perf_counter()
+    summary = write()
+    summary = dict(summary, seconds=round(time.perf_counter() - began, 2))
+    write_manifest(out, dict(identity, complete=True, summary=summary))
+    return dict(summary, out_dir=str(out), skipped=False)

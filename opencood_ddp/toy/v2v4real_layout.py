@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -57,8 +56,8 @@ from opencood_ddp.data.geometry import matrix_to_pose, pose_to_matrix
 from opencood_ddp.data.opv2v import ego_speed_of, is_rsu_id, lidar_pose_of, load_opv2v_yaml, order_cav_ids
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.toy.config import GROUND_Z, SPLITS
-from opencood_ddp.toy.manifest import (MANIFEST_NAME, ToySetKind, is_complete_match, prepare_output_dir,
-                                       read_toy_manifest, write_manifest)
+from opencood_ddp.toy.manifest import (MANIFEST_NAME, ToySetKind, is_complete_match, read_toy_manifest,
+                                       write_toy_set)
 
 LAYOUT = "v2v4real"
 # Bump whenever the written bytes change for a given source and seed, so stale copies are rewritten.
@@ -105,16 +104,8 @@ def write_v2v4real_copy(opv2v_root, out_dir, seed: int = 0) -> dict:
     identity = {"format": V2V4REAL_SET.format, "layout": LAYOUT, "layout_version": LAYOUT_VERSION,
                 "seed": int(seed), "source": _source_identity(source)}
     _refuse_overlap(source, out)
-    existing = read_toy_manifest(out, V2V4REAL_SET)
-    if existing is not None and is_complete_match(out, existing, identity, V2V4REAL_SET):
-        return dict(existing["summary"], out_dir=str(out), skipped=True)
-    prepare_output_dir(out, existing, V2V4REAL_SET)
-    write_manifest(out, dict(identity, complete=False))
-    began = time.perf_counter()
-    stats = _copy_all_splits(source, out, int(seed))
-    summary = dict(stats, seconds=round(time.perf_counter() - began, 2), seed=int(seed), source_dir=str(source))
-    write_manifest(out, dict(identity, complete=True, summary=summary))
-    return dict(summary, out_dir=str(out), skipped=False)
+    return write_toy_set(out, identity, V2V4REAL_SET, lambda: lambda: dict(
+        _copy_all_splits(source, out, int(seed)), seed=int(seed), source_dir=str(source)))
 
 
 def format_v2v4real_summary(summary: dict) -> str:

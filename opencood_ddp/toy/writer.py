@@ -28,8 +28,7 @@ from opencood_ddp.data.pcd import write_pcd
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.toy.config import SPLITS, RsuConfig, ToyWorldConfig
 from opencood_ddp.toy.lidar import simulate_scan
-from opencood_ddp.toy.manifest import (identity_of, is_complete_match, prepare_output_dir, read_toy_manifest,
-                                       write_manifest)
+from opencood_ddp.toy.manifest import OPV2V_SET, identity_of, write_toy_set
 from opencood_ddp.toy.world import (TIMESTAMP_STEP, RoadSideUnit, ToyScene, build_scene, lidar_pose, place_rsu,
                                     scene_boxes, with_rsu_pole)
 
@@ -66,17 +65,8 @@ def generate_toy_opv2v(out_dir, seed: int, scale: str = "small", binary: bool = 
         config = dataclasses.replace(config, rsu=RsuConfig())
     out = Path(out_dir)
     identity = identity_of(seed, scale, binary, config)
-    existing = read_toy_manifest(out)
-    if existing is not None and is_complete_match(out, existing, identity):
-        return dict(existing["summary"], out_dir=str(out), skipped=True)
-    prepare_output_dir(out, existing)
-    write_manifest(out, dict(identity, complete=False))
-    began = time.perf_counter()
-    stats = _write_all_splits(out, seed, binary, config)
-    summary = dict(stats, seconds=round(time.perf_counter() - began, 2), seed=seed, scale=scale,
-                   binary=binary)
-    write_manifest(out, dict(identity, complete=True, summary=summary))
-    return dict(summary, out_dir=str(out), skipped=False)
+    return write_toy_set(out, identity, OPV2V_SET, lambda: lambda: dict(
+        _write_all_splits(out, seed, binary, config), seed=seed, scale=scale, binary=binary))
 
 
 def format_summary(summary: dict) -> str:
