@@ -87,6 +87,64 @@ ADVERSARIAL = {
 }
 
 
+# Block style, as PyYAML's dump writes frame files: the block route's shapes, and the lines next to them that
+# must send a key's text (or the whole document) to the node route. Each is compared with the loader's value.
+BLOCK = {
+    "frame-like": "ego_speed: 35.1\nlidar_pose:\n- 1.5\n- -2.0\n- 0.0\nvehicles:\n  180:\n    angle:\n"
+                  "    - 0.0\n    - -67.6\n    ass_id: -1\n    obj_type: Car\n  -3:\n    extent:\n      - 1.\n"
+                  "      - 2.5e-3\n",
+    "words the resolver reads as bool or null": "a: yes\nb: No\nc: null\nd: Null\non: 1\nn: y\nlist:\n- off\n",
+    "numbers YAML 1.1 reads its own way": "a: 010\nb: 0x1F\nc: 1_000\nd: 1e5\ne: .5\nf: 1:30\ng: 00\nh: -0\n"
+                                         "i: +0.0\nj: -.inf\nk: 1.0e400\n",
+    "float and int keys": "1.5: a\n-7: b\n2.5e3:\n- 1\n",
+    "empty value in the middle and at the end": "a:\nb: 1\nc:\n  d:\ne:\n",
+    "plain scalar continued on a deeper line": "a: 1\n  2\nb:\n- 1\n  - 2\nc: x\n  y: z\n",
+    "over-indented sibling (refused)": "a:\n    b: 1\n  c: 2\n",
+    "list item among keys (refused)": "a: 1\n- 2\n",
+    "deeper list, then a key at its indentation (refused)": "a:\n  - 1\n  b: 2\n",
+    "comment, blank line, trailing space": "a: 1 # one\n\nb:  2\nc: 3 \n# end\n",
+    "CRLF and tabs": "a: 1\r\nb:\r\n- 2\r\nc:\t3\n",
+    "document start marker": "---\na: 1\n",
+    "document end marker, then a second document (refused)": "a: 1\n...\nb: 2\n",
+    "flow list and quoted value beside block keys": "a: [1, 2.5]\nb:\n- 3.5\nc: 'x y'\nd: \"z\"\n",
+    "flow mapping continued at column 0": "a: {x: 1,\nb: 2}\nc: 1\n",
+    "unclosed flow mapping before a key (refused)": "a: {x: 1,\nb: 2\n",
+    "block scalar, then a key": "a: |\n  text: 1\n  - 2\nb: 3\n",
+    "anchor in one key, alias in another": "a:\n- &x 1.5\nb: *x\n",
+    "alias with no anchor (refused)": "a: 1\nb: *x\n",
+    "merge key at column 0": "a: 1\n<<: {b: 2}\n",
+    "list of mappings and list of lists": "a:\n- x: 1\n  y: 2\nb:\n- - 1\n  - 2\n",
+    "duplicate top-level keys, block and not": "a: 1\nb: [2]\na:\n- 3\nb: 4\n",
+    "key with a colon in its value": "a: b:c\nd: http://x\n",
+    "tagged value": "a: !!str 1.5\nb: !!float 2\n",
+    "unicode word and BOM": "\ufeffa: 1\nb: caf\u00e9\n",
+    "no final newline": "a:\n- 1.5",
+    "a lone dash": "a: -\nb:\n-\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK))
+def test_block_style_documents_get_the_loaders_value(name):
+    _same_as_loader(BLOCK[name])
+
+
+def test_a_frame_written_by_yaml_dump_takes_the_block_route_key_by_key():
+    """Every top-level key of the frame-like document is built by the block route; V2V4Real's tagged pose
+    alone goes to the node route, and the other keys of that document stay on the block route."""
+    words = fast_yaml._BlockWords.of(Opv2vYamlLoader)
+    for part in fast_yaml._top_level_parts(BLOCK["frame-like"]):
+        fast_yaml._block_mapping(part, words)  # raises _NotBlock otherwise
+    parts = fast_yaml._top_level_parts("ego_speed: 1.5\n" + NUMPY_POSE)
+    blocks = []
+    for part in parts:
+        try:
+            fast_yaml._block_mapping(part, fast_yaml._BlockWords.of(V2V4RealYamlLoader))
+            blocks.append(part.split(":")[0])
+        except fast_yaml._NotBlock:
+            pass
+    assert blocks == ["ego_speed", "speed"] and len(parts) == 3
+
+
 def test_scalars_resolve_and_build_as_the_loader_does():
     _same_as_loader(SCALARS)
 

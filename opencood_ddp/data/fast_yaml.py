@@ -17,6 +17,17 @@ in how, never in what:
   ``!!python/tuple``, V2V4Real's numpy arrays) is built by the loader's own constructor, after the plain
   scalars under it are given their real tags.
 
+Before that, a document written in block style, as PyYAML's ``dump`` writes frame files, takes a shorter
+route still (``_load_blocks``): each top-level key's lines are read by one regular expression per line and
+built by a loop over them, without events, nodes or marks. It covers only lines of three shapes, ``key:``,
+``key: scalar`` and ``- scalar``, with a scalar that is a plain decimal number or a word the loader resolves
+to a string, and indentation that nests them; a top-level key whose lines are anything else (V2V4Real's
+tagged pose, a comment, a flow list) is built by the node route below from its own text. A document that
+could make a key's text mean something else alone than in place (an anchor anywhere, a line that starts
+at column 0 and is neither a key nor a list item, a first line that is not a key) goes whole to the node route,
+and so does every document of a loader whose resolver does not read plain numbers as this route does (asked
+once per loader class).
+
 Whatever this route does not cover exactly (merge keys ``<<``, the ``=`` value key, an alias of a node that
 is still being built, an unhashable key, any error) is handed back: the caller parses the file again with
 the loader itself, which gives the value or the error that loader gives. An alias of a finished node is the
@@ -26,7 +37,7 @@ from __future__ import annotations
 
 import gc
 import re
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import yaml
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
@@ -43,7 +54,8 @@ _MERGE_TAGS = ("tag:yaml.org,2002:merge", "tag:yaml.org,2002:value")  # keys the
 
 # A subset of YAML 1.1's float (``[-+]?[0-9][0-9_]*\.[0-9_]*([eE][-+][0-9]+)?``) and of the added rule for an
 # exponent without a sign; float() reads it as PyYAML's construct_yaml_float does (no '_', no ':', no inf).
-_PLAIN_FLOAT = re.compile(r"[-+]?[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?").fullmatch
+_FLOAT = r"[-+]?[0-9]+\.[0-9]*(?:[eE][-+]?[0-9]+)?"
+_PLAIN_FLOAT = re.compile(_FLOAT).fullmatch
 # A subset of YAML 1.1's decimal int (``[-+]?(0|[1-9][0-9_]*)``): no leading 0 (octal), no '_', no ':'.
 _PLAIN_INT = re.compile(r"[-+]?(?:0|[1-9][0-9]*)").fullmatch
 
@@ -167,9 +179,21 @@ class _Builder:
 def load(data: bytes, loader_cls: type) -> Any:
     """The value of the single document in ``data`` as ``loader_cls`` (a safe PyYAML loader) builds it.
     Raises HandBack (or a YAMLError) where the caller must parse with ``loader_cls`` itself."""
-    loader = _fast_loader(loader_cls)(data)
     collecting = gc.isenabled()
     gc.disable()  # see _pause_note
+    try:
+        text = _block_text(data, loader_cls)
+        if text is not None:
+            return _load_blocks(text, loader_cls)
+        return _load_nodes(data, loader_cls)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _load_nodes(data: bytes, loader_cls: type) -> Any:
+    """The node route: libyaml composes, the builder above builds."""
+    loader = _fast_loader(loader_cls)(data)
     try:
         node = loader.get_single_node()
         if node is None:
@@ -177,13 +201,168 @@ def load(data: bytes, loader_cls: type) -> Any:
         return _Builder(loader).build(node)
     finally:
         loader.dispose()
-        if collecting:
-            gc.enable()
 
 
-# _pause_note: the node graph (a few hundred nodes, twice as many marks) lives only while the document is
-# built and holds no reference cycles, so reference counting frees it. Left on, the cyclic collector runs
-# every 700 allocations during the build, promotes the live nodes to older generations and so triggers full
+# ---- The block route ---------------------------------------------------------------------------------------
+# A scalar token: what a plain number or a word can be made of. The regular expressions below accept a line
+# only whole (``$``), so a token never stands for a longer plain scalar (``a b``, ``1.5 # note``).
+_TOKEN = r"[A-Za-z0-9_.+-]+"
+# One line: indentation, then a list item (its number or other token) or a key with an optional value (its
+# number or other token). findall gives one tuple per line it accepts.
+_BLOCK_LINE = re.compile(rf"^( *)(?:- (?:({_FLOAT})|({_TOKEN}))|({_TOKEN}):(?: (?:({_FLOAT})|({_TOKEN})))?)$",
+                         re.MULTILINE)
+# Where a top-level key starts: a line at column 0 that begins with a plain key and ``:`` (then a space or
+# the line's end). Inside the previous key's text it could only be in an unclosed flow list or quote, and
+# that text alone is then an error, so the whole document goes to the loader.
+_TOP_KEY = re.compile(rf"^{_TOKEN}:(?: .*)?$", re.MULTILINE)
+# Inside a top-level key's text, a line at column 0 that is neither a key nor a list item (``-`` then a space
+# or the end of the line): a document marker, a comment, a blank line, a flow continuation.
+_STRAY_COLUMN_0 = re.compile(r"\n(?![ ]|-[ \n]|-$)")
+_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*").fullmatch
+_EXPECTED_NUMBERS = (("1.5", _FLOAT_TAG), ("-2.", _FLOAT_TAG), ("1.5e5", _FLOAT_TAG), ("1.5e-5", _FLOAT_TAG),
+                     ("+7", _INT_TAG), ("0", _INT_TAG), ("-12", _INT_TAG))
+
+
+class _NotBlock(Exception):
+    """This top-level key's lines are not all of the block route's shapes: the node route builds it."""
+
+
+class _BlockWords:
+    """Per loader class: whether its resolver gives plain numbers the tags the route assumes, and which
+    words it resolves to a string."""
+
+    _by_loader: Dict[type, "_BlockWords"] = {}
+
+    def __init__(self, loader_cls: type):
+        self.resolver = loader_cls("")  # only its resolve() is used
+        self.is_string: Dict[str, bool] = {}
+        self.numbers_ok = not loader_cls.yaml_path_resolvers and all(
+            self.resolve(text) == tag for text, tag in _EXPECTED_NUMBERS)
+
+    @classmethod
+    def of(cls, loader_cls: type) -> "_BlockWords":
+        words = cls._by_loader.get(loader_cls)
+        if words is None:
+            words = cls._by_loader[loader_cls] = cls(loader_cls)
+        return words
+
+    def resolve(self, text: str) -> str:
+        return self.resolver.resolve(ScalarNode, text, (True, False))
+
+    def scalar(self, token: str) -> Any:
+        """The value of a plain token, or _NotBlock for one that is not a number or a word read as a string."""
+        string = self.is_string.get(token)  # words only: keys and names repeat, numbers seldom do
+        if string:
+            return token
+        if string is None:
+            if _PLAIN_FLOAT(token):
+                return float(token)
+            if _PLAIN_INT(token):
+                return int(token)
+            string = bool(_WORD(token)) and self.resolve(token) == _STR_TAG
+            if len(self.is_string) < _WORD_CACHE_LIMIT:
+                self.is_string[token] = string
+            if string:
+                return token
+        raise _NotBlock
+
+
+def _block_text(data: bytes, loader_cls: type) -> Any:
+    """The document as text where the block route may take it, else None."""
+    if b"&" in data or not _TOP_KEY.match(data[:256].decode("ascii", "replace")):
+        return None  # an anchor could join two keys' texts; a first line that is not a key: the node route
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        return None  # the loader's own decoding (a BOM, UTF-8, UTF-16)
+    return text if _BlockWords.of(loader_cls).numbers_ok else None
+
+
+def _load_blocks(text: str, loader_cls: type) -> Any:
+    """The document, one top-level key's text at a time: the block route where its lines allow it, else
+    the node route on that text alone, which means there what it means in place (see _block_text)."""
+    words = _BlockWords.of(loader_cls)
+    value: Dict[Any, Any] = {}
+    for part in _top_level_parts(text):
+        try:
+            value.update(_block_mapping(part, words))
+        except _NotBlock:
+            if _STRAY_COLUMN_0.search(part, 0, len(part) - 1):
+                return _load_nodes(text.encode("ascii"), loader_cls)
+            built = _load_nodes(part.encode("ascii"), loader_cls)
+            if not isinstance(built, dict):
+                raise HandBack
+            value.update(built)
+    return value
+
+
+def _top_level_parts(text: str) -> List[str]:
+    """The text of each top-level key, from its line to the next top-level key's (the first line is one)."""
+    starts = [match.start() for match in _TOP_KEY.finditer(text)]
+    return [text[start:end] for start, end in zip(starts, starts[1:] + [len(text)])]
+
+
+def _block_mapping(part: str, words: _BlockWords) -> Dict[Any, Any]:
+    lines = _BLOCK_LINE.findall(part)
+    if len(lines) != part.count("\n") + (not part.endswith("\n")):
+        raise _NotBlock  # a line of another shape
+    value, end = _block_value(lines, 0, 0, words)
+    if end != len(lines):
+        raise _NotBlock
+    return value
+
+
+def _block_value(lines: list, index: int, indent: int, words: _BlockWords) -> tuple:
+    """(value, next line) of the block at ``lines[index]``, whose lines are indented by ``indent``."""
+    if lines[index][3]:
+        return _block_map(lines, index, indent, words)
+    return _block_list(lines, index, indent, words)
+
+
+def _block_map(lines: list, index: int, indent: int, words: _BlockWords) -> tuple:
+    value: Dict[Any, Any] = {}
+    count = len(lines)
+    while index < count:
+        spaces, _, _, key, number, token = lines[index]
+        if len(spaces) < indent:
+            break
+        if len(spaces) > indent or not key:
+            raise _NotBlock  # over-indented, or a list item among keys: the loader's error
+        key = words.scalar(key)
+        index += 1
+        if number:
+            value[key] = float(number)
+        elif token:
+            value[key] = words.scalar(token)
+        else:  # ``key:``: a block below it, deeper or a list at the same indentation
+            if index == count:
+                raise _NotBlock  # an empty value (None)
+            below = len(lines[index][0])
+            if below > indent:
+                value[key], index = _block_value(lines, index, below, words)
+            elif below == indent and not lines[index][3]:
+                value[key], index = _block_list(lines, index, indent, words)
+            else:
+                raise _NotBlock
+    return value, index
+
+
+def _block_list(lines: list, index: int, indent: int, words: _BlockWords) -> tuple:
+    value = []
+    append = value.append
+    count = len(lines)
+    while index < count:
+        spaces, number, token, key, _, _ = lines[index]
+        if key or len(spaces) != indent:
+            break
+        append(float(number) if number else words.scalar(token))
+        index += 1
+    return value, index
+
+
+# _pause_note: the node graph (a few hundred nodes, twice as many marks), or the block route's line tuples,
+# lives only while the document is built and holds no reference cycles, so reference counting frees it. Left
+# on, the cyclic collector runs every 700 allocations during the build, promotes the live nodes to older generations and so triggers full
 # collections, which scan every object of a dataset process: 8 % of an OPV2V sample's time (measured on the
 # toy train split, 1 thread). Collection resumes when the document is built; garbage made meanwhile is
 # collected then.
