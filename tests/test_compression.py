@@ -289,7 +289,8 @@ def test_bytes_per_cav_frame_by_hand():
 def test_where2comm_rates_by_hand():
     """Sample 0: ego with 1 of 4 cells above the threshold, one cooperator with 2; sample 1: a lone ego with 4.
     OpenCOOD's com: (3 / 8 + 4 / 4) / 2; ours: the cooperator's 2 of 4 cells."""
-    from opencood_ddp.models.modules.where2comm import Communication, Where2commFusion, ego_rows
+    from opencood_ddp.models.modules.ego_warp import ego_rows
+    from opencood_ddp.models.modules.where2comm import Communication, Where2commFusion
 
     high, low = 9.0, -9.0
     psm = torch.full((3, 2, 2, 2), low)

@@ -178,7 +178,6 @@ def test_grid_size_missing_tells_which_parser_computes_it():
     ("postprocess.anchor_args.num=1", "postprocess.anchor_args.num"),
     ("model.args.voxel_size=[0.4, 0.4, 0.1]", "model.args.voxel_size"),
     ("model.args.lidar_range=[-40, -24, -3, 40, 24, 1]", "model.args.lidar_range"),
-    ("fusion.args.proj_first=false", "fusion.args.proj_first"),
 ])
 def test_a_wrong_model_key_is_one_error_line(override, key):
     assert_key_error(TOY, override, key)

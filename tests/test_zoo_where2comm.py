@@ -15,8 +15,8 @@ from launch import REPO
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import load_hypes
 from opencood_ddp.models import create_model
-from opencood_ddp.models.modules.where2comm import (Communication, communication_rate, ego_frame_affines,
-                                                    ego_rows, gaussian_kernel, warp_to_ego)
+from opencood_ddp.models.modules.ego_warp import ego_frame_affines, ego_rows, warp_to_ego
+from opencood_ddp.models.modules.where2comm import Communication, communication_rate, gaussian_kernel
 
 CORE = "point_pillar_where2comm"
 OPV2V = REPO / "hypes_yaml" / "opv2v" / f"{CORE}.yaml"
@@ -204,24 +204,12 @@ def test_what_is_sent_and_how_the_rate_counts():
 
 
 # ------------------------------------------------------------------------------------------ the warp
-def _pairwise(moves: dict, cavs: int = 2) -> torch.Tensor:
-    """(1, cavs, cavs, 4, 4): identity off the diagonal except `moves` {j: 4x4 ego -> CAV j}, zero diagonal."""
-    pairwise = torch.eye(4, dtype=torch.float64).repeat(1, cavs, cavs, 1, 1)
-    for i in range(cavs):
-        pairwise[0, i, i] = 0  # as the dataset without proj_first: the warp must not read it
-    for j, matrix in moves.items():
-        pairwise[0, 0, j] = matrix
-    return pairwise
-
-
 def test_identity_transforms_warp_nothing():
     x = torch.randn(5, 3, 10, 20, generator=torch.Generator().manual_seed(0))
     record_len = torch.tensor([3, 2])
-    pairwise = torch.cat([_pairwise({}, 3), _pairwise({}, 3)])
+    pairwise = torch.cat([zoo.pairwise_moves({}, 3), zoo.pairwise_moves({}, 3)])
     theta = ego_frame_affines(pairwise, record_len, [-4, -2, -3, 4, 2, 1])
-    warped = warp_to_ego(x, theta, ego_rows(record_len, "cpu"))
-    assert torch.equal(warped[[0, 3]], x[[0, 3]])
-    assert torch.allclose(warped, x, atol=1e-5)
+    assert torch.equal(warp_to_ego(x, theta, ego_rows(record_len, "cpu")), x)  # not resampled: exact
 
 
 def test_warp_moves_maps_by_metres_in_the_ego_frame():
@@ -231,11 +219,11 @@ def test_warp_moves_maps_by_metres_in_the_ego_frame():
     is_ego = ego_rows(record_len, "cpu")
     shift = torch.eye(4, dtype=torch.float64)
     shift[0, 3] = 0.8  # ego frame -> CAV frame: x + 0.8 m, two cells
-    warped = warp_to_ego(x, ego_frame_affines(_pairwise({1: shift}), record_len, lidar_range), is_ego)
+    warped = warp_to_ego(x, ego_frame_affines(zoo.pairwise_moves({1: shift}), record_len, lidar_range), is_ego)
     assert torch.allclose(warped[1, :, :, :18], x[1, :, :, 2:], atol=1e-5)
     assert torch.count_nonzero(warped[1, :, :, 18:]) == 0  # outside the CAV's map
     turn = torch.diag(torch.tensor([-1.0, -1.0, 1.0, 1.0], dtype=torch.float64))  # half a turn
-    warped = warp_to_ego(x, ego_frame_affines(_pairwise({1: turn}), record_len, lidar_range), is_ego)
+    warped = warp_to_ego(x, ego_frame_affines(zoo.pairwise_moves({1: turn}), record_len, lidar_range), is_ego)
     assert torch.allclose(warped[1], x[1].flip(-1, -2), atol=1e-5)
 
 

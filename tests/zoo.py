@@ -77,12 +77,13 @@ def assert_upstream_checkpoint_loads(config: Path, core_method: str) -> None:
         assert torch.equal(value, upstream[name].to(value.dtype)), name
 
 
-def toy_batch(config: Path, toy_root: Path, samples: int = 2) -> tuple[dict, torch.nn.Module, object]:
+def toy_batch(config: Path, toy_root: Path, samples: int = 2, *overrides: str) -> tuple[dict, torch.nn.Module,
+                                                                                         object]:
     """(collated training batch of the first `samples` frames, model, task) of a toy config."""
     from opencood_ddp.tasks import build_task
 
     hypes = hypes_of(config, f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}",
-                     f"test_dir={toy_root / 'test'}")
+                     f"test_dir={toy_root / 'test'}", *overrides)
     torch.manual_seed(0)
     task = build_task(hypes, for_training=True)
     batch = task.collate_train([task.train_set[i] for i in range(samples)])
@@ -212,3 +213,14 @@ def override_copy(hypes: dict, path: str, value: object) -> dict:
         node = node[key]
     node[leaf] = value
     return out
+
+
+def pairwise_moves(moves: dict, cavs: int = 2) -> torch.Tensor:
+    """(1, cavs, cavs, 4, 4) pairwise_t_matrix: the identity off the diagonal except `moves` {j: 4x4 ego -> CAV
+    j}, a zero diagonal (as the dataset without proj_first: a warp must not read it)."""
+    pairwise = torch.eye(4, dtype=torch.float64).repeat(1, cavs, cavs, 1, 1)
+    for i in range(cavs):
+        pairwise[0, i, i] = 0
+    for j, matrix in moves.items():
+        pairwise[0, 0, j] = matrix
+    return pairwise

@@ -6,6 +6,10 @@
 - ``PointPillarFCooper`` (``point_pillar_fcooper``): per-CAV backbone output, optional shrink header, then
   F-Cooper's element-wise max over CAVs.
 
+Both fusions work with ``fusion.args.proj_first`` true (OpenCOOD's: the clouds come projected into the ego's
+frame, the fusion is OpenCOOD's bit for bit) and false (HEAL's and CoAlign's: each CAV's map is warped into
+the ego's frame from ``pairwise_t_matrix`` before it is fused, ``modules/ego_warp.py``).
+
 All take the batch's ``ego`` dict (``processed_lidar``; ``record_len`` for the fusion models) and return
 ``{'psm': (N, A, H, W) class logits, 'rm': (N, 7A, H, W) box residuals}`` with upstream's parameter names, so
 upstream checkpoints load strictly (``tests/test_models.py`` checks every key and shape against the reference).
@@ -38,6 +42,7 @@ from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backb
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
+from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
 from opencood_ddp.models.modules.scatter import PointPillarScatter
@@ -107,9 +112,11 @@ class PointPillar(nn.Module):
 
     fusion_factory = None
     backbone_compresses = False  # AttFuse: base_bev_backbone.compression builds per-level auto-encoders
+    warps_to_ego = False  # AttFuse and F-Cooper: fuse maps warped into the ego's frame (proj_first: false)
 
     def __init__(self, args: Mapping):
         super().__init__()
+        self.lidar_range = [float(v) for v in args["lidar_range"]]
         self.pillar_vfe = PillarVFE(args["pillar_vfe"], NUM_POINT_FEATURES, args["voxel_size"], args["lidar_range"])
         self.scatter = PointPillarScatter(args["point_pillar_scatter"])
         bev = args["base_bev_backbone"]
@@ -167,10 +174,17 @@ class PointPillar(nn.Module):
             return int(data_dict["object_bbx_center"].shape[0])
         return None
 
+    def ego_warp(self, data_dict: Mapping, device: torch.device) -> Optional[EgoWarp]:
+        """How the batch's CAV maps move into their ego's frame; None for a model that does not warp here, or
+        when no map moves (proj_first: true)."""
+        return batch_ego_warp(data_dict, self.lidar_range, device) if self.warps_to_ego else None
+
     def encode(self, data_dict: Mapping) -> torch.Tensor:
         lidar = data_dict["processed_lidar"]
         batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
                  "voxel_num_points": lidar["voxel_num_points"], "record_len": data_dict.get("record_len")}
+        if self.fusion_factory is not None:  # fused inside the backbone, level by level
+            batch["ego_warp"] = self.ego_warp(data_dict, lidar["voxel_features"].device)
         batch = self.pillar_vfe(batch)
         batch = self.scatter(batch, self.num_images(data_dict))
         return self.backbone(batch)["spatial_features_2d"]
@@ -218,6 +232,7 @@ class PointPillarIntermediate(PointPillar):
 
     fusion_factory = AttFusion
     backbone_compresses = True
+    warps_to_ego = True
 
     @classmethod
     def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
@@ -239,6 +254,8 @@ def check_fcooper_args(hypes: Mapping, source: str) -> None:
 class PointPillarFCooper(PointPillar):
     """F-Cooper: max fusion of the CAVs' backbone output (after the optional shrink header)."""
 
+    warps_to_ego = True
+
     def build_neck(self, args: Mapping) -> None:
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if "shrink_header" in args else None
         self.naive_compressor = naive_compressor(args, self.shrunk_channels())
@@ -254,4 +271,5 @@ class PointPillarFCooper(PointPillar):
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
-        return self.fusion_net(self.compress(features), data_dict["record_len"])
+        return self.fusion_net(self.compress(features), data_dict["record_len"],
+                               self.ego_warp(data_dict, features.device))

@@ -23,7 +23,7 @@ from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compr
 from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
-from opencood_ddp.models.modules.where2comm import ego_frame_affines, ego_rows, warp_to_ego
+from opencood_ddp.models.modules.ego_warp import ego_frame_affines, ego_rows, warp_to_ego
 from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
                                               check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS
@@ -121,7 +121,6 @@ class PointPillarCoBEVT(PointPillar):
                                             int(fax["window_size"]), int(fax["dim_head"]), float(fax["drop_out"]),
                                             int(fax["depth"]))
         self.max_cav = int(args["max_cav"])
-        self.lidar_range = [float(v) for v in args["lidar_range"]]
 
     @classmethod
     def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:

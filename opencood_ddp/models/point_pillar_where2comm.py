@@ -56,7 +56,8 @@ from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compr
                                         check_shrink_header, head_channels, head_stride, level_map_sizes, refuse)
 from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
-from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion, ego_rows
+from opencood_ddp.models.modules.ego_warp import ego_rows
+from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion
 from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
                                               check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS

@@ -5,9 +5,9 @@ Per CAV: MeanVFE (the mean point of each voxel) -> VoxelBackBone8x (sparse 3-D c
 sample's CAVs by AttFuse's per-cell attention before its deblock (upstream's ``AttBEVBackbone``: the next level
 keeps working on every CAV's unfused map) -> 1x1 heads on the one fused map per sample.
 
-Like upstream's, the model does not warp the CAVs' maps: it needs clouds already projected into the ego frame
-(``fusion.args.proj_first`` true, upstream's default), and the check refuses false rather than fusing cells of
-unaligned maps. Upstream's ``model.args.batch_size`` is accepted and not read: the number of CAV maps is
+With ``fusion.args.proj_first`` true (upstream's default) the clouds come projected into the ego's frame and the
+maps are fused as they come, as upstream's. With false, where upstream would fuse cells of unaligned maps, every
+level's maps are warped into the ego's frame first (``modules/ego_warp.py``), as AttFuse's. Upstream's ``model.args.batch_size`` is accepted and not read: the number of CAV maps is
 ``record_len``'s sum, so any batch works. Upstream hard-codes the BEV backbone's input (256) and the heads' width
 (512); here they follow ``height_compression.feature_num`` and the backbone's output, which equal those numbers
 for upstream's hypes, so the thin toy configuration can be built too. ``model.args.base_bev_backbone.compression``
@@ -25,6 +25,7 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import check_backbone_compression
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
+from opencood_ddp.models.modules.ego_warp import batch_ego_warp
 from opencood_ddp.models.modules.fusion import AttFusion
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
 from opencood_ddp.models.modules.sparse_backbone import (HeightCompression, VoxelBackBone8x, num_features_out,
@@ -163,9 +164,6 @@ def _check_agreement(hypes: Mapping, source: str) -> None:
         if value is not None and value != args["anchor_number"]:
             raise ConfigError(f"{source}: {key} ({value}) differs from {other} ({args['anchor_number']}); "
                               f"make them equal")
-    if not get_key(hypes, "fusion.args.proj_first", True):
-        raise ConfigError(f"{source}: second_intermediate fuses the CAVs' maps cell by cell without warping them "
-                          f"(as upstream), so it needs fusion.args.proj_first true")
 
 
 @MODELS.register("second_intermediate", fusion="intermediate (attention)", required=SECOND_KEYS,
@@ -185,6 +183,7 @@ class SecondIntermediate(nn.Module):
         channels, anchors = self.backbone_2d.num_bev_features, int(args["anchor_number"])
         self.cls_head = nn.Conv2d(channels, anchors, kernel_size=1)
         self.reg_head = nn.Conv2d(channels, 7 * anchors, kernel_size=1)
+        self.lidar_range = [float(v) for v in args["lidar_range"]]
 
     @classmethod
     def sent_maps(cls, args: Mapping) -> List[Map]:
@@ -198,7 +197,8 @@ class SecondIntermediate(nn.Module):
         batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
                  "voxel_num_points": lidar["voxel_num_points"], "record_len": record_len,
                  # Every CAV gets a map, a trailing one without voxels included (upstream: sum(record_len)).
-                 "num_images": int(record_len.sum().item())}
+                 "num_images": int(record_len.sum().item()),
+                 "ego_warp": batch_ego_warp(data_dict, self.lidar_range, record_len.device)}
         batch = self.mean_vfe(batch)
         batch = self.backbone_3d(batch)
         batch = self.height_compression(batch)

@@ -4,7 +4,8 @@ Upstream ``sub_modules/base_bev_backbone.py`` (and ``att_bev_backbone.py`` for A
 upstream's: ``blocks.{level}`` = [ZeroPad2d, Conv(stride), BN, ReLU, (Conv, BN, ReLU) x layer_nums],
 ``deblocks.{level}`` = [ConvTranspose2d (or Conv2d for an upsample stride < 1), BN, ReLU]; BatchNorm eps 1e-3,
 momentum 0.01. With a ``fusion`` module per level (AttFuse), each level's output is fused across CAVs before
-its deblock, while the next level keeps working on every CAV's unfused map.
+its deblock (warped into the ego's frame first when the batch dict holds an ``ego_warp``), while the next level
+keeps working on every CAV's unfused map.
 
 ``compression`` L > 0 (AttFuse's ``base_bev_backbone.compression``, upstream's ``AttBEVBackbone``) adds an
 ``AutoEncoder`` of L - level steps after each level's blocks while L - level > 0 (``compression_modules.{level}``):
@@ -79,7 +80,8 @@ class BaseBEVBackbone(nn.Module):
             x = block(x)
             if self.compression_modules is not None and level < len(self.compression_modules):
                 x = self.compression_modules[level](x)
-            out = x if self.fuse_modules is None else self.fuse_modules[level](x, record_len)
+            out = (x if self.fuse_modules is None
+                   else self.fuse_modules[level](x, record_len, batch_dict.get("ego_warp")))
             ups.append(self.deblocks[level](out) if len(self.deblocks) > 0 else out)
         x = torch.cat(ups, dim=1) if len(ups) > 1 else ups[0]
         if len(self.deblocks) > len(self.blocks):

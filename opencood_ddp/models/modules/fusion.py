@@ -2,15 +2,19 @@
 
 A batch holds the CAVs of all its samples one after the other; ``record_len[b]`` says how many belong to
 sample ``b`` (the ego first). Both fusions return one map per sample. Neither has parameters, so they add no
-state-dict keys (as upstream's ``AttFusion`` and ``SpatialFusion``).
+state-dict keys (as upstream's ``AttFusion`` and ``SpatialFusion``). Given an ``EgoWarp`` (``proj_first:
+false``), both first resample every CAV's map in its ego's frame, as CoAlign's ``Att_w_Warp`` and
+``Max_w_Warp`` (``modules/ego_warp.py``); without one they fuse the maps as they come, as OpenCOOD's.
 """
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 from torch import nn
+
+from opencood_ddp.models.modules.ego_warp import EgoWarp, warp_to_ego
 
 
 def regroup(x: torch.Tensor, record_len: torch.Tensor) -> List[torch.Tensor]:
@@ -33,7 +37,9 @@ class AttFusion(nn.Module):
         """(cells, cavs, C) -> (cells, 1, cavs): the ego row of the attention matrix (only it is used)."""
         return torch.softmax(torch.bmm(tokens[:, :1], tokens.transpose(1, 2)) * self.scale, dim=-1)
 
-    def forward(self, x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp] = None) -> torch.Tensor:
+        if warp is not None:
+            x = warp_to_ego(x, warp.theta, warp.is_ego)
         fused = []
         for cavs in regroup(x, record_len):
             n, c, h, w = cavs.shape
@@ -46,5 +52,7 @@ class AttFusion(nn.Module):
 class MaxFusion(nn.Module):
     """F-Cooper's maxout fusion (upstream ``SpatialFusion``): element-wise max over the sample's CAVs."""
 
-    def forward(self, x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp] = None) -> torch.Tensor:
+        if warp is not None:
+            x = warp_to_ego(x, warp.theta, warp.is_ego)
         return torch.cat([cavs.max(dim=0, keepdim=True).values for cavs in regroup(x, record_len)], dim=0)

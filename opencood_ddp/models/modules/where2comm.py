@@ -19,17 +19,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opencood_ddp.models.modules.ego_warp import ego_frame_affines, warp_to_ego
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 
 AGGREGATORS = {"ATTEN": AttFusion, "MAX": MaxFusion}
-
-
-def ego_rows(record_len: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """(sum(record_len),) bool: True at each sample's first CAV, its ego."""
-    counts = record_len.to(device=device, dtype=torch.long)
-    is_ego = torch.zeros(int(counts.sum()), dtype=torch.bool, device=device)
-    is_ego[torch.cumsum(counts, 0) - counts] = True
-    return is_ego
 
 
 def gaussian_kernel(size: int, sigma: float) -> torch.Tensor:
@@ -117,47 +110,6 @@ def opencood_com(selected: Optional[torch.Tensor], record_len: torch.Tensor) -> 
     per_cav = (selected.detach() > 0).flatten(1).float().mean(dim=1)  # every CAV's map has H x W cells
     per_sample = torch.zeros(len(counts), device=selected.device).index_add_(0, sample, per_cav) / counts
     return per_sample.mean()
-
-
-def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
-                      lidar_range: Sequence[float]) -> torch.Tensor:
-    """(B, L, L, 4, 4) pairwise transforms -> (sum(record_len), 2, 3) ``affine_grid`` matrices, float64.
-
-    Row k maps the ego's normalised BEV coordinates (-1..1 over ``lidar_range``, x along the width, y along
-    the height) to those of CAV k's map: ``pairwise[b, 0, j]`` takes the ego's frame (CAV 0) to CAV j's, and
-    sampling CAV j's map there puts it in the ego's frame. The metric transform x' = A x + t becomes
-    S^-1 A S and S^-1 (A c + t - c) with S the half extents and c the centre of the range, which holds at
-    every backbone level (each covers the whole range). The egos' rows are the identity whatever the
-    diagonal holds (the dataset leaves it zero without proj_first).
-    """
-    device = pairwise_t_matrix.device
-    counts = record_len.to(device=device, dtype=torch.long)
-    sample = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
-    local = torch.arange(int(counts.sum()), device=device) - (torch.cumsum(counts, 0) - counts)[sample]
-    matrix = pairwise_t_matrix.to(torch.float64)[sample, 0, local]  # (N, 4, 4)
-    rotation, translation = matrix[:, :2, :2], matrix[:, :2, 3]
-    x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
-    half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
-    centre = matrix.new_tensor([(x_max + x_min) / 2, (y_max + y_min) / 2])
-    scaled = rotation * half.view(1, 1, 2) / half.view(1, 2, 1)
-    shift = (rotation @ centre + translation - centre) / half
-    theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)
-    identity = torch.eye(2, 3, dtype=theta.dtype, device=device).expand_as(theta)
-    return torch.where(ego_rows(counts, device).view(-1, 1, 1), identity, theta)
-
-
-def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame (bilinear, zeros outside).
-
-    The egos' maps are passed through untouched rather than resampled with an identity grid.
-    """
-    others = torch.nonzero(~is_ego).squeeze(1)
-    if others.numel() == 0:
-        return x
-    moved = x.index_select(0, others)
-    grid = F.affine_grid(theta.index_select(0, others).to(moved.dtype), list(moved.shape), align_corners=False)
-    warped = F.grid_sample(moved, grid.to(moved.dtype), mode="bilinear", padding_mode="zeros", align_corners=False)
-    return x.index_copy(0, others, warped.to(x.dtype))
 
 
 class Rates(NamedTuple):

@@ -1,0 +1,93 @@
+"""Every CAV's BEV map resampled in its sample's ego frame, for the fusions that combine maps cell by cell.
+
+With ``fusion.args.proj_first: false`` (HEAL's and CoAlign's DAIR-V2X-C configs) each CAV voxelises its own
+cloud in its own frame, so its map must be moved into the ego's before a cell of it can be fused with the
+ego's cell. The dataset's ``pairwise_t_matrix[b, 0, j]`` takes the ego's frame to CAV j's; normalised over
+``lidar_range`` it is the ``affine_grid`` matrix that samples CAV j's map at the ego's cells (bilinear, zeros
+outside CAV j's map, as CoAlign's ``warp_affine_simple``). The normalisation holds at every backbone level,
+since each level's map covers the whole range, so AttFuse warps each level's map with the same matrices.
+
+With ``proj_first: true`` (OpenCOOD's setting) the clouds are already in the ego's frame and every matrix is
+the identity. A map whose matrix is exactly the identity, and every ego's map, is passed through untouched
+rather than resampled (an identity ``grid_sample`` is off by rounding, up to 2e-4 on a unit-variance map), so
+the fusion is then OpenCOOD's, which does not warp, bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class EgoWarp(NamedTuple):
+    """What ``warp_to_ego`` needs for one batch's CAV maps, at any backbone level."""
+
+    theta: torch.Tensor  # (sum(record_len), 2, 3) float64 affine_grid matrices (ego_frame_affines)
+    is_ego: torch.Tensor  # (sum(record_len),) bool (ego_rows)
+
+
+def ego_rows(record_len: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """(sum(record_len),) bool: True at each sample's first CAV, its ego."""
+    counts = record_len.to(device=device, dtype=torch.long)
+    is_ego = torch.zeros(int(counts.sum()), dtype=torch.bool, device=device)
+    is_ego[torch.cumsum(counts, 0) - counts] = True
+    return is_ego
+
+
+def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
+                      lidar_range: Sequence[float]) -> torch.Tensor:
+    """(B, L, L, 4, 4) pairwise transforms -> (sum(record_len), 2, 3) ``affine_grid`` matrices, float64.
+
+    Row k maps the ego's normalised BEV coordinates (-1..1 over ``lidar_range``, x along the width, y along
+    the height) to those of CAV k's map: ``pairwise[b, 0, j]`` takes the ego's frame (CAV 0) to CAV j's, and
+    sampling CAV j's map there puts it in the ego's frame. The metric transform x' = A x + t becomes
+    S^-1 A S and S^-1 (A c + t - c) with S the half extents and c the centre of the range, which holds at
+    every backbone level (each covers the whole range). The egos' rows are the identity whatever the
+    diagonal holds (the dataset leaves it zero without proj_first).
+    """
+    device = pairwise_t_matrix.device
+    counts = record_len.to(device=device, dtype=torch.long)
+    sample = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
+    local = torch.arange(int(counts.sum()), device=device) - (torch.cumsum(counts, 0) - counts)[sample]
+    matrix = pairwise_t_matrix.to(torch.float64)[sample, 0, local]  # (N, 4, 4)
+    rotation, translation = matrix[:, :2, :2], matrix[:, :2, 3]
+    x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
+    half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
+    centre = matrix.new_tensor([(x_max + x_min) / 2, (y_max + y_min) / 2])
+    scaled = rotation * half.view(1, 1, 2) / half.view(1, 2, 1)
+    shift = (rotation @ centre + translation - centre) / half
+    theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)
+    identity = torch.eye(2, 3, dtype=theta.dtype, device=device).expand_as(theta)
+    return torch.where(ego_rows(counts, device).view(-1, 1, 1), identity, theta)
+
+
+def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame (bilinear, zeros outside).
+
+    The egos' maps, and every map whose matrix is exactly the identity, are passed through untouched.
+    """
+    identity = torch.eye(2, 3, dtype=theta.dtype, device=theta.device)
+    moving = ~is_ego & ~(theta == identity).flatten(1).all(dim=1)
+    others = torch.nonzero(moving).squeeze(1)
+    if others.numel() == 0:
+        return x
+    moved = x.index_select(0, others)
+    grid = F.affine_grid(theta.index_select(0, others).to(moved.dtype), list(moved.shape), align_corners=False)
+    warped = F.grid_sample(moved, grid.to(moved.dtype), mode="bilinear", padding_mode="zeros", align_corners=False)
+    return x.index_copy(0, others, warped.to(x.dtype))
+
+
+def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float], device: torch.device) -> Optional[EgoWarp]:
+    """The batch's EgoWarp from its ``record_len`` and ``pairwise_t_matrix``; None when it has neither (no
+    fusion) or when no CAV's map moves (proj_first: true), so that nothing is computed per level."""
+    record_len, pairwise = data_dict.get("record_len"), data_dict.get("pairwise_t_matrix")
+    if record_len is None or pairwise is None:
+        return None
+    theta = ego_frame_affines(pairwise.to(device), record_len, lidar_range)
+    if bool((theta == torch.eye(2, 3, dtype=theta.dtype, device=device)).all()):
+        return None
+    return EgoWarp(theta, ego_rows(record_len, device))
+
+
+__all__ = ["EgoWarp", "batch_ego_warp", "ego_frame_affines", "ego_rows", "warp_to_ego"]
