@@ -4,7 +4,6 @@ and the fusion is OpenCOOD's. Expected maps are derived by hand from the poses: 
 is a 20 x 10 map of 0.4 m cells."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
