@@ -14,6 +14,14 @@ Upstream counterpart: ``opencood/loss/point_pillar_loss.py`` (``PointPillarLoss`
 With ``loss.args.dir`` (CoAlign's and HEAL's configs) a third term classifies each positive anchor's heading
 into the sector the post-processor's label ``dir_targets`` names (``postprocess/direction.py``); its part is
 ``dir``.
+
+``loss.args`` comes in two spellings under the one name ``point_pillar_loss``, as in the two code bases:
+- OpenCOOD's: ``cls_weight`` and ``reg`` (numbers); focal alpha 0.25, gamma 2, smooth-L1 sigma 3; every anchor
+  that is not positive is a negative of weight 1.
+- CoAlign's and HEAL's: ``pos_cls_weight``, ``cls: {type: SigmoidFocalLoss, alpha, gamma, weight}`` and
+  ``reg: {type: WeightedSmoothL1Loss, sigma, codewise: true, weight}``. A positive anchor's focal term weighs
+  ``pos_cls_weight``, a negative's 1, and the negatives are the anchors of ``neg_equal_one`` (IoU below the
+  negative threshold): an anchor between the two thresholds costs nothing, where OpenCOOD counts it negative.
 """
 from __future__ import annotations
 
@@ -110,11 +118,16 @@ class PointPillarLoss(nn.Module):
     ``cls_weight * cls`` and its ``reg_loss`` is ``reg * smooth-L1``), so total == parts['cls'] + parts['reg'].
     """
 
-    def __init__(self, cls_weight: float, reg: float, dir_weight: Optional[float] = None, dir_bins: int = 2):
+    def __init__(self, cls_weight: float, reg: float, dir_weight: Optional[float] = None, dir_bins: int = 2, *,
+                 pos_cls_weight: Optional[float] = None, alpha: float = FOCAL_ALPHA, gamma: float = FOCAL_GAMMA,
+                 beta: float = SMOOTH_L1_BETA):
+        """``pos_cls_weight`` None: OpenCOOD's classification weights; a number: CoAlign's (see the module)."""
         super().__init__()
         self.cls_weight = float(cls_weight)
         self.reg_coe = float(reg)
         self.dir_weight, self.dir_bins = (None if dir_weight is None else float(dir_weight)), int(dir_bins)
+        self.pos_cls_weight = None if pos_cls_weight is None else float(pos_cls_weight)
+        self.alpha, self.gamma, self.beta = float(alpha), float(gamma), float(beta)
 
     def forward(self, output_dict: Mapping[str, torch.Tensor],
                 label_dict: Mapping[str, torch.Tensor]) -> LossTerms:
@@ -124,7 +137,7 @@ class PointPillarLoss(nn.Module):
         with torch.autocast(device_type=psm.device.type, enabled=False):
             positives = self._positives(label_dict["pos_equal_one"], psm, dtype)
             normalizer = torch.clamp(positives.sum(dim=1, keepdim=True), min=1.0)  # (B, 1): per sample
-            cls_loss = self._cls_loss(psm.to(dtype), positives, normalizer)
+            cls_loss = self._cls_loss(psm.to(dtype), positives, normalizer, self._cls_weights(label_dict, positives))
             reg_loss = self._reg_loss(rm.to(dtype), label_dict["targets"], positives, normalizer)
             conf_part = self.cls_weight * cls_loss
             reg_part = self.reg_coe * reg_loss
@@ -143,15 +156,23 @@ class PointPillarLoss(nn.Module):
         labels = pos_equal_one.to(device=psm.device).reshape(psm.shape[0], -1)
         return (labels > 0).to(dtype)
 
-    @staticmethod
-    def _cls_loss(psm: torch.Tensor, positives: torch.Tensor, normalizer: torch.Tensor) -> torch.Tensor:
+    def _cls_weights(self, label_dict: Mapping[str, torch.Tensor], positives: torch.Tensor) -> Optional[torch.Tensor]:
+        """CoAlign's per-anchor focal weights before the normaliser: ``pos_cls_weight`` on positives, 1 on the
+        negatives of ``neg_equal_one``, 0 between the thresholds; None for OpenCOOD's (1 everywhere)."""
+        if self.pos_cls_weight is None:
+            return None
+        negatives = (label_dict["neg_equal_one"].to(device=positives.device).reshape(positives.shape) > 0)
+        return positives * self.pos_cls_weight + negatives.to(positives.dtype)
+
+    def _cls_loss(self, psm: torch.Tensor, positives: torch.Tensor, normalizer: torch.Tensor,
+                  weights: Optional[torch.Tensor]) -> torch.Tensor:
         batch = psm.shape[0]
         logits = psm.permute(0, 2, 3, 1).reshape(batch, -1)  # (B, H*W*A), anchor-major per cell
-        per_anchor = sigmoid_focal_loss(logits, positives) / normalizer
+        focal = sigmoid_focal_loss(logits, positives, self.alpha, self.gamma)
+        per_anchor = focal / normalizer if weights is None else focal * (weights / normalizer)
         return per_anchor.sum() / batch
 
-    @staticmethod
-    def _reg_loss(rm: torch.Tensor, targets: torch.Tensor, positives: torch.Tensor,
+    def _reg_loss(self, rm: torch.Tensor, targets: torch.Tensor, positives: torch.Tensor,
                   normalizer: torch.Tensor) -> torch.Tensor:
         batch = rm.shape[0]
         pred = rm.permute(0, 2, 3, 1).reshape(batch, -1, BOX_CODE_SIZE)  # (B, H*W*A, 7)
@@ -161,9 +182,8 @@ class PointPillarLoss(nn.Module):
         target = torch.where(torch.isnan(target), pred, target)
         pred, target = add_sin_difference(pred, target)
         # Zero weights on non-positive anchors keep rm in the graph even when a batch has no object.
-        per_code = weighted_smooth_l1(pred, target, positives / normalizer)
+        per_code = weighted_smooth_l1(pred, target, positives / normalizer, self.beta)
         return per_code.sum() / batch
-
 
     def _dir_loss(self, dm: torch.Tensor, label_dict: Mapping[str, torch.Tensor], positives: torch.Tensor,
                   normalizer: torch.Tensor) -> torch.Tensor:
@@ -180,18 +200,74 @@ class PointPillarLoss(nn.Module):
         return (per_anchor.reshape(batch, -1) * positives / normalizer).sum() / batch
 
 
+OPENCOOD_KEYS = ("cls_weight", "reg")
+COALIGN_KEYS = ("pos_cls_weight", "cls", "reg")
+FOCAL_TYPE, SMOOTH_L1_TYPE = "SigmoidFocalLoss", "WeightedSmoothL1Loss"  # CoAlign's `type` of each term
+_COALIGN_EXAMPLE = (f"pos_cls_weight: 2.0, cls: {{type: {FOCAL_TYPE}, alpha: 0.25, gamma: 2.0, weight: 2.0}}, "
+                    f"reg: {{type: {SMOOTH_L1_TYPE}, sigma: 3.0, codewise: true, weight: 2.0}}")
+
+
+def _is_weight(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def is_coalign_spelling(args: Mapping) -> bool:
+    """CoAlign's and HEAL's spelling of loss.args (its regression term a mapping), else OpenCOOD's."""
+    return isinstance(args.get("reg"), Mapping) or "pos_cls_weight" in args or "cls" in args
+
+
 def check_loss_weights(hypes: Mapping, source: str) -> None:
-    for key in ("cls_weight", "reg"):
-        value = hypes["loss"]["args"][key]
-        if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"{source}: key loss.args.{key} must be a finite number >= 0, got {value!r}; "
-                              f"fix the hypes or pass --set loss.args.{key}=VALUE")
-    direction = hypes["loss"]["args"].get("dir")
+    args = hypes["loss"]["args"]
+    if is_coalign_spelling(args):
+        _check_coalign_terms(args, source)
+    else:
+        _check_opencood_weights(args, source)
+    direction = args.get("dir")
     if direction is not None and not _direction_block(direction):
         raise ConfigError(f"{source}: key loss.args.dir must be {{weight: number >= 0, args: {{dir_offset, num_bins: "
                           f"integer >= 1, anchor_yaw}}[, type: {DIR_LOSS_TYPE}]}}, got {direction!r}; CoAlign's is "
                           f"{{type: {DIR_LOSS_TYPE}, weight: 0.2, args: *dir_args}} (postprocess.dir_args and "
                           f"model.args.dir_args the same)")
+
+
+def _check_opencood_weights(args: Mapping, source: str) -> None:
+    for key in OPENCOOD_KEYS:
+        if key not in args:
+            raise ConfigError(f"{source}: missing key loss.args.{key}; OpenCOOD's point_pillar_loss takes "
+                              f"cls_weight and reg (numbers), CoAlign's {{{_COALIGN_EXAMPLE}}}")
+        if not _is_weight(args[key]):
+            raise ConfigError(f"{source}: key loss.args.{key} must be a finite number >= 0, got {args[key]!r}; "
+                              f"fix the hypes or pass --set loss.args.{key}=VALUE")
+
+
+def _check_coalign_terms(args: Mapping, source: str) -> None:
+    """CoAlign's spelling, whole: each key present, each term of its one type, every number in its range."""
+    problem = _coalign_problem(args)
+    if problem:
+        raise ConfigError(f"{source}: loss.args in CoAlign's spelling: {problem}; CoAlign's DAIR-V2X-C configs "
+                          f"write {{{_COALIGN_EXAMPLE}}}")
+
+
+def _coalign_problem(args: Mapping) -> Optional[str]:
+    if "cls_weight" in args:
+        return "cls_weight is OpenCOOD's spelling (CoAlign's is cls.weight); use one spelling"
+    missing = [key for key in COALIGN_KEYS if key not in args]
+    if missing:
+        return f"missing key{'s' if len(missing) > 1 else ''} " + ", ".join(f"loss.args.{k}" for k in missing)
+    cls, reg = args["cls"], args["reg"]
+    if not _is_weight(args["pos_cls_weight"]):
+        return f"pos_cls_weight must be a finite number >= 0, got {args['pos_cls_weight']!r}"
+    if not isinstance(cls, Mapping) or set(cls) != {"type", "alpha", "gamma", "weight"} or cls["type"] != FOCAL_TYPE:
+        return f"cls must be {{type: {FOCAL_TYPE}, alpha, gamma, weight}}, got {cls!r}"
+    if not (_is_weight(cls["alpha"]) and cls["alpha"] <= 1 and _is_weight(cls["gamma"]) and _is_weight(cls["weight"])):
+        return f"cls.alpha must be in [0, 1], cls.gamma and cls.weight finite numbers >= 0, got {cls!r}"
+    if not isinstance(reg, Mapping) or not {"type", "sigma", "weight"} <= set(reg) <= {"type", "sigma", "weight",
+                                                                                     "codewise"} \
+            or reg["type"] != SMOOTH_L1_TYPE or reg.get("codewise", True) is not True:
+        return f"reg must be {{type: {SMOOTH_L1_TYPE}, sigma, codewise: true, weight}} (its loss is code-wise), got {reg!r}"
+    if not (_is_weight(reg["sigma"]) and reg["sigma"] > 0 and _is_weight(reg["weight"])):
+        return f"reg.sigma must be a finite number > 0 and reg.weight one >= 0, got {reg!r}"
+    return None
 
 
 DIR_LOSS_TYPE = "WeightedSoftmaxClassificationLoss"  # CoAlign's and HEAL's `type` of the term, the only one
@@ -206,14 +282,20 @@ def _direction_block(block) -> bool:
             and weight >= 0 and isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1)
 
 
-@LOSSES.register("point_pillar_loss", required=(("loss.args.cls_weight", "number"), ("loss.args.reg", "number")),
-                 optional=(("loss.args.dir", "dict"),), check=check_loss_weights)
+@LOSSES.register("point_pillar_loss", required=(), optional=(
+    ("loss.args.cls_weight", "number"), ("loss.args.reg", "any"),  # OpenCOOD's: reg a number; CoAlign's: a mapping
+    ("loss.args.pos_cls_weight", "number"), ("loss.args.cls", "dict"), ("loss.args.cls.type", "str"),
+    ("loss.args.cls.alpha", "number"), ("loss.args.cls.gamma", "number"), ("loss.args.cls.weight", "number"),
+    ("loss.args.reg.type", "str"), ("loss.args.reg.sigma", "number"), ("loss.args.reg.codewise", "bool"),
+    ("loss.args.reg.weight", "number"), ("loss.args.dir", "dict")), check=check_loss_weights)
 def build_point_pillar_loss(args: Mapping) -> PointPillarLoss:
     direction = args.get("dir")
-    if direction is None:
-        return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"])
-    return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"], dir_weight=direction["weight"],
-                           dir_bins=direction["args"]["num_bins"])
+    heads = {} if direction is None else {"dir_weight": direction["weight"], "dir_bins": direction["args"]["num_bins"]}
+    if not is_coalign_spelling(args):
+        return PointPillarLoss(cls_weight=args["cls_weight"], reg=args["reg"], **heads)
+    cls, reg = args["cls"], args["reg"]
+    return PointPillarLoss(cls_weight=cls["weight"], reg=reg["weight"], pos_cls_weight=args["pos_cls_weight"],
+                           alpha=cls["alpha"], gamma=cls["gamma"], beta=1.0 / float(reg["sigma"]) ** 2, **heads)
 
 
 __all__ = ["PointPillarLoss", "build_point_pillar_loss", "sigmoid_focal_loss", "sigmoid_cross_entropy_with_logits", "smooth_l1",
