@@ -32,7 +32,8 @@ from opencood_ddp.yaml_parsers import run_yaml_parser
 FOLDERS = ("dairv2x", "v2v4real")
 ROWS = ("point_pillar_late_fusion", "point_pillar_early_fusion", "point_pillar_intermediate_fusion",
         "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt")
-EXPECTED = {"dairv2x": set(ROWS) | {"point_pillar_where2comm"}, "v2v4real": set(ROWS)}
+# V2V4Real's fork has a second AttFuse file (point_pillar_opv2v: attention over the shrunk map, 32x compressed).
+EXPECTED = {"dairv2x": set(ROWS) | {"point_pillar_where2comm"}, "v2v4real": set(ROWS) | {"point_pillar_opv2v"}}
 CONFIGS = [REPO / "hypes_yaml" / folder / f"{stem}.yaml" for folder in FOLDERS for stem in sorted(EXPECTED[folder])]
 IDS = [f"{path.parent.name}/{path.stem}" for path in CONFIGS]
 

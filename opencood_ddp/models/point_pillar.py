@@ -5,8 +5,10 @@
   attention at every backbone level (``record_len`` groups the CAVs of each sample).
 - ``PointPillarFCooper`` (``point_pillar_fcooper``): per-CAV backbone output, optional shrink header, then
   F-Cooper's element-wise max over CAVs.
+- ``PointPillarOPV2V`` (``point_pillar_opv2v``, the V2V4Real fork's): F-Cooper's pipeline with AttFuse's attention
+  over the shrunk maps instead of the max.
 
-Both fusions work with ``fusion.args.proj_first`` true (OpenCOOD's: the clouds come projected into the ego's
+The fusions work with ``fusion.args.proj_first`` true (OpenCOOD's: the clouds come projected into the ego's
 frame, the fusion is OpenCOOD's bit for bit) and false (HEAL's and CoAlign's: each CAV's map is warped into
 the ego's frame from ``pairwise_t_matrix`` before it is fused, ``modules/ego_warp.py``).
 
@@ -259,7 +261,10 @@ class PointPillarFCooper(PointPillar):
     def build_neck(self, args: Mapping) -> None:
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if "shrink_header" in args else None
         self.naive_compressor = naive_compressor(args, self.shrunk_channels())
-        self.fusion_net = MaxFusion()
+        self.fusion_net = self.build_fusion()
+
+    def build_fusion(self) -> nn.Module:
+        return MaxFusion()
 
     @classmethod
     def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
@@ -273,3 +278,14 @@ class PointPillarFCooper(PointPillar):
             features = self.shrink_conv(features)
         return self.fusion_net(self.compress(features), data_dict["record_len"],
                                self.ego_warp(data_dict, features.device))
+
+
+@MODELS.register("point_pillar_opv2v", fusion="intermediate (attention, on the shrunk map)", required=PILLAR_KEYS,
+                 optional=FCOOPER_OPTIONAL_KEYS, check=check_fcooper_args)
+class PointPillarOPV2V(PointPillarFCooper):
+    """The V2V4Real fork's ``point_pillar_opv2v``: F-Cooper's pipeline (backbone, shrink header, naive compressor)
+    with AttFuse's per-cell attention over the CAVs' shrunk maps in place of the max, one fusion on the heads' map.
+    The attention has no parameters, so its state dict is F-Cooper's, names and order included."""
+
+    def build_fusion(self) -> nn.Module:
+        return AttFusion(self.shrunk_channels())
