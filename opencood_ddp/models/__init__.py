@@ -2,7 +2,8 @@
 
 As upstream's ``opencood/tools/train_utils.create_model``, a model class takes ``model.args``. The classes
 register themselves in ``opencood_ddp.registry.MODELS`` with the hypes keys they read (``point_pillar.py``:
-point_pillar for early and late fusion, point_pillar_intermediate (AttFuse), point_pillar_fcooper); every
+point_pillar for early and late fusion, point_pillar_intermediate (AttFuse), point_pillar_fcooper,
+point_pillar_opv2v); every
 module of this package is imported on the first lookup, so a new model is one new file here, or a module of
 the user's listed under the hypes' ``imports:``. The hypes must have been through their ``yaml_parser``.
 
