@@ -100,3 +100,46 @@ def test_opv2v_parameter_count():
 ])
 def test_a_bad_key_gives_one_line_naming_it(override, key):
     assert_key_error(OPV2V, override, key)
+
+
+# ------------------------------------------------------------------------- the V2V4Real fork's temporal encoding
+TEMPORAL = "model.args.v2vfusion.use_temporal_encoding=true"
+
+
+def test_temporal_encoding_adds_the_forks_cnn_first_and_nothing_else():
+    """The fork registers fusion_net.cnn, a 3x3 convolution from C + 1 channels to C, before msg_cnn."""
+    plain = [(name, list(t.shape)) for name, t in create_model(hypes_of(OPV2V)).state_dict().items()]
+    ours = [(name, list(t.shape)) for name, t in create_model(hypes_of(OPV2V, TEMPORAL)).state_dict().items()]
+    at = [name for name, _ in plain].index("fusion_net.msg_cnn.weight")
+    assert ours == plain[:at] + [("fusion_net.cnn.weight", [256, 257, 3, 3]), ("fusion_net.cnn.bias", [256])] \
+        + plain[at:]
+
+
+def test_the_delay_is_one_more_input_channel():
+    """cnn weights that copy the map's channel c and add 0.5 x the delay channel: each CAV's map + 0.5 x delay."""
+    fusion = V2VNetFusion(2, 1, "avg", [[3, 3]], [-4, -2, -3, 4, 2, 1], temporal=True)
+    with torch.no_grad():
+        fusion.cnn.weight.zero_()
+        fusion.cnn.bias.zero_()
+        for c in range(2):
+            fusion.cnn.weight[c, c, 1, 1] = 1.0
+        fusion.cnn.weight[:, 2, 1, 1] = 0.5
+    x = torch.randn(3, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    out = fusion.encode_delays(x, torch.tensor([0, 1, 3], dtype=torch.int))
+    assert torch.allclose(out, x + 0.5 * torch.tensor([0.0, 1.0, 3.0]).view(3, 1, 1, 1), atol=1e-6)
+
+
+def test_with_temporal_encoding_a_cavs_delay_changes_the_ego_output_and_every_parameter_trains(toy_small):
+    batch, model, task = toy_batch(TOY, toy_small, 2, TEMPORAL)
+    ego = batch["ego"]
+    assert int(ego["record_len"][0]) > 1
+    model.eval()
+    delayed = dict(ego, prior_encoding=ego["prior_encoding"].clone())
+    delayed["prior_encoding"][0, 1, 1] = 2.0  # sample 0's second CAV two frames late
+    with torch.no_grad():
+        before, after = model(ego)["psm"], model(delayed)["psm"]
+    assert not torch.allclose(before[0], after[0]) and torch.equal(before[1], after[1])
+    model.train()
+    out = task.step(model, batch)
+    out.total.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -9,6 +9,12 @@ Every key of upstream's ``v2vfusion`` block is declared. ``conv_gru.H``/``W``, `
 ``downsample_rate`` are checked but not needed: the hidden state takes the map's size and the warp is
 normalised by ``lidar_range`` (docs/compatibility.md). ``gru_flag: false`` (a residual update instead of the
 ConvGRU) is refused: upstream still builds the ConvGRU, whose parameters would then never get a gradient.
+
+``v2vfusion.use_temporal_encoding: true`` is the V2V4Real fork's temporal encoding: before the message passing,
+a 3x3 convolution ``fusion_net.cnn`` maps each CAV's [map, its delay in 100 ms frames] back to the map's
+channels, so that the fusion sees how old each map is (``prior_encoding``'s time delay, 0 without
+``wild_setting.async``). Absent or false, nothing is built: upstream OpenCOOD's model and state dict (the fork
+builds the layer unused with false, so its checkpoints of such a run carry two keys ours do not).
 """
 from __future__ import annotations
 
@@ -35,7 +41,8 @@ V2VNET_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + tuple((_ARGS + key, kind) for key,
     ("shrink_header.stride", "list"), ("shrink_header.padding", "list"), ("shrink_header.dim", "list"),
     ("shrink_header.input_dim", "positive_int"), ("v2vfusion", "dict"), ("v2vfusion.voxel_size", "list"),
     ("v2vfusion.downsample_rate", "positive_int"), ("v2vfusion.conv_gru", "dict"),
-    ("v2vfusion.conv_gru.H", "positive_int"), ("v2vfusion.conv_gru.W", "positive_int")))
+    ("v2vfusion.conv_gru.H", "positive_int"), ("v2vfusion.conv_gru.W", "positive_int"),
+    ("v2vfusion.use_temporal_encoding", "bool")))
 
 
 def _check_fusion(hypes: Mapping, source: str, args: Mapping) -> None:
@@ -91,7 +98,8 @@ class PointPillarV2VNet(PointPillar):
         self.naive_compressor = naive_compressor(args, self.shrunk_channels())
         block = args["v2vfusion"]
         self.fusion_net = V2VNetFusion(int(block["in_channels"]), int(block["num_iteration"]),
-                                       block["agg_operator"], kernel_sizes(block["conv_gru"]), args["lidar_range"])
+                                       block["agg_operator"], kernel_sizes(block["conv_gru"]), args["lidar_range"],
+                                       temporal=bool(block.get("use_temporal_encoding", False)))
 
     @classmethod
     def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
@@ -103,4 +111,13 @@ class PointPillarV2VNet(PointPillar):
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
-        return self.fusion_net(self.compress(features), data_dict["record_len"], data_dict["pairwise_t_matrix"])
+        record_len = data_dict["record_len"]
+        delays = cav_delays(data_dict["prior_encoding"], record_len) if self.fusion_net.cnn is not None else None
+        return self.fusion_net(self.compress(features), record_len, data_dict["pairwise_t_matrix"], delays)
+
+
+def cav_delays(prior_encoding: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+    """(B, max_cav, 3) [speed, delay, infra] -> (sum(record_len),) each CAV's delay in whole 100 ms frames,
+    truncated as the fork's ``.to(torch.int)``."""
+    rows = [prior_encoding[b, :int(n), 1] for b, n in enumerate(record_len.tolist())]
+    return torch.cat(rows).to(torch.int)

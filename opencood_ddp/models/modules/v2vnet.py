@@ -7,7 +7,8 @@ averaged (or max-ed) over j (i itself included, as upstream), and a ConvGRU of [
 zero hidden state gives i's new map. After the last round the ego's map (node 0) of each sample goes
 through a per-cell linear layer.
 
-State-dict names as upstream: ``msg_cnn``, ``conv_gru.cell_list.{k}.conv_gates|conv_can``, ``mlp``.
+State-dict names as upstream: ``msg_cnn``, ``conv_gru.cell_list.{k}.conv_gates|conv_can``, ``mlp``; with the
+V2V4Real fork's temporal encoding, ``cnn`` before them (a 3x3 convolution of [map, delay] back to the map's width).
 
 Departures from upstream (docs/compatibility.md):
 - The ConvGRU's zero hidden state takes the input's height and width; upstream sizes it from
@@ -18,7 +19,7 @@ Departures from upstream (docs/compatibility.md):
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -108,13 +109,15 @@ class V2VNetFusion(nn.Module):
     """Message passing among each sample's CAVs; returns the ego's updated map per sample."""
 
     def __init__(self, channels: int, num_iteration: int, aggregation: str,
-                 kernel_sizes: Sequence[Sequence[int]], lidar_range: Sequence[float]):
+                 kernel_sizes: Sequence[Sequence[int]], lidar_range: Sequence[float], temporal: bool = False):
         super().__init__()
         if aggregation not in AGGREGATORS:
             raise ValueError(f"agg_operator {aggregation!r} is not one of {AGGREGATORS}")
         self.num_iteration = num_iteration
         self.aggregation = aggregation
         self.lidar_range = [float(v) for v in lidar_range]
+        # The V2V4Real fork's temporal encoding, registered first as the fork does (its state-dict order).
+        self.cnn = nn.Conv2d(channels + 1, channels, kernel_size=3, padding=1) if temporal else None
         self.msg_cnn = nn.Conv2d(2 * channels, channels, kernel_size=3, padding=1)
         self.conv_gru = ConvGRU(2 * channels, channels, kernel_sizes)
         self.mlp = nn.Linear(channels, channels)
@@ -129,8 +132,18 @@ class V2VNetFusion(nn.Module):
         aggregate = messages.mean(dim=1) if self.aggregation == "avg" else messages.max(dim=1).values
         return self.conv_gru(torch.cat([nodes, aggregate], dim=1))
 
-    def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: torch.Tensor) -> torch.Tensor:
-        """(sum(record_len), C, H, W) CAV maps -> (B, C, H, W) fused ego maps."""
+    def encode_delays(self, x: torch.Tensor, delays: torch.Tensor) -> torch.Tensor:
+        """The fork's temporal encoding: ``cnn`` of each map with its delay (frames) as one more channel."""
+        n, _, h, w = x.shape
+        delay_map = delays.to(device=x.device, dtype=x.dtype).view(n, 1, 1, 1).expand(n, 1, h, w)
+        return self.cnn(torch.cat([x, delay_map], dim=1))
+
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: torch.Tensor,
+                delays: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(sum(record_len), C, H, W) CAV maps -> (B, C, H, W) fused ego maps; ``delays`` (sum(record_len),),
+        each CAV's delay, is read with the temporal encoding only."""
+        if self.cnn is not None:
+            x = self.encode_delays(x, delays)
         h, w = x.shape[-2:]
         thetas = pairwise_affines(pairwise_t_matrix.to(x.device), self.lidar_range)
         egos: List[torch.Tensor] = []
