@@ -561,3 +561,57 @@ def test_async_is_refused_as_one_line(dair):
     with pytest.raises(ConfigError) as info:
         build_dataset(hypes, "test", train=False, seed=SEED)
     one_line_error(info, "wild_setting.async", "set wild_setting.async: false")
+
+
+# ------------------------------------------------------------------------------------- HEAL's ego swap
+SWAP = "fusion.args.swap_ego_probability"
+
+
+def test_a_swapped_training_sample_is_seen_from_the_road_side_unit(dair):
+    """Probability 1: the road-side unit is every training sample's ego (slot 0, CAV id 1, its calibrated pose), the
+    vehicle the other agent, and the cooperative labels are the world corners mapped into the road-side unit's
+    frame (facts 1.5 with T_world_ego = virtuallidar_to_world + offset)."""
+    ds = dataset("intermediate", dair.data_dir, f"{SWAP}=1.0", split="train", train=True)
+    checked = 0
+    for index, veh in enumerate(dair.splits["train"]):
+        entry = dair.info[veh]
+        vehicle_pose, infra_pose = vehicle_to_world(dair.data_dir, veh), infra_to_world(dair.data_dir, entry)
+        if rsu_distance(vehicle_pose, infra_pose) > 100.0:
+            continue  # the vehicle, which carries the cooperative labels, is out of range
+        frames = ds.source.sample_frames(index, 0)
+        ego, other = frames.frame(0), frames.frame(1)
+        assert (ego.cav_id, ego.infra, ego.ego, other.cav_id, other.infra, other.ego) == \
+               ("1", True, True, "0", False, False)
+        np.testing.assert_allclose(pose_to_matrix(ego.lidar_pose), infra_pose, atol=1e-9, rtol=0)
+        to_ego = np.linalg.inv(infra_pose)
+        labels = load(dair.data_dir / entry["cooperative_label_path"])
+        expected = [corner_to_center(apply(to_ego, np.asarray(label["world_8_points"], dtype=np.float64))
+                                     [OC_FROM_DAIR]) for label in labels]
+        expected = [box for box in expected if corners_inside(box_corners(box), dair.rng)]
+        assert_same_boxes(gt_of(ds[index]), expected, 1e-6)
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3
+
+
+def test_the_swap_is_drawn_per_sample_and_epoch_from_the_seed_and_never_at_test(dair):
+    def swaps(ds, epoch):
+        return [ds.source.sample_frames(index, epoch).frame(0).infra for index in range(len(ds.source))]
+
+    train = dataset("intermediate", dair.data_dir, f"{SWAP}=0.5", split="train", train=True)
+    again = dataset("intermediate", dair.data_dir, f"{SWAP}=0.5", split="train", train=True)
+    draws = [swaps(train, epoch) for epoch in range(3)]
+    assert draws[0] == swaps(again, 0)  # another process (a rank, a worker) draws the same
+    assert any(draws[0]) and not all(draws[0])  # both egos in one epoch
+    assert draws[0] != draws[1] or draws[1] != draws[2]  # and a sample's ego changes with the epoch
+    train.set_epoch(1)  # the dataset reads its epoch's draw
+    assert [train.received_cavs(index)[0].sent.infra for index in range(len(train.source))] == draws[1]
+    test = dataset("intermediate", dair.data_dir, f"{SWAP}=1.0")
+    assert not any(swaps(test, 0))  # validation and test keep the vehicle the ego
+
+
+def test_a_swap_probability_outside_0_1_is_one_error_line(dair):
+    with pytest.raises(ConfigError) as error:
+        dataset("intermediate", dair.data_dir, f"{SWAP}=1.5", split="train", train=True)
+    assert SWAP in named_line(error) and "0.5" in str(error.value)

@@ -345,7 +345,7 @@ class CavFrame:
     meta_path: Path  # the file that holds this frame's pose (named in error lines)
     ego: bool
     distance_to_ego: float  # x-y distance between this lidar and the ego's, metres
-    infra: bool = False  # a road-side unit: never the ego, infra = 1 in V2X-ViT's prior encoding
+    infra: bool = False  # a road-side unit (infra = 1 in V2X-ViT's prior encoding); the ego only in DAIR-V2X-C's swap
 
 
 FrameReader = Callable[[CavRecord, str, bool], CavFrame]

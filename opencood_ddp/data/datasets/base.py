@@ -256,7 +256,7 @@ class OpencoodDataset(Dataset):
 
     def sample_frames(self, index: int) -> Tuple[SampleFrames, List[int], SampleKey]:
         """The sample's frame reader, the applied delay of each of its CAVs (slot order) and its draw key."""
-        frames = self.source.sample_frames(index)
+        frames = self.source.sample_frames(index, self.epoch)
         key = SampleKey(self.seed, self.epoch, index)
         return frames, sample_delays(self.wild, frames.count, frames.position, key), key
 

@@ -83,7 +83,8 @@ class SplitSource:
     def __len__(self) -> int:
         raise NotImplementedError
 
-    def sample_frames(self, index: int) -> SampleFrames:
+    def sample_frames(self, index: int, epoch: int = 0) -> SampleFrames:
+        """Sample ``index``'s frames; ``epoch`` keys a source's per-epoch training draws (DAIR-V2X-C's ego swap)."""
         raise NotImplementedError
 
     def comm_range(self, fusion: str) -> Optional[float]:

@@ -5,13 +5,16 @@ docs/compatibility.md. Hypes (the anchors' keys): ``data_dir`` (the ``cooperativ
 folder), ``root_dir`` / ``validate_dir`` / ``test_dir`` (split files: JSON lists of vehicle frame ids),
 ``fusion.dataset: dairv2x``; optional ``label_type`` (``lidar``: CoAlign's complemented labels, the default;
 ``camera``: the original DAIR labels), ``input_source`` (must hold ``lidar``), ``comm_range`` (metres, 100) and our
-``fusion.args.dair_labels`` (below).
+``fusion.args.dair_labels`` and ``fusion.args.swap_ego_probability`` (below).
 
 - A sample is one vehicle frame id of the split list. ``cooperative/data_info.json`` (parsed once, when the
   dataset is built) pairs it with its road-side frame, matched by the basename of ``vehicle_image_path``; the
   infrastructure id comes from ``infrastructure_image_path``. A split id without an entry is one error line.
 - Agents: the vehicle is the ego (slot 0, CAV id ``0``), the road-side unit slot 1 (CAV id ``1``, ``infra``: V2X-ViT's
-  road-side flag). ``train_params.max_cav`` 1 keeps the vehicle alone.
+  road-side flag). ``train_params.max_cav`` 1 keeps the vehicle alone. ``fusion.args.swap_ego_probability`` p
+  (HEAL's heterogeneous datasets: 0.5; default 0) makes the road-side unit the ego of a training sample with
+  probability p, drawn per sample and epoch from the dataset's seed (HEAL draws from the process's global
+  generator, so ranks disagree); validation and test samples keep the vehicle the ego.
 - Poses: the vehicle's ``T_world_lidar`` composes ``vehicle-side/calib/lidar_to_novatel`` (its ``transform``) and
   ``novatel_to_world``; the road-side unit's is ``infrastructure-side/calib/virtuallidar_to_world`` with the frame's
   ``system_error_offset`` added to x and y. ``""`` (DAIR's value for frames without a fused label; HEAL fails on
@@ -64,7 +67,8 @@ VEHICLE_CLASSES = ("Car", "Van", "Truck", "Bus")  # the single-side classes HEAL
 INFRA_ID_OFFSET = 1000  # ids of the road-side unit's single-side labels, apart from the vehicle's
 LABEL_MODES = ("cooperative", "merged_single_side")
 LABEL_TYPES = ("lidar", "camera")
-VEHICLE, INFRA = 0, 1  # slots
+VEHICLE, INFRA = 0, 1  # the agents
+EGO_SWAP_DRAWS = 13  # the last word of the generator key that decides a training sample's ego (see wild.py)
 
 # Where CoAlign's complemented labels go, for the error line of a missing label file (docs/datasets.md).
 LABEL_INSTALL = ("CoAlign's complemented labels go in cooperative/label_world and vehicle-side/label/lidar, and the "
@@ -204,13 +208,14 @@ def single_side_boxes(labels: Any, path: Path, order: str) -> Tuple[np.ndarray, 
     return np.asarray(boxes, dtype=np.float64).reshape(-1, 7), ids
 
 
-def merge_by_iou(vehicle: Objects, infra: Objects, order: str) -> Objects:
-    """HEAL's merge: the vehicle's boxes, then the road-side boxes that overlap none of them by a BEV IoU above
-    ``MERGE_IOU``; ids are the positions in the result (HEAL numbers the merged boxes)."""
-    (vehicle_boxes, _), (infra_boxes, _) = vehicle, infra
-    iou = bev_iou_matrix(boxes_to_corners(infra_boxes, order), boxes_to_corners(vehicle_boxes, order))
-    kept = infra_boxes[~(iou > MERGE_IOU).any(axis=1)]
-    merged = np.concatenate([vehicle_boxes, kept]).reshape(-1, 7)
+def merge_by_iou(ego: Objects, other: Objects, order: str) -> Objects:
+    """HEAL's merge: the ego's boxes (the vehicle's, unless swapped), then the other agent's boxes that overlap
+    none of them by a BEV IoU above ``MERGE_IOU``; ids are the positions in the result (HEAL numbers the merged
+    boxes)."""
+    (ego_boxes, _), (other_boxes, _) = ego, other
+    iou = bev_iou_matrix(boxes_to_corners(other_boxes, order), boxes_to_corners(ego_boxes, order))
+    kept = other_boxes[~(iou > MERGE_IOU).any(axis=1)]
+    merged = np.concatenate([ego_boxes, kept]).reshape(-1, 7)
     return merged, list(range(len(merged)))
 
 
@@ -218,20 +223,22 @@ def merge_by_iou(vehicle: Objects, infra: Objects, order: str) -> Objects:
 
 
 class DairFrames:
-    """One frame pair as ``SampleFrames``: the vehicle and (with max_cav >= 2) the road-side unit, no history."""
+    """One frame pair as ``SampleFrames``: the ego at slot 0 (the vehicle, or the road-side unit when ``swapped``)
+    and (with max_cav >= 2) the other agent, no history."""
 
     position = 0  # a split lists single frame pairs: there is no earlier frame
 
-    def __init__(self, source: "DairV2XSource", pair: FramePair):
+    def __init__(self, source: "DairV2XSource", pair: FramePair, swapped: bool = False):
         self.source, self.pair = source, pair
         self.count = min(2, source.max_cav)
+        self.agents = (INFRA, VEHICLE) if swapped else (VEHICLE, INFRA)  # slot -> agent
         self._frames: Dict[int, CavFrame] = {}
 
     def frame(self, slot: int, lag: int = 0) -> CavFrame:
         if lag:
             raise ValueError(f"DAIR-V2X-C frame pairs have no earlier frame (lag {lag})")
         if slot not in self._frames:
-            self._frames[slot] = self.source.read_agent(self.pair, slot)
+            self._frames[slot] = self.source.read_agent(self.pair, self.agents[slot], ego=slot == 0)
         return self._frames[slot]
 
 
@@ -249,6 +256,10 @@ def _check_hypes(hypes: Mapping, source: str) -> None:
     if get_key(hypes, "wild_setting.async", False):
         raise ConfigError(f"{source}: wild_setting.async needs earlier frames, and a DAIR-V2X-C split lists single "
                           f"frame pairs; set wild_setting.async: false (localisation error works)")
+    swap = get_key(hypes, "fusion.args.swap_ego_probability", 0.0)
+    if not 0.0 <= swap <= 1.0:
+        raise ConfigError(f"{source}: key fusion.args.swap_ego_probability must be a probability in [0, 1], got "
+                          f"{swap!r}; HEAL's heterogeneous DAIR-V2X-C training uses 0.5, 0 keeps the vehicle the ego")
     comm_range = get_key(hypes, "comm_range", DEFAULT_COMM_RANGE)
     if not comm_range > 0 or math.isinf(comm_range):
         raise ConfigError(f"{source}: key comm_range must be a positive number of metres, got {comm_range!r}; "
@@ -257,7 +268,7 @@ def _check_hypes(hypes: Mapping, source: str) -> None:
 
 @SOURCES.register("dairv2x", required=(("data_dir", "str"),),
                   optional=(("label_type", "str"), ("input_source", "list"), ("comm_range", "number"),
-                            ("fusion.args.dair_labels", "str")),
+                            ("fusion.args.dair_labels", "str"), ("fusion.args.swap_ego_probability", "number")),
                   check=_check_hypes)
 class DairV2XSource(SplitSource):
     """A DAIR-V2X-C split (module docstring)."""
@@ -271,6 +282,7 @@ class DairV2XSource(SplitSource):
         self.camera_labels = get_key(hypes, "label_type", "lidar") == "camera"
         self.merged = get_key(hypes, "fusion.args.dair_labels", "cooperative") == "merged_single_side"
         self.range = float(get_key(hypes, "comm_range", DEFAULT_COMM_RANGE))
+        self.swap_probability = float(get_key(hypes, "fusion.args.swap_ego_probability", 0.0)) if self.train else 0.0
         anchor_range = np.array(range6(hypes, "postprocess.anchor_args.cav_lidar_range", hypes_source(hypes)))
         self.label_range = anchor_range + np.array([0, 0, -LABEL_Z_MARGIN, 0, 0, LABEL_Z_MARGIN])
         known = read_data_info(self.data_dir)
@@ -301,23 +313,30 @@ class DairV2XSource(SplitSource):
     def __len__(self) -> int:
         return len(self.pairs)
 
-    def sample_frames(self, index: int) -> DairFrames:
-        return DairFrames(self, self.pairs[index])
+    def sample_frames(self, index: int, epoch: int = 0) -> DairFrames:
+        return DairFrames(self, self.pairs[index], self.swaps_ego(index, epoch))
+
+    def swaps_ego(self, index: int, epoch: int) -> bool:
+        """Whether the road-side unit is this training sample's ego in this epoch (HEAL's heterogeneous swap)."""
+        if self.swap_probability == 0.0:
+            return False
+        draw = np.random.default_rng([self.seed, epoch, index, EGO_SWAP_DRAWS]).random()
+        return bool(draw < self.swap_probability)
 
     def comm_range(self, fusion: str) -> Optional[float]:
         return self.range
 
     # ------------------------------------------------------------------------------------------ agents
 
-    def read_agent(self, pair: FramePair, slot: int) -> CavFrame:
-        """The vehicle (slot 0) or the road-side unit (slot 1) of a pair: its pose from its calibration files."""
-        if slot == VEHICLE:
+    def read_agent(self, pair: FramePair, agent: int, ego: bool) -> CavFrame:
+        """The vehicle (CAV id 0) or the road-side unit (CAV id 1) of a pair: its pose from its calibration files."""
+        if agent == VEHICLE:
             pose_path = self.data_dir / "vehicle-side/calib/novatel_to_world" / f"{pair.vehicle_id}.json"
             return CavFrame("0", {"pair": pair}, matrix_to_pose(self.vehicle_to_world(pair)),
-                            self.data_dir / pair.vehicle_pcd, pose_path, True, float("nan"))
+                            self.data_dir / pair.vehicle_pcd, pose_path, ego, float("nan"))
         pose_path = self.data_dir / "infrastructure-side/calib/virtuallidar_to_world" / f"{pair.infra_id}.json"
         return CavFrame("1", {"pair": pair}, matrix_to_pose(self.infra_to_world(pair, pose_path)),
-                        self.data_dir / pair.infra_pcd, pose_path, False, float("nan"), infra=True)
+                        self.data_dir / pair.infra_pcd, pose_path, ego, float("nan"), infra=True)
 
     def vehicle_to_world(self, pair: FramePair) -> np.ndarray:
         """``T_world_lidar = T_novatel_to_world @ T_lidar_to_novatel`` (HEAL's and the devkit's composition),
@@ -367,8 +386,9 @@ class DairV2XSource(SplitSource):
         return self.single_side_in(frame, None)
 
     def merge(self, per_cav: Sequence[Objects]) -> Objects:
+        """HEAL's rule with ``merged_single_side``: the ego's boxes, then the other agent's that overlap none."""
         if self.merged and len(per_cav) == 2:
-            return merge_by_iou(per_cav[VEHICLE], per_cav[INFRA], self.order)
+            return merge_by_iou(per_cav[0], per_cav[1], self.order)
         return super().merge(per_cav)
 
     def cooperative_in(self, pair: FramePair, target_pose: np.ndarray) -> Objects:

@@ -50,7 +50,7 @@ class Opv2vSource(SplitSource):
     def __len__(self) -> int:
         return len(self.index)
 
-    def sample_frames(self, index: int) -> ScenarioFrames:
+    def sample_frames(self, index: int, epoch: int = 0) -> ScenarioFrames:
         scenario, position = self.index.locate_position(index)
         return ScenarioFrames(scenario, position, self.read_frame)
 
