@@ -362,10 +362,10 @@ def _block_list(lines: list, index: int, indent: int, words: _BlockWords) -> tup
 
 # _pause_note: the node graph (a few hundred nodes, twice as many marks), or the block route's line tuples,
 # lives only while the document is built and holds no reference cycles, so reference counting frees it. Left
-# on, the cyclic collector runs every 700 allocations during the build, promotes the live nodes to older generations and so triggers full
-# collections, which scan every object of a dataset process: 8 % of an OPV2V sample's time (measured on the
-# toy train split, 1 thread). Collection resumes when the document is built; garbage made meanwhile is
-# collected then.
+# on, the cyclic collector runs every 700 allocations during the build, promotes the live nodes to older
+# generations and so triggers full collections, which scan every object of a dataset process: 8 % of an OPV2V
+# sample's time (measured on the toy train split, 1 thread). Collection resumes when the document is built;
+# garbage made meanwhile is collected then.
 
 
 __all__ = ["HandBack", "load"]

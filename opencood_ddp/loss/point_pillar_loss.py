@@ -264,7 +264,8 @@ def _coalign_problem(args: Mapping) -> Optional[str]:
     if not isinstance(reg, Mapping) or not {"type", "sigma", "weight"} <= set(reg) <= {"type", "sigma", "weight",
                                                                                      "codewise"} \
             or reg["type"] != SMOOTH_L1_TYPE or reg.get("codewise", True) is not True:
-        return f"reg must be {{type: {SMOOTH_L1_TYPE}, sigma, codewise: true, weight}} (its loss is code-wise), got {reg!r}"
+        return (f"reg must be {{type: {SMOOTH_L1_TYPE}, sigma, codewise: true, weight}} (its loss is code-wise), "
+                f"got {reg!r}")
     if not (_is_weight(reg["sigma"]) and reg["sigma"] > 0 and _is_weight(reg["weight"])):
         return f"reg.sigma must be a finite number > 0 and reg.weight one >= 0, got {reg!r}"
     return None

@@ -7,8 +7,10 @@ keeps working on every CAV's unfused map) -> 1x1 heads on the one fused map per 
 
 With ``fusion.args.proj_first`` true (upstream's default) the clouds come projected into the ego's frame and the
 maps are fused as they come, as upstream's. With false, where upstream would fuse cells of unaligned maps, every
-level's maps are warped into the ego's frame first (``modules/ego_warp.py``), as AttFuse's. Upstream's ``model.args.batch_size`` is accepted and not read: the number of CAV maps is
-``record_len``'s sum, so any batch works. Upstream hard-codes the BEV backbone's input (256) and the heads' width
+level's maps are warped into the ego's frame first (``modules/ego_warp.py``), as AttFuse's.
+
+Upstream's ``model.args.batch_size`` is accepted and not read: the number of CAV maps is ``record_len``'s sum, so
+any batch works. Upstream hard-codes the BEV backbone's input (256) and the heads' width
 (512); here they follow ``height_compression.feature_num`` and the backbone's output, which equal those numbers
 for upstream's hypes, so the thin toy configuration can be built too. ``model.args.base_bev_backbone.compression``
 adds AttFuse's per-level auto-encoders (``modules/compressor.py``), as upstream's AttBEVBackbone does.
