@@ -24,7 +24,7 @@ from opencood_ddp.engine.evaluator import EvalRequest
 from opencood_ddp.engine.inference import choose_checkpoint, load_run_config
 from opencood_ddp.errors import ConfigError, run_tool
 from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
-from opencood_ddp.models.modules.ego_warp import warp_to_ego
+from opencood_ddp.models.modules.ego_warp import to_ego_frame
 from opencood_ddp.models.modules.fusion import AttFusion
 from opencood_ddp.tasks.opencood import DetectionEvalOptions, build_eval
 
@@ -46,9 +46,7 @@ class FirstLevelWeights:
     def __call__(self, module: AttFusion, inputs, output) -> None:
         x, record_len = inputs[:2]
         warp = inputs[2] if len(inputs) > 2 else None  # proj_first: false: the maps are fused once warped
-        if warp is not None:
-            x = warp_to_ego(x, warp.theta, warp.is_ego)
-        cavs = x[: int(record_len[0])]
+        cavs = to_ego_frame(x, warp)[: int(record_len[0])]
         n, c, h, w = cavs.shape
         weights = module.ego_weights(cavs.reshape(n, c, h * w).permute(2, 0, 1))
         self.weights.append(weights[:, 0, :].reshape(h, w, n))

@@ -278,9 +278,8 @@ def _direction_block(block) -> bool:
     if not isinstance(block, Mapping) or not {"weight", "args"} <= set(block) <= {"weight", "args", "type"} \
             or block.get("type", DIR_LOSS_TYPE) != DIR_LOSS_TYPE or not isinstance(block["args"], Mapping):
         return False
-    weight, bins = block["weight"], block["args"].get("num_bins")
-    return (isinstance(weight, (int, float)) and not isinstance(weight, bool) and math.isfinite(weight)
-            and weight >= 0 and isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1)
+    bins = block["args"].get("num_bins")
+    return _is_weight(block["weight"]) and isinstance(bins, int) and not isinstance(bins, bool) and bins >= 1
 
 
 @LOSSES.register("point_pillar_loss", required=(), optional=(

@@ -62,14 +62,19 @@ def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
     return torch.where(ego_rows(counts, device).view(-1, 1, 1), identity, theta)
 
 
+def moving_rows(theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the maps ``warp_to_ego`` resamples, every map but the egos' and those whose matrix is exactly
+    the identity."""
+    identity = torch.eye(2, 3, dtype=theta.dtype, device=theta.device)
+    return ~is_ego & ~(theta == identity).flatten(1).all(dim=1)
+
+
 def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame (bilinear, zeros outside).
 
     The egos' maps, and every map whose matrix is exactly the identity, are passed through untouched.
     """
-    identity = torch.eye(2, 3, dtype=theta.dtype, device=theta.device)
-    moving = ~is_ego & ~(theta == identity).flatten(1).all(dim=1)
-    others = torch.nonzero(moving).squeeze(1)
+    others = torch.nonzero(moving_rows(theta, is_ego)).squeeze(1)
     if others.numel() == 0:
         return x
     moved = x.index_select(0, others)
@@ -85,9 +90,16 @@ def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float], device: tor
     if record_len is None or pairwise is None:
         return None
     theta = ego_frame_affines(pairwise.to(device), record_len, lidar_range)
-    if bool((theta == torch.eye(2, 3, dtype=theta.dtype, device=device)).all()):
+    is_ego = ego_rows(record_len, device)
+    if not bool(moving_rows(theta, is_ego).any()):
         return None
-    return EgoWarp(theta, ego_rows(record_len, device))
+    return EgoWarp(theta, is_ego)
 
 
-__all__ = ["EgoWarp", "batch_ego_warp", "ego_frame_affines", "ego_rows", "warp_to_ego"]
+def to_ego_frame(x: torch.Tensor, warp: Optional[EgoWarp]) -> torch.Tensor:
+    """The maps a fusion combines: ``x`` warped by ``warp``, or as it comes without one (proj_first: true)."""
+    return x if warp is None else warp_to_ego(x, warp.theta, warp.is_ego)
+
+
+__all__ = ["EgoWarp", "batch_ego_warp", "ego_frame_affines", "ego_rows", "moving_rows", "to_ego_frame",
+           "warp_to_ego"]

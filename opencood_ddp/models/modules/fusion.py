@@ -14,7 +14,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from opencood_ddp.models.modules.ego_warp import EgoWarp, warp_to_ego
+from opencood_ddp.models.modules.ego_warp import EgoWarp, to_ego_frame
 
 
 def regroup(x: torch.Tensor, record_len: torch.Tensor) -> List[torch.Tensor]:
@@ -38,10 +38,8 @@ class AttFusion(nn.Module):
         return torch.softmax(torch.bmm(tokens[:, :1], tokens.transpose(1, 2)) * self.scale, dim=-1)
 
     def forward(self, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp] = None) -> torch.Tensor:
-        if warp is not None:
-            x = warp_to_ego(x, warp.theta, warp.is_ego)
         fused = []
-        for cavs in regroup(x, record_len):
+        for cavs in regroup(to_ego_frame(x, warp), record_len):
             n, c, h, w = cavs.shape
             tokens = cavs.reshape(n, c, h * w).permute(2, 0, 1)  # (cells, cavs, C)
             out = torch.bmm(self.ego_weights(tokens), tokens)  # (cells, 1, C)
@@ -53,6 +51,5 @@ class MaxFusion(nn.Module):
     """F-Cooper's maxout fusion (upstream ``SpatialFusion``): element-wise max over the sample's CAVs."""
 
     def forward(self, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp] = None) -> torch.Tensor:
-        if warp is not None:
-            x = warp_to_ego(x, warp.theta, warp.is_ego)
-        return torch.cat([cavs.max(dim=0, keepdim=True).values for cavs in regroup(x, record_len)], dim=0)
+        return torch.cat([cavs.max(dim=0, keepdim=True).values
+                          for cavs in regroup(to_ego_frame(x, warp), record_len)], dim=0)
