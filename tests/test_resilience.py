@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,13 +144,27 @@ def stop_in_the_middle_of_a_save(worker: subprocess.Popen, unfinished, attempts:
     raise AssertionError(f"no save was caught half way in {attempts} attempts")
 
 
+def unfinished_saves(folder: Path) -> list:
+    """The temporary checkpoints in `folder` that already hold bytes. The saver renames its file at any moment, so
+    a name listed a moment ago may be gone when it is looked at: that file is no longer unfinished."""
+    found = []
+    for path in folder.iterdir():
+        if not ckpt.UNFINISHED_RE.match(path.name):
+            continue
+        try:
+            if path.stat().st_size > 0:
+                found.append(path)
+        except FileNotFoundError:
+            pass
+    return found
+
+
 def test_save_killed_half_way_leaves_the_previous_checkpoint_loadable(tmp_path):
     worker = subprocess.Popen([sys.executable, str(WORKERS / "save_worker.py"), str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert worker.stdout.readline().strip() == "saved epoch 1"
-        unfinished = lambda: [p for p in tmp_path.iterdir() if ckpt.UNFINISHED_RE.match(p.name)  # noqa: E731
-                              and p.stat().st_size > 0]
+        unfinished = lambda: unfinished_saves(tmp_path)  # noqa: E731
         stop_in_the_middle_of_a_save(worker, unfinished)
         worker.kill()
     finally:
