@@ -15,7 +15,7 @@ import yaml
 
 from opencood_ddp.data import fast_yaml
 from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_opv2v_yaml, load_yaml_bytes
-from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
+from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader, dumped_ndarray_key
 from opencood_ddp.errors import DataError
 
 
@@ -42,7 +42,7 @@ def _same_as_loader(text: str, loader=Opv2vYamlLoader):
     data = text.encode()
     try:
         expected = yaml.load(data, Loader=loader)
-    except (yaml.YAMLError, ValueError) as exc:
+    except (yaml.YAMLError, ValueError, TypeError) as exc:
         with pytest.raises(type(exc)) as ours:
             load_yaml_bytes(data, loader)
         assert str(ours.value) == str(exc)
@@ -130,7 +130,7 @@ def test_block_style_documents_get_the_loaders_value(name):
 
 def test_a_frame_written_by_yaml_dump_takes_the_block_route_key_by_key():
     """Every top-level key of the frame-like document is built by the block route; V2V4Real's tagged pose
-    alone goes to the node route, and the other keys of that document stay on the block route."""
+    alone leaves it (for V2V4Real's key route, tested below), and the other keys of that document stay on it."""
     words = fast_yaml._BlockWords.of(Opv2vYamlLoader)
     for part in fast_yaml._top_level_parts(BLOCK["frame-like"]):
         fast_yaml._block_mapping(part, words)  # raises _NotBlock otherwise
@@ -237,3 +237,69 @@ def test_the_collector_is_on_again_after_a_document_and_after_a_hand_back():
     with pytest.raises(fast_yaml.HandBack):
         fast_yaml.load(ADVERSARIAL["merge key"].encode(), Opv2vYamlLoader)
     assert gc.isenabled()
+
+
+# V2V4Real's key route: a numpy array exactly as yaml.dump writes it is read from its text (dumped_ndarray_key);
+# every other form of the same key, and every damaged one, goes to the node route, which gives the loader's value
+# or error. Each document is compared with yaml.load; `taken` says whether the key route must have read it.
+def _dumped(array, key="lidar_pose"):
+    return yaml.dump({key: array})
+
+
+def _replace(text, old, new):
+    assert old in text
+    return text.replace(old, new)
+
+
+POSE = np.arange(16.0).reshape(4, 4) * 0.37 - 2.0
+KEY_ROUTE = {  # name -> (document, taken by the key route)
+    "float64 4x4 (a V2V4Real pose)": (_dumped(POSE), True),
+    "float64 Fortran order": (_dumped(np.asfortranarray(POSE[:3, :2])), True),
+    "float32 2x3": (_dumped(POSE[:2, :3].astype(np.float32)), True),
+    "int64 3 dims": (_dumped(np.arange(24, dtype=np.int64).reshape(2, 3, 4)), True),
+    "int16, one dimension": (_dumped(np.arange(-3, 4, dtype=np.int16)), True),
+    "numpy 1's module name": (_replace(_dumped(POSE), "numpy._core.", "numpy.core."), True),
+    "a long base64 block (many lines)": (_dumped(np.linspace(0, 1, 64)), True),
+    "another key": (_dumped(POSE, key="true_pose"), True),
+    "big-endian (quoted '>')": (_dumped(POSE.astype(">f8")), False),
+    "uint8 (quoted '|')": (_dumped(np.arange(5, dtype=np.uint8)), False),
+    "empty array (empty binary)": (_dumped(np.zeros((0,))), False),
+    "0-d array (empty shape)": (_dumped(np.array(2.5)), False),
+    "a key the resolver reads as a bool": (_dumped(POSE, key="on"), False),
+    "a key the resolver reads as null": (_dumped(POSE, key="null"), False),
+    "CRLF line ends": (_dumped(POSE).replace("\n", "\r\n"), False),
+    "a comment after the bytes": (_dumped(POSE) + "  # note\n", False),
+    "a blank line after the bytes": (_dumped(POSE) + "\n", False),
+    "no newline at the end": (_dumped(POSE).rstrip("\n"), False),
+    "bytes one short (refused)": (_replace(_dumped(POSE[:1, :1]), "AAAAAAAAAMA=", "AAAAAAAAAA=="), False),
+    "bytes of another shape (refused)": (_replace(_dumped(POSE), "    - 4\n    - 4\n", "    - 4\n    - 3\n"), False),
+    "bad base64 padding (refused)": (_replace(_dumped(POSE[:1, :1]), "AAAAAAAAAMA=", "AAAAAAAAAMA"), False),
+    # base64's lenient decoding reads this as the loader does: the key route gives the same array.
+    "base64 with padding inside": (_replace(_dumped(POSE[:1, :1]), "AAAAAAAAAMA=", "AAAA=AAAAAMA="), True),
+    "a dtype numpy cannot make (refused)": (_replace(_dumped(POSE), "    - f8\n", "    - f3\n"), False),
+    "a complex dtype (refused)": (_replace(_dumped(POSE[:1, :2]), "    - f8\n", "    - c16\n"), False),
+    "an indented continuation of the bytes": (_replace(_dumped(POSE), "\n    AAAA", "\n     AAAA"), False),
+    "a flag of another form (True)": (_replace(_dumped(POSE), "  - false\n  - !!binary", "  - True\n  - !!binary"),
+                                      False),
+    "a keep-chomped block": (_replace(_dumped(POSE), "  - !!binary |\n    AAAA", "  - !!binary |+\n    AAAA"), False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEY_ROUTE))
+def test_numpy_arrays_get_the_loaders_value_whichever_route_reads_them(name):
+    text, taken = KEY_ROUTE[name]
+    document = "ego_speed: 1.5\n" + text + "vehicles:\n  0:\n    ass_id: -1\n"
+    _same_as_loader(document, V2V4RealYamlLoader)
+    key_part = fast_yaml._top_level_parts(document)[1]
+    assert (dumped_ndarray_key(key_part) is not None) == taken
+
+
+def test_the_key_route_reads_every_toy_v2v4real_pose(toy_v2v4real):
+    paths = sorted(path for path in toy_v2v4real.rglob("*.yaml") if path.parent.name in ("0", "1"))
+    assert len(paths) > 20
+    for path in paths:
+        text = path.read_text()
+        [part] = [part for part in fast_yaml._top_level_parts(text) if part.startswith("lidar_pose:")]
+        key, pose = dumped_ndarray_key(part)
+        assert key == "lidar_pose" and pose.shape == (4, 4)
+        assert _typed(pose) == _typed(yaml.load(text, Loader=V2V4RealYamlLoader)["lidar_pose"]), path

@@ -21,8 +21,9 @@ Before that, a document written in block style, as PyYAML's ``dump`` writes fram
 route still (``_load_blocks``): each top-level key's lines are read by one regular expression per line and
 built by a loop over them, without events, nodes or marks. It covers only lines of three shapes, ``key:``,
 ``key: scalar`` and ``- scalar``, with a scalar that is a plain decimal number or a word the loader resolves
-to a string, and indentation that nests them; a top-level key whose lines are anything else (V2V4Real's
-tagged pose, a comment, a flow list) is built by the node route below from its own text. A document that
+to a string, and indentation that nests them; a top-level key whose lines are anything else (a comment,
+a flow list, a tag) is built by the node route below from its own text, unless one of the loader's own key
+routes (``fast_yaml_key_routes``: V2V4Real's numpy pose as PyYAML dumps it) reads that text exactly. A document that
 could make a key's text mean something else alone than in place (an anchor anywhere, a line that starts
 at column 0 and is neither a key nor a list item, a first line that is not a key) goes whole to the node route,
 and so does every document of a loader whose resolver does not read plain numbers as this route does (asked
@@ -289,11 +290,28 @@ def _load_blocks(text: str, loader_cls: type) -> Any:
         except _NotBlock:
             if _STRAY_COLUMN_0.search(part, 0, len(part) - 1):
                 return _load_nodes(text.encode("ascii"), loader_cls)
-            built = _load_nodes(part.encode("ascii"), loader_cls)
-            if not isinstance(built, dict):
-                raise HandBack
-            value.update(built)
+            value.update(_other_key(part, loader_cls, words))
     return value
+
+
+def _other_key(part: str, loader_cls: type, words: _BlockWords) -> Dict[Any, Any]:
+    """A top-level key whose lines the block route does not read: by the first of the loader's own text
+    routes (``fast_yaml_key_routes``) that takes its text, else by the node route on that text alone.
+
+    A key route takes the text of one top-level key and gives (key token, value) only where that value is
+    exactly what the loader builds from the text, else None; the key token is resolved here as a block key."""
+    for route in getattr(loader_cls, "fast_yaml_key_routes", ()):
+        taken = route(part)
+        if taken is not None:
+            key, item = taken
+            try:
+                return {words.scalar(key): item}
+            except _NotBlock:
+                break  # a key that is not a number or a string word: the node route resolves it
+    built = _load_nodes(part.encode("ascii"), loader_cls)
+    if not isinstance(built, dict):
+        raise HandBack
+    return built
 
 
 def _top_level_parts(text: str) -> List[str]:

@@ -30,8 +30,11 @@ section 2), with the departures named in docs/compatibility.md:
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Sequence
+import re
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import yaml
@@ -78,6 +81,12 @@ def _items(node: Optional[yaml.Node], count: int, what: str) -> list:
     return node.value
 
 
+def _number_dtype(code: str, order: str) -> Optional[np.dtype]:
+    """The numpy dtype of a pickled dtype's code (``f8``) and byte order, where it is a number type, else None."""
+    dtype = np.dtype(("<" if order == "|" else order) + code) if code[:1] in ("f", "i", "u") else None
+    return dtype if dtype is not None and dtype.kind in "fiu" else None
+
+
 def _numpy_dtype(loader: yaml.BaseLoader, node: yaml.Node) -> np.dtype:
     """``!!python/object/apply:numpy.dtype {args: [f8, ...], state: [3, '<', ...]}`` -> a numeric dtype."""
     if not node.tag.endswith(":numpy.dtype"):
@@ -86,11 +95,18 @@ def _numpy_dtype(loader: yaml.BaseLoader, node: yaml.Node) -> np.dtype:
     fields = _fields(node)
     code = str(loader.construct_scalar(fields["args"].value[0]))
     order = str(loader.construct_scalar(fields["state"].value[1])) if "state" in fields else "|"
-    dtype = np.dtype(("<" if order == "|" else order) + code) if code[0] in "fiu" else None
-    if dtype is None or dtype.kind not in "fiu":
+    dtype = _number_dtype(code, order)
+    if dtype is None:
         raise yaml.constructor.ConstructorError(None, None, f"numpy dtype {code!r} is not a number type",
                                                 node.start_mark)
     return dtype
+
+
+def _array(shape: tuple, dtype: np.dtype, fortran: bool, data: bytes) -> Optional[np.ndarray]:
+    """The float64 array a pickled ndarray's state describes; None where its bytes do not fill its shape."""
+    if len(data) != dtype.itemsize * int(np.prod(shape)):
+        return None
+    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C").astype(np.float64)
 
 
 def _construct_ndarray(loader: yaml.BaseLoader, node: yaml.Node) -> np.ndarray:
@@ -99,11 +115,51 @@ def _construct_ndarray(loader: yaml.BaseLoader, node: yaml.Node) -> np.ndarray:
     shape = tuple(int(loader.construct_scalar(item)) for item in shape_node.value)
     dtype = _numpy_dtype(loader, dtype_node)
     data = loader.construct_yaml_binary(data_node)
-    if len(data) != dtype.itemsize * int(np.prod(shape)):
+    array = _array(shape, dtype, loader.construct_yaml_bool(fortran_node), data)
+    if array is None:
         raise yaml.constructor.ConstructorError(None, None, f"numpy array of shape {shape} and {dtype} holds "
                                                 f"{len(data)} bytes", node.start_mark)
-    fortran = loader.construct_yaml_bool(fortran_node)
-    return np.frombuffer(data, dtype=dtype).reshape(shape, order="F" if fortran else "C").astype(np.float64)
+    return array
+
+
+# A top-level key holding an ndarray exactly as PyYAML's dump writes one (numpy 1 or 2, block style, a shape
+# of one or more dimensions, a little-endian number dtype, the bytes in one literal block). The parts
+# _construct_ndarray does not read (``args``, the pickle and dtype versions, the dtype's flags) are matched
+# only in the form dump gives them, so that the text means nothing else; any other form is the node route's
+# (dump quotes a big-endian '>' and a single byte's '|', which plain would start a block scalar).
+_BASE64_LINES = r"(?:    [A-Za-z0-9+/=]+\n)+"
+_DUMPED_NDARRAY = re.compile(
+    r"(?P<key>[A-Za-z_][A-Za-z0-9_]*): !!python/object/apply:numpy\.(?:core|_core)\.multiarray\._reconstruct\n"
+    r"  args:\n  - !!python/name:numpy\.ndarray ''\n  - !!python/tuple\n    - 0\n  - !!binary \|\n"
+    + _BASE64_LINES +
+    r"  state: !!python/tuple\n  - 1\n  - !!python/tuple\n(?P<shape>(?:    - (?:0|[1-9][0-9]*)\n)+)"
+    r"  - !!python/object/apply:numpy\.dtype\n    args:\n    - (?P<code>[fiu][1-9][0-9]*)\n    - false\n    - true\n"
+    r"    state: !!python/tuple\n    - 3\n    - (?P<order><)\n    - null\n    - null\n    - null\n"
+    r"    - -1\n    - -1\n    - 0\n"
+    r"  - (?P<fortran>false|true)\n  - !!binary \|\n(?P<data>" + _BASE64_LINES + r")\Z")
+
+
+def dumped_ndarray_key(part: str) -> Optional[Tuple[str, np.ndarray]]:
+    """fast_yaml's key route for a frame's numpy pose: (key, array) where ``part`` is one top-level key's text
+    in _DUMPED_NDARRAY's form, the value _construct_ndarray builds from it; None for anything else, so that
+    the node route builds it (or gives the loader's error)."""
+    match = _DUMPED_NDARRAY.match(part)
+    if match is None:
+        return None
+    try:
+        dtype = _number_dtype(match["code"], match["order"])
+        # The literal block's value, as the loader's construct_yaml_binary decodes it: each line without its
+        # indentation, then a newline.
+        text = "".join(line[4:] + "\n" for line in match["data"].splitlines())
+        data = base64.decodebytes(text.encode("ascii"))
+    except (TypeError, ValueError, binascii.Error):
+        return None
+    shape = tuple(int(line[6:]) for line in match["shape"].splitlines())
+    array = None if dtype is None else _array(shape, dtype, match["fortran"] == "true", data)
+    return None if array is None else (match["key"], array)
+
+
+V2V4RealYamlLoader.fast_yaml_key_routes = (dumped_ndarray_key,)
 
 
 def _construct_scalar(loader: yaml.BaseLoader, node: yaml.Node) -> float:
