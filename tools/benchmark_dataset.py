@@ -41,6 +41,7 @@ from opencood_ddp.data.augment import WorldTransform
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_yaml_bytes
 from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
+from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
@@ -48,6 +49,7 @@ from opencood_ddp.toy.writer import generate_toy_opv2v
 from opencood_ddp.yaml_parsers import run_yaml_parser
 
 REPO = Path(__file__).resolve().parents[1]
+HANDOVERS = {"in_band": ("in_band",), "shared": ("shared",), "both": ("in_band", "shared")}
 DEFAULT_HYPES = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
 
 # Stage -> (file suffix, function name[, first line]) of the functions whose cumulative time makes up the stage.
@@ -86,16 +88,21 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--yaml", action="store_true",
                         help="with --layouts: also time each OPV2V-layout reader's frame-yaml parse, PyYAML's "
                              "yaml.load against the readers' route (fast_yaml), per file, in turns")
+    parser.add_argument("--handover", choices=sorted(HANDOVERS), default="in_band",
+                        help="how workers hand batches over: in_band (the engine's: small tensors inside the "
+                             "pickled batch), shared (PyTorch's shared memory for every tensor), or both in turns")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch intra-op threads of the main process (0: torch's default). DataLoader workers "
                              "always use 1; spconv's output copies are slow with 2+ threads on a busy machine")
     return parser.parse_args(argv)
 
 
-def throughput(dataset, batch_size: int, workers: int) -> Tuple[float, float]:
-    """(samples/s, CAVs/s) of one pass over the split; CAVs by record_len where the batch has it."""
+def throughput(dataset, batch_size: int, workers: int, handover: str = "in_band") -> Tuple[float, float]:
+    """(samples/s, CAVs/s) of one pass over the split; CAVs by record_len where the batch has it. ``handover``:
+    the engine's (small tensors in the pickled batch, engine/handover.py) or PyTorch's shared memory for all."""
+    collate = dataset.collate_batch_train
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
-                        collate_fn=dataset.collate_batch_train)
+                        collate_fn=InBandSmallTensors(collate) if handover == "in_band" else collate)
     samples = cavs = 0
     start = time.perf_counter()
     for batch in loader:
@@ -104,6 +111,21 @@ def throughput(dataset, batch_size: int, workers: int) -> Tuple[float, float]:
         cavs += int(batch["ego"]["record_len"].sum()) if "record_len" in batch["ego"] else count
     seconds = time.perf_counter() - start
     return samples / seconds, cavs / seconds
+
+
+def voxel_points_per_cav(dataset) -> float:
+    """The points that land in voxels, per CAV, over the split: the work a CAV costs after its cloud is read
+    (a CAV far from the ego has fewer points in the ego's range). NaN where the samples have no voxels."""
+    points = cavs = 0
+    for index in range(len(dataset)):
+        ego = dataset[index]["ego"]
+        counts = ego.get("processed_lidar", {}).get("voxel_num_points")
+        if counts is None:
+            return float("nan")
+        counts = counts if isinstance(counts, list) else [counts]
+        points += sum(int(count.sum()) for count in counts)
+        cavs += int(ego.get("cav_num", 1))
+    return points / cavs
 
 
 def layout_overrides(layout: str, data: Path) -> List[str]:
@@ -134,17 +156,27 @@ def measure_layouts(args: argparse.Namespace, data: Path) -> None:
     if args.upstream:
         datasets["upstream"] = upstream_dataset(args, data)
     for workers in args.workers:
-        best = {layout: (0.0, 0.0) for layout in datasets}
+        # The hand-over is a worker's: with 0 workers every batch stays in the process.
+        handovers = HANDOVERS[args.handover] if workers else ("in_band",)
+        # Upstream's loader keeps PyTorch's hand-over; ours is compared with it as the engine runs it.
+        turns = [(layout, handover) for layout in datasets
+                 for handover in (("shared",) if layout == "upstream" else handovers)]
+        best = {turn: (0.0, 0.0) for turn in turns}
         for _ in range(args.repeats):
-            for layout, dataset in datasets.items():
-                best[layout] = max(best[layout], throughput(dataset, args.batch_size, workers), key=lambda p: p[1])
-        reference = best.get("opv2v", (0.0, 0.0))[1]
-        for layout, (samples, cavs) in best.items():
+            for layout, handover in turns:
+                measured = throughput(datasets[layout], args.batch_size, workers, handover)
+                best[layout, handover] = max(best[layout, handover], measured, key=lambda p: p[1])
+        for (layout, handover), (samples, cavs) in best.items():
+            reference = best.get(("opv2v", "in_band" if layout == "upstream" else handover), (0.0, 0.0))[1]
             against = f", {cavs / reference:.2f}x OPV2V's CAVs/s" if reference and layout != "opv2v" else ""
             if layout == "upstream" and reference:
                 against = f"; our OPV2V reader: {reference / cavs:.1f}x this"
-            print(f"{layout:<9} num_workers={workers}: {samples:.1f} samples/s, {cavs:.1f} CAVs/s "
+            label = f"{layout} [{handover}]" if len(handovers) > 1 else layout
+            print(f"{label:<9} num_workers={workers}: {samples:.1f} samples/s, {cavs:.1f} CAVs/s "
                   f"({len(datasets[layout])} samples{against})")
+    for layout, dataset in datasets.items():
+        if layout != "upstream":
+            print(f"{layout:<9} {voxel_points_per_cav(dataset):.0f} points in voxels per CAV")
 
 
 def upstream_dataset(args: argparse.Namespace, data: Path):

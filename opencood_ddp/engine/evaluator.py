@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.samplers import EvalShardSampler
+from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.logging import progress
 from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
 
@@ -64,8 +65,8 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
     """(dataset index, record) for this rank's frames, in order; a progress bar on rank 0."""
     sampler = EvalShardSampler(len(spec.dataset), env.world_size, env.rank)
     indices = list(sampler)
-    loader = DataLoader(spec.dataset, batch_size=batch_size, sampler=sampler, collate_fn=spec.collate,
-                        num_workers=num_workers)
+    loader = DataLoader(spec.dataset, batch_size=batch_size, sampler=sampler,
+                        collate_fn=InBandSmallTensors(spec.collate), num_workers=num_workers)
     device = torch.device(env.device)
     bar = progress(len(spec.dataset), "evaluating", env.is_main)
     started, records = time.perf_counter(), []

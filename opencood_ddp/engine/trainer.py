@@ -38,6 +38,7 @@ from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
 from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
+from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
 from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
@@ -277,7 +278,7 @@ class Trainer:
         if callable(set_epoch):  # per-sample augmentation keyed by (seed, epoch, index)
             set_epoch(epoch)
         return DataLoader(self.task.train_set, batch_sampler=batches if batches is not None else
-                          self.epoch_batches(epoch), collate_fn=self.task.collate_train,
+                          self.epoch_batches(epoch), collate_fn=InBandSmallTensors(self.task.collate_train),
                           pin_memory=self.device.type == "cuda", **self._loader_options())
 
     def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> float:
@@ -443,7 +444,7 @@ class Trainer:
         self._mark(f"epoch {self.progress.epoch + 1}: validation")
         sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
         loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
-                            collate_fn=self.task.collate_val, **self._loader_options())
+                            collate_fn=InBandSmallTensors(self.task.collate_val), **self._loader_options())
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()
         sums, error = LossSums(), None
