@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -39,8 +39,11 @@ from opencood_ddp.schema import check_known_keys
 from opencood_ddp.tasks.communication import CommunicationMeter, MeteredFrameStats
 from opencood_ddp.tasks.eval_presets import (DEFAULT_PRESET, PRESETS, EvalConvention, band_rows, eval_convention,
                                              result_suffix)
-from opencood_ddp.vis import plot_pr_curves
-from opencood_ddp.vis.export import FrameExporter
+
+if TYPE_CHECKING:
+    from opencood_ddp.vis.export import FrameExporter
+# opencood_ddp.vis is imported where a picture or file is made: it brings matplotlib (0.44 s per process, measured
+# with -X importtime), which a training process and most evaluations never use.
 
 
 class DetectionStep:
@@ -190,6 +193,8 @@ class PrPlot:
         self.path, self.convention = path, convention
 
     def __call__(self, frames: List[FrameStats]) -> None:
+        from opencood_ddp.vis import plot_pr_curves
+
         curves = {f"IoU {threshold:g}": (curve.recall, curve.precision, curve.ap)
                   for threshold, curve in pr_curve(frames, self.convention.global_sort).items()}
         plot_pr_curves(self.path, curves, title=f"precision-recall, {len(frames)} frames "
@@ -280,6 +285,8 @@ def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional
         return None
     if run_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
+    from opencood_ddp.vis.export import FrameExporter
+
     return FrameExporter(Path(run_dir), options.save_npy, options.save_vis,
                          evaluation_gt_range(hypes, hypes_source(hypes)))
 
