@@ -25,6 +25,9 @@ def make_sample(index: int) -> dict:
         "brain": base.to(torch.bfloat16),                            # numpy has no bfloat16
         "voxels": torch.full((LARGE_ELEMENTS,), float(index)),       # over the limit
         "at_limit": torch.zeros(IN_BAND_BYTES // 8, dtype=torch.float64),
+        "no_voxels": torch.zeros((0, 32, 4)),                        # an empty frame's voxels
+        "scalar": torch.tensor(2.5 + index),                         # 0-d
+        "codes": torch.arange(4, dtype=torch.uint8) + index,
         "nested": [{"ids": torch.tensor([index, 7])}, (torch.tensor(index * 1.5), "cav")],
         "count": index,
     }
@@ -75,7 +78,7 @@ def test_a_batch_from_workers_is_the_collates_batch():
 def test_small_tensors_arrive_in_band_and_writable_large_ones_through_shared_memory():
     batch = batches(workers=2)[0]
     sample = batch["samples"][0]
-    for key in ("boxes", "transposed", "row", "mask", "half", "at_limit"):
+    for key in ("boxes", "transposed", "row", "mask", "half", "at_limit", "no_voxels", "scalar", "codes"):
         assert not sample[key].is_shared(), key
     assert not batch["record_len"].is_shared() and not sample["nested"][0]["ids"].is_shared()
     assert sample["voxels"].is_shared() and sample["brain"].is_shared()
