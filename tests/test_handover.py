@@ -23,6 +23,7 @@ def make_sample(index: int) -> dict:
         "mask": base > 10,                                           # bool
         "half": base.to(torch.float16),
         "brain": base.to(torch.bfloat16),                            # numpy has no bfloat16
+        "conjugate": torch.complex(base[0], base[1]).conj(),         # a conjugate view, made plain
         "voxels": torch.full((LARGE_ELEMENTS,), float(index)),       # over the limit
         "at_limit": torch.zeros(IN_BAND_BYTES // 8, dtype=torch.float64),
         "no_voxels": torch.zeros((0, 32, 4)),                        # an empty frame's voxels
@@ -78,7 +79,7 @@ def test_a_batch_from_workers_is_the_collates_batch():
 def test_small_tensors_arrive_in_band_and_writable_large_ones_through_shared_memory():
     batch = batches(workers=2)[0]
     sample = batch["samples"][0]
-    for key in ("boxes", "transposed", "row", "mask", "half", "at_limit", "no_voxels", "scalar", "codes"):
+    for key in ("boxes", "transposed", "row", "mask", "half", "at_limit", "no_voxels", "scalar", "codes", "conjugate"):
         assert not sample[key].is_shared(), key
     assert not batch["record_len"].is_shared() and not sample["nested"][0]["ids"].is_shared()
     assert sample["voxels"].is_shared() and sample["brain"].is_shared()

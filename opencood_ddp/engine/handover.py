@@ -23,7 +23,7 @@ IN_BAND_BYTES = 64 * 1024  # larger tensors (voxels, points, BEV labels of a big
 
 
 def _tensor_from_bytes(data: bytes, dtype: np.dtype, shape: tuple) -> torch.Tensor:
-    # A bytearray is writable, so the tensor owns ordinary memory (from_numpy refuses read-only buffers quietly).
+    # A bytearray is writable: on the read-only bytes themselves from_numpy would warn, and a write would fail.
     return torch.from_numpy(np.frombuffer(bytearray(data), dtype=dtype).reshape(shape))
 
 
@@ -45,7 +45,9 @@ def _in_band(tensor: torch.Tensor) -> Any:
             or tensor.numel() * tensor.element_size() > IN_BAND_BYTES):
         return tensor
     try:
-        return _InBand(tensor.numpy())  # a view, copied once by tobytes() when pickled
+        # A view, copied once by tobytes() when pickled. A conjugate or negative view is made plain first
+        # (numpy() refuses it, and PyTorch's shared-memory hand-over drops the conjugate bit).
+        return _InBand(tensor.resolve_conj().resolve_neg().numpy())
     except TypeError:  # bfloat16 and other dtypes numpy lacks: shared memory as before
         return tensor
 
