@@ -23,7 +23,7 @@ from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compr
 from opencood_ddp.models.modules.compressor import naive_compressor
 from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
-from opencood_ddp.models.modules.ego_warp import ego_frame_affines, ego_rows, warp_to_ego
+from opencood_ddp.models.modules.ego_warp import to_ego_frame
 from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
                                               check_pillar_args, shrunk_sent_maps)
 from opencood_ddp.registry import MODELS
@@ -113,6 +113,8 @@ def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[tor
 class PointPillarCoBEVT(PointPillar):
     """PointPillar with CoBEVT's SwapFusion of the CAVs' shrunk maps."""
 
+    warps_to_ego = True  # the shrunk maps, before the fusion
+
     def build_neck(self, args: Mapping) -> None:
         self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
         self.naive_compressor = naive_compressor(args, self.shrunk_channels())
@@ -133,8 +135,6 @@ class PointPillarCoBEVT(PointPillar):
         if self.shrink_conv is not None:
             features = self.shrink_conv(features)
         features = self.compress(features)
-        record_len = data_dict["record_len"]
-        theta = ego_frame_affines(data_dict["pairwise_t_matrix"].to(features.device), record_len, self.lidar_range)
-        features = warp_to_ego(features, theta, ego_rows(record_len, features.device))
-        slots, present = to_slots(features, record_len, self.max_cav)
+        features = to_ego_frame(features, self.ego_warp(data_dict, features.device))
+        slots, present = to_slots(features, data_dict["record_len"], self.max_cav)
         return self.fusion_net(slots, present)
