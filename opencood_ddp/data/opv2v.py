@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import numbers
 import operator
 import os
 import re
@@ -102,6 +103,9 @@ def load_yaml_bytes(data: bytes, loader: type) -> Any:
         return yaml.load(data, Loader=loader)  # the loader's own value, or its own error
 
 
+READS = "only plain YAML and !!python/tuple are read"
+
+
 def load_opv2v_yaml(path: PathLike, loader: type = Opv2vYamlLoader) -> Dict[str, Any]:
     """Parse one OPV2V frame yaml into a dict; DataError (one line, naming the file) when it cannot. ``loader``: a
     safe loader of this module's kind (V2V4Real's adds its numpy arrays)."""
@@ -114,8 +118,8 @@ def load_opv2v_yaml(path: PathLike, loader: type = Opv2vYamlLoader) -> Dict[str,
                         f"or rebuild the dataset index") from None
     except yaml.constructor.ConstructorError as exc:
         # Upstream's unsafe loader would build arbitrary Python objects here; we refuse them.
-        raise DataError(f"{path}: unsupported YAML tag ({_yaml_problem(exc)}); only plain YAML and "
-                        f"!!python/tuple are read: re-export the file without Python object tags") from None
+        raise DataError(f"{path}: unsupported YAML tag ({_yaml_problem(exc)}); {getattr(loader, 'READS', READS)}: "
+                        f"re-export the file without other Python object tags") from None
     except yaml.YAMLError as exc:
         raise DataError(f"{path}: malformed YAML ({_yaml_problem(exc)}); re-download or repair the "
                         f"file") from None
@@ -132,7 +136,8 @@ def ego_speed_of(params: Dict[str, Any], path: PathLike) -> float:
     """The frame's ``ego_speed`` in km/h (OPV2V and V2XSet write km/h; an RSU writes 0); DataError naming
     ``path`` when absent or not a number."""
     speed = params.get("ego_speed")
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)):
+    # numbers.Real: Python's int and float, and the numpy scalars a V2V4Real frame may hold (np.float32, np.int64)
+    if isinstance(speed, (bool, np.bool_)) or not isinstance(speed, numbers.Real):
         problem = "no 'ego_speed'" if speed is None else f"'ego_speed' must be a number (km/h), got {speed!r}"
         raise DataError(f"{path}: {problem}; V2X-ViT's prior encoding reads it: re-export the frame yaml")
     return float(speed)
