@@ -310,7 +310,7 @@ def test_intermediate_transformation_matrices_without_proj_first(world):
         pairwise = ego["pairwise_t_matrix"]
         for i in range(3):
             for j in range(3):
-                expected = np.zeros((4, 4)) if i == j else inverse(t[j]) @ t[i]
+                expected = np.identity(4) if i == j else inverse(t[j]) @ t[i]  # HEAL's identity diagonal
                 np.testing.assert_allclose(pairwise[i, j], expected, atol=1e-9, err_msg=f"{flag} {i}->{j}")
         correction = x1_to_x2(POSES[EGO][1], POSES[EGO][2]) if flag == "false" else np.identity(4)
         np.testing.assert_allclose(ego["spatial_correction_matrix"][1], correction, atol=1e-12)

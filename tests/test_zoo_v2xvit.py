@@ -244,7 +244,7 @@ def test_warp_identity_translation_and_rotation():
 
 
 def test_maps_move_by_correction_times_pairwise_and_the_ego_stays():
-    pairwise = torch.zeros(1, 5, 5, 4, 4, dtype=torch.float64)  # upstream's layout: zero diagonal
+    pairwise = torch.zeros(1, 5, 5, 4, 4, dtype=torch.float64)  # a zero diagonal: the ego stays whatever it holds
     pairwise[0, 1, 0] = _translation(1.6, 0)
     correction = torch.eye(4, dtype=torch.float64).repeat(1, 5, 1, 1)
     correction[0, 1] = _translation(0, 3.2)

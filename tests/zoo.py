@@ -217,7 +217,7 @@ def override_copy(hypes: dict, path: str, value: object) -> dict:
 
 def pairwise_moves(moves: dict, cavs: int = 2) -> torch.Tensor:
     """(1, cavs, cavs, 4, 4) pairwise_t_matrix: the identity off the diagonal except `moves` {j: 4x4 ego -> CAV
-    j}, a zero diagonal (as the dataset without proj_first: a warp must not read it)."""
+    j}, a zero diagonal (the dataset writes the identity there; zeros show that a warp never reads it)."""
     pairwise = torch.eye(4, dtype=torch.float64).repeat(1, cavs, cavs, 1, 1)
     for i in range(cavs):
         pairwise[0, i, i] = 0

@@ -238,9 +238,16 @@ class VoxelPostprocessor:
         ``transformation_matrix_clean`` (late fusion under pose noise) is projected by that one, so that the
         ground truth stays where the objects are (HEAL/CoAlign's rule). An ego entry that carries the sample's own
         ground truth (``gt_object_bbx_center``, already in the ego frame: late fusion on DAIR-V2X-C, whose CAVs'
-        labels do not share ids) is that ground truth, range-filtered alike.
+        labels do not share ids) is that ground truth, range-filtered alike; given as corners
+        (``gt_object_bbx_corners``: DAIR-V2X-C's ``dair_late_gt: by_iou``, HEAL's tilted corners) it is taken as
+        it is, rounded to float32.
         """
         ego = data_dict.get("ego", {})
+        if "gt_object_bbx_corners" in ego:
+            corners, mask = ego["gt_object_bbx_corners"], ego["gt_object_bbx_mask"]
+            _require_single(corners, "gt_object_bbx_corners", "ego")
+            corners = corners[0][mask[0] == 1].float()
+            return corners[within_range_mask(corners, self.gt_range)]
         if "gt_object_bbx_center" in ego:
             center, mask = ego["gt_object_bbx_center"], ego["gt_object_bbx_mask"]
             _require_single(center, "gt_object_bbx_center", "ego")

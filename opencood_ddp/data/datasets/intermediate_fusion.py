@@ -9,9 +9,12 @@ Upstream counterpart: ``opencood/data_utils/datasets/intermediate_fusion_dataset
 2. per CAV: points cropped to ``preprocess.cav_lidar_range`` and voxelized; boxes de-duplicated by id and
    padded (no re-filtering by cav_lidar_range: at test time the GT is upstream's GT_RANGE);
 3. ``cav_num`` (-> ``record_len`` in batches) and ``pairwise_t_matrix`` (max_cav, max_cav, 4, 4): identity
-   everywhere with proj_first; otherwise ``inv(T_j) @ T_i`` off the diagonal and zeros on it, where ``T_i`` is
-   CAV i's projection (delay and localisation error included, as upstream's ``transformation_matrix``).
-   Upstream at 31ba160 writes the identity on the diagonal; every model here ignores the diagonal.
+   everywhere with proj_first; otherwise ``inv(T_j) @ T_i`` off the diagonal, where ``T_i`` is CAV i's
+   projection (delay and localisation error included, as upstream's ``transformation_matrix``), and the
+   identity on the diagonal and in the rows and columns past ``cav_num`` (HEAL's ``get_pairwise_transformation``
+   tiles the identity first; upstream OpenCOOD at 31ba160 writes it on the diagonal, but without proj_first
+   pads with zeros). The batch stacks the samples' matrices as they are, as both do. No model here reads the
+   diagonal or the padding.
    PointPillar AttFuse (upstream ``point_pillar_intermediate``) reads only the voxels and ``record_len``;
 4. V2X-ViT's inputs, from the yaml already parsed (no extra file read), one row per CAV in sample order and
    padded to ``max_cav`` as upstream:
@@ -120,13 +123,14 @@ class IntermediateFusionDataset(OpencoodDataset):
 
     def pairwise_matrices(self, to_ego: Sequence[np.ndarray]) -> np.ndarray:
         """(max_cav, max_cav, 4, 4): entry [i, j] maps CAV i's frame into CAV j's (upstream's layout)."""
-        pairwise = np.zeros((self.max_cav, self.max_cav, 4, 4))
+        # HEAL's layout: the identity everywhere first, so the diagonal (a CAV to itself) and the padding past the
+        # last CAV hold it; with proj_first the clouds are already in the ego frame and nothing else is written.
+        pairwise = np.tile(np.identity(4), (self.max_cav, self.max_cav, 1, 1))
         if self.proj_first:
-            pairwise[:, :] = np.identity(4)  # clouds are already in the ego frame
             return pairwise
         for i, t_i in enumerate(to_ego):
             for j, t_j in enumerate(to_ego):
-                if i != j:  # upstream leaves the diagonal at zero
+                if i != j:
                     pairwise[i, j] = np.linalg.inv(t_j) @ t_i
         return pairwise
 
@@ -159,6 +163,7 @@ class IntermediateFusionDataset(OpencoodDataset):
         ego.update(self.collate_labels(egos))
         # Upstream keeps the first sample's ids only (they are read at inference, where the batch is one sample).
         ego["object_ids"] = egos[0]["object_ids"]
+        # Each sample's matrix is already padded to max_cav with identities: stacked as it is (HEAL's collate).
         ego["pairwise_t_matrix"] = torch.from_numpy(np.array([e["pairwise_t_matrix"] for e in egos]))
         ego["prior_encoding"] = torch.from_numpy(np.stack([e["prior_encoding"] for e in egos]))
         ego["spatial_correction_matrix"] = torch.from_numpy(np.stack([e["spatial_correction_matrix"] for e in egos]))

@@ -61,10 +61,24 @@ class LateFusionDataset(OpencoodDataset):
 
     def sample_ground_truth(self, index: int, cavs: Sequence[ReceivedCav]) -> Dict[str, Any]:
         """The sample's ground truth in the ego frame, as early and intermediate fusion build it, for a source whose
-        CAVs' own labels do not merge by id (``gt_by_sample``): the post-processor evaluates against it."""
+        CAVs' own labels do not merge by id (``gt_by_sample``): the post-processor evaluates against it. Where the
+        source builds late fusion's own (``late_ground_truth``: DAIR-V2X-C's ``by_iou``), that one, as corners."""
+        where = f"sample {index} of {self.source.root}"
+        corners = self.source.late_ground_truth([cav.current for cav in cavs], [cav.to_ego_clean for cav in cavs])
+        if corners is not None:
+            padded, mask = self.pad_corners(corners, where)
+            return {"gt_object_bbx_corners": padded, "gt_object_bbx_mask": mask,
+                    "gt_object_ids": list(range(len(corners)))}
         boxes, ids = self.sample_objects(cavs)
-        center, mask = self.pad_objects(boxes, f"sample {index} of {self.source.root}")
+        center, mask = self.pad_objects(boxes, where)
         return {"gt_object_bbx_center": center, "gt_object_bbx_mask": mask, "gt_object_ids": ids}
+
+    def pad_corners(self, corners: np.ndarray, where: str) -> Tuple[np.ndarray, np.ndarray]:
+        """(max_num, 8, 3) float64 corners and (max_num,) float64 mask, padded as ``pad_objects`` pads boxes."""
+        _, mask = self.pad_objects(np.zeros((len(corners), 7)), where)  # its max_num check, and the mask
+        padded = np.zeros((self.max_num, 8, 3), dtype=np.float64)
+        padded[:len(corners)] = corners
+        return padded, mask
 
     def random_cav(self, index: int, rng: np.random.Generator) -> Tuple[CavFrame, CavFrame]:
         """Upstream's ``random.choice`` over the frame's CAVs (the ego when visualizing): its sent and current
@@ -97,7 +111,7 @@ class LateFusionDataset(OpencoodDataset):
         for key, cav in batch[0].items():
             entry: Dict[str, Any] = dict(self.stack_objects([cav]))
             entry["object_ids"] = cav["object_ids"]
-            if "gt_object_bbx_center" in cav:
+            if "gt_object_bbx_mask" in cav:
                 entry.update(sample_ground_truth_batch(cav))
             entry["processed_lidar"] = collate_voxels([cav["processed_lidar"]])
             for matrix in ("transformation_matrix", "transformation_matrix_clean"):
@@ -115,7 +129,9 @@ class LateFusionDataset(OpencoodDataset):
 
 
 def sample_ground_truth_batch(cav: Mapping[str, Any]) -> Dict[str, Any]:
-    """A test batch's copy of ``sample_ground_truth``: tensors with a batch dimension of 1, and the ids."""
-    return {"gt_object_bbx_center": torch.from_numpy(cav["gt_object_bbx_center"][None]),
+    """A test batch's copy of ``sample_ground_truth`` (boxes or corners): tensors with a batch dimension of 1, and
+    the ids."""
+    key = "gt_object_bbx_corners" if "gt_object_bbx_corners" in cav else "gt_object_bbx_center"
+    return {key: torch.from_numpy(cav[key][None]),
             "gt_object_bbx_mask": torch.from_numpy(cav["gt_object_bbx_mask"][None]),
             "gt_object_ids": cav["gt_object_ids"]}

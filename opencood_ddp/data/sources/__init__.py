@@ -20,6 +20,7 @@ What a dataset asks of a source (``SplitSource``; each method's docstring says w
 - ``ego_speed_kmh(frame)``: V2X-ViT's prior encoding;
 - ``objects(frame, target_pose, gt_range)``: the frame's contribution to the sample's ground truth in the target
   frame, ``merge(per_cav)`` the sample's ground truth from them; ``own_objects`` a CAV's own labels (late fusion);
+  ``late_ground_truth`` late fusion's evaluation ground truth where the anchor's is not the sample's (corners);
   ``objects_through(frame, transform, gt_range)`` where ``labels_follow_points`` (V2V4Real's fork under delay).
 
 A source is built once per dataset in the main process and pickled into DataLoader workers: it holds plain data
@@ -111,6 +112,13 @@ class SplitSource:
     def own_objects(self, frame: CavFrame, target_pose: np.ndarray, gt_range: Sequence[float]) -> Objects:
         """A CAV's own labels in the frame of ``target_pose`` (late fusion: the CAV that detects them)."""
         return self.objects(frame, target_pose, gt_range)
+
+    def late_ground_truth(self, frames: Sequence[CavFrame], to_ego: Sequence[np.ndarray]) -> Optional[np.ndarray]:
+        """Late fusion's test-time ground truth as (M, 8, 3) corners in the ego's frame, built from the received CAVs'
+        current ``frames`` (ego first) and their true (4, 4) ``to_ego``, for a ``gt_by_sample`` source whose anchor
+        evaluates late fusion against other boxes than the sample's (DAIR-V2X-C's ``dair_late_gt: by_iou``); None:
+        the sample's ground truth."""
+        return None
 
     def merge(self, per_cav: Sequence[Objects]) -> Objects:
         """The sample's ground truth from every CAV's ``objects``: upstream's de-duplication by object id, the first

@@ -5,7 +5,7 @@ docs/compatibility.md. Hypes (the anchors' keys): ``data_dir`` (the ``cooperativ
 folder), ``root_dir`` / ``validate_dir`` / ``test_dir`` (split files: JSON lists of vehicle frame ids),
 ``fusion.dataset: dairv2x``; optional ``label_type`` (``lidar``: CoAlign's complemented labels, the default;
 ``camera``: the original DAIR labels), ``input_source`` (must hold ``lidar``), ``comm_range`` (metres, 100) and our
-``fusion.args.dair_labels`` and ``fusion.args.swap_ego_probability`` (below).
+``fusion.args.dair_labels``, ``fusion.args.dair_late_gt`` and ``fusion.args.swap_ego_probability`` (below).
 
 - A sample is one vehicle frame id of the split list. ``cooperative/data_info.json`` (parsed once, when the
   dataset is built) pairs it with its road-side frame, matched by the basename of ``vehicle_image_path``; the
@@ -29,11 +29,20 @@ folder), ``root_dir`` / ``validate_dir`` / ``test_dir`` (split files: JSON lists
   - ``merged_single_side`` (HEAL's heterogeneous datasets): the vehicle's single-side labels
     (``vehicle-side/label/lidar``, or ``lidar_backup`` with ``label_type: camera``) plus the road-side unit's
     (``infrastructure-side/label/virtuallidar``) that overlap no vehicle box by a BEV IoU above 0.05, both mapped
-    into the target frame; classes Car, Van, Truck and Bus; boxes with a zero size skipped.
+    into the target frame; classes Car, Van, Truck and Bus; boxes with a zero size skipped. Ids are the positions
+    in the merged list, also when the road-side unit is out of range (HEAL's ``np.arange``).
   Either way a box is kept when its 8 corners lie in ``postprocess.anchor_args.cav_lidar_range`` with z widened by
-  1 m each way, in training and at test (the evaluation range is applied by the post-processor), and late fusion's
-  CAVs train on their own single-side labels while it is evaluated against the sample's ground truth above
-  (``gt_by_sample``: the two sides' labels share no ids).
+  1 m each way, in training and at test (the evaluation range is applied by the post-processor).
+- Late fusion: each CAV trains on its own single-side labels in its own frame, ids counted as HEAL counts them
+  (each side from 0, so the same id names different objects on the two sides). It is evaluated against
+  (``fusion.args.dair_late_gt``):
+  - ``sample`` (the default): the sample's ground truth above (``gt_by_sample``), the one early and intermediate
+    fusion are evaluated against;
+  - ``by_iou``: HEAL's and CoAlign's own late-fusion ground truth (``generate_gt_bbx_by_iou``), whatever
+    ``dair_labels`` says: each received agent's single-side boxes, kept in the label range of its own frame, as 8
+    corners carried into the ego's frame by the true poses and left as they land (tilted where the two frames
+    are: no refit), then the road-side unit's that overlap no vehicle box by a BEV IoU above 0.05
+    (``late_ground_truth``).
 - No delay: a split lists single frame pairs, not sequences (``wild_setting.async`` is refused); localisation error
   (``wild_setting.loc_err``, ``noise_setting``) works. DAIR records no speed: V2X-ViT's speed prior is 0.
 - Files are read only where the chosen mode needs them: no camera file, and a backup label only with
@@ -64,8 +73,8 @@ INTENSITY_SCALE = 256.0  # HEAL's read_pcd divides DAIR's raw intensity by 256
 LABEL_Z_MARGIN = 1.0  # metres added below and above cav_lidar_range's z for the labels (HEAL and CoAlign)
 MERGE_IOU = 0.05  # a road-side box overlapping a vehicle box by more than this BEV IoU is the same object
 VEHICLE_CLASSES = ("Car", "Van", "Truck", "Bus")  # the single-side classes HEAL keeps
-INFRA_ID_OFFSET = 1000  # ids of the road-side unit's single-side labels, apart from the vehicle's
 LABEL_MODES = ("cooperative", "merged_single_side")
+LATE_GT_MODES = ("sample", "by_iou")  # late fusion's evaluation ground truth (module docstring)
 LABEL_TYPES = ("lidar", "camera")
 VEHICLE, INFRA = 0, 1  # the agents
 EGO_SWAP_DRAWS = 13  # the last word of the generator key that decides a training sample's ego (see wild.py)
@@ -219,6 +228,20 @@ def merge_by_iou(ego: Objects, other: Objects, order: str) -> Objects:
     return merged, list(range(len(merged)))
 
 
+def corners_merged_by_iou(own: Sequence[np.ndarray], to_ego: Sequence[np.ndarray], order: str) -> np.ndarray:
+    """(M, 8, 3) corners in the ego's frame, HEAL's ``generate_gt_bbx_by_iou``: each agent's (K, 7) boxes of its own
+    frame as 8 corners carried by its (4, 4) ``to_ego``, kept as they land (a box of a frame tilted against the
+    ego's stays tilted: HEAL evaluates these corners, it refits no box); the ego's, then the other agent's whose
+    bottom face overlaps none of them by a BEV IoU above ``MERGE_IOU``."""
+    corners = [boxes_to_corners(boxes, order).reshape(-1, 8, 3) @ matrix[:3, :3].T + matrix[:3, 3]
+               for boxes, matrix in zip(own, to_ego)]
+    if len(corners) == 1:  # the road-side unit out of range: HEAL's "only ego agent"
+        return corners[0]
+    ego, other = corners
+    kept = other[~(bev_iou_matrix(other, ego) > MERGE_IOU).any(axis=1)]
+    return np.concatenate([ego, kept]).reshape(-1, 8, 3)
+
+
 # --------------------------------------------------------------------------------------------------- source
 
 
@@ -245,7 +268,8 @@ class DairFrames:
 def _check_hypes(hypes: Mapping, source: str) -> None:
     """The DAIR-V2X-C keys' values, and the settings it cannot give, each as one line."""
     for key, choices, default in (("label_type", LABEL_TYPES, "lidar"),
-                                  ("fusion.args.dair_labels", LABEL_MODES, "cooperative")):
+                                  ("fusion.args.dair_labels", LABEL_MODES, "cooperative"),
+                                  ("fusion.args.dair_late_gt", LATE_GT_MODES, "sample")):
         if get_key(hypes, key, default) not in choices:
             raise ConfigError(f"{source}: key {key} must be one of {', '.join(choices)}, got "
                               f"{get_key(hypes, key)!r}; fix the hypes")
@@ -268,7 +292,8 @@ def _check_hypes(hypes: Mapping, source: str) -> None:
 
 @SOURCES.register("dairv2x", required=(("data_dir", "str"),),
                   optional=(("label_type", "str"), ("input_source", "list"), ("comm_range", "number"),
-                            ("fusion.args.dair_labels", "str"), ("fusion.args.swap_ego_probability", "number")),
+                            ("fusion.args.dair_labels", "str"), ("fusion.args.dair_late_gt", "str"),
+                            ("fusion.args.swap_ego_probability", "number")),
                   check=_check_hypes)
 class DairV2XSource(SplitSource):
     """A DAIR-V2X-C split (module docstring)."""
@@ -281,6 +306,7 @@ class DairV2XSource(SplitSource):
         self.root = Path(hypes[split_key])
         self.camera_labels = get_key(hypes, "label_type", "lidar") == "camera"
         self.merged = get_key(hypes, "fusion.args.dair_labels", "cooperative") == "merged_single_side"
+        self.late_by_iou = get_key(hypes, "fusion.args.dair_late_gt", "sample") == "by_iou"
         self.range = float(get_key(hypes, "comm_range", DEFAULT_COMM_RANGE))
         self.swap_probability = float(get_key(hypes, "fusion.args.swap_ego_probability", 0.0)) if self.train else 0.0
         anchor_range = np.array(range6(hypes, "postprocess.anchor_args.cav_lidar_range", hypes_source(hypes)))
@@ -386,10 +412,24 @@ class DairV2XSource(SplitSource):
         return self.single_side_in(frame, None)
 
     def merge(self, per_cav: Sequence[Objects]) -> Objects:
-        """HEAL's rule with ``merged_single_side``: the ego's boxes, then the other agent's that overlap none."""
-        if self.merged and len(per_cav) == 2:
-            return merge_by_iou(per_cav[0], per_cav[1], self.order)
-        return super().merge(per_cav)
+        """HEAL's rule with ``merged_single_side``: the ego's boxes, then the other agent's that overlap none; ids
+        are the positions in the result, the ego's alone included (HEAL numbers ``np.arange`` either way, not the
+        label file's positions)."""
+        if not self.merged:
+            return super().merge(per_cav)
+        if len(per_cav) == 1:  # the other agent is out of range, or max_cav is 1
+            boxes = per_cav[0][0].reshape(-1, 7)
+            return boxes, list(range(len(boxes)))
+        return merge_by_iou(per_cav[0], per_cav[1], self.order)
+
+    def late_ground_truth(self, frames: Sequence[CavFrame], to_ego: Sequence[np.ndarray]) -> Optional[np.ndarray]:
+        """With ``dair_late_gt: by_iou``, HEAL's and CoAlign's late-fusion ground truth: (M, 8, 3) corners in the ego's
+        frame from the received agents' own labels (``frames``, ego first) and their true ``to_ego``
+        (``corners_merged_by_iou``); None otherwise (the sample's ground truth)."""
+        if not self.late_by_iou:
+            return None
+        own = [self.single_side_in(frame, None)[0] for frame in frames]
+        return corners_merged_by_iou(own, to_ego, self.order)
 
     def cooperative_in(self, pair: FramePair, target_pose: np.ndarray) -> Objects:
         """The cooperative labels (world corners) in the target frame, 8 corners in the label range."""
@@ -408,8 +448,6 @@ class DairV2XSource(SplitSource):
         if to_target is not None and len(boxes):
             corners = boxes_to_corners(boxes, self.order)
             boxes = corners_to_boxes(corners @ to_target[:3, :3].T + to_target[:3, 3], self.order)
-        if frame.infra:
-            ids = [INFRA_ID_OFFSET + object_id for object_id in ids]
         return self.in_label_range(boxes, ids)
 
     def single_side_labels(self, frame: CavFrame) -> Tuple[np.ndarray, List[int]]:
@@ -439,4 +477,5 @@ class DairV2XSource(SplitSource):
         return read_json(path, "label file", fix)
 
 
-__all__ = ["DairV2XSource", "FramePair", "read_data_info", "single_side_boxes", "merge_by_iou"]
+__all__ = ["DairV2XSource", "FramePair", "read_data_info", "single_side_boxes", "merge_by_iou",
+           "corners_merged_by_iou"]

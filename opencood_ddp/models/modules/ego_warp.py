@@ -44,7 +44,7 @@ def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
     sampling CAV j's map there puts it in the ego's frame. The metric transform x' = A x + t becomes
     S^-1 A S and S^-1 (A c + t - c) with S the half extents and c the centre of the range, which holds at
     every backbone level (each covers the whole range). The egos' rows are the identity whatever the
-    diagonal holds (the dataset leaves it zero without proj_first).
+    diagonal holds (the dataset writes the identity there; a batch from elsewhere may not).
     """
     device = pairwise_t_matrix.device
     counts = record_len.to(device=device, dtype=torch.long)

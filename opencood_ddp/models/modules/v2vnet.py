@@ -71,7 +71,8 @@ def pairwise_affines(pairwise_t_matrix: torch.Tensor, lidar_range: Sequence[floa
     Entry [b, i, j] maps receiver i's normalised BEV coordinates (-1..1 over ``lidar_range``) to those of
     CAV j's map, so sampling j's map there puts it in i's frame (``pairwise[b, i, j]`` takes i's frame to
     j's). x' = A x + t becomes S^-1 A S and S^-1 (A c + t - c), S the half extents, c the range's centre.
-    The diagonal is the identity whatever it holds (the dataset leaves it zero without proj_first).
+    The diagonal is the identity whatever it holds (the dataset writes the identity there; a batch from
+    elsewhere may not).
     """
     matrix = pairwise_t_matrix.to(torch.float64)
     rotation, translation = matrix[..., :2, :2], matrix[..., :2, 3]

@@ -122,5 +122,5 @@ def _to_ego(data_dict: Mapping, sample: torch.Tensor, slot: torch.Tensor) -> tor
     if pairwise is not None:
         into_ego = _per_cav(pairwise[:, :, 0], sample, slot, "pairwise_t_matrix", (4, 4))
         to_ego = to_ego @ into_ego.double()
-    # The ego is never moved: upstream leaves its map alone (and pairwise[0, 0] is zero in its layout).
+    # The ego is never moved: upstream leaves its map alone, whatever pairwise[0, 0] holds (the identity here).
     return torch.where((slot == 0).view(-1, 1, 1), eye, to_ego)
