@@ -9,6 +9,13 @@
   BatchPlan, and the size and SHA-256 of the weights file it belongs to. Its name does not match upstream's
   `*epoch*.pth` glob, so upstream tools ignore it.
 
+Weights are written with CPU tensors whatever device trained them, so that upstream's `torch.load` without
+`map_location` opens them on a host without a GPU. Every file is read with torch's safe unpickler
+(`weights_only=True`): tensors, numbers, strings and containers, never an object whose unpickling runs code. The
+sidecar holds only such values (the RNG states as tensors and tuples); sidecars of format 1 (numpy's RNG state as a
+numpy array) are read with numpy's array reconstruction allowed and nothing else. A file that holds anything more is
+refused (`UnsafeCheckpointError`) before a byte of it is unpickled as an object.
+
 Every file goes to a temporary name, is fsynced and renamed over the target: a crash at any moment leaves the
 old file or the new one. A file truncated anyway (a full disk, a copy cut short) fails to load or to match the
 digest in its sidecar: `CorruptCheckpointError`, and resume falls back to the previous checkpoint.
@@ -20,6 +27,7 @@ import io
 import pickle
 import random
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -38,7 +46,10 @@ STATE_RE = re.compile(r"^training_state_epoch(\d+)\.pt$")
 STEP_WEIGHTS_RE = re.compile(r"^net_step(\d+)\.pth$")
 STEP_STATE_RE = re.compile(r"^training_state_step(\d+)\.pt$")
 UNFINISHED_RE = re.compile(r"^\..+\.tmp$")  # atomic_write's temporary files, left behind by a killed save
-STATE_FORMAT = 1
+STATE_FORMAT = 2  # 2: RNG states as tensors and tuples (safe unpickler); 1: numpy's as a numpy array
+READABLE_STATE_FORMATS = (1, 2)
+# Keys under which forks save the model's state_dict inside a dict of their own ({'model': ..., 'epoch': ...})
+WRAPPED_STATE_KEYS = ("model", "state_dict", "model_state_dict", "net")
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -47,6 +58,10 @@ class CorruptCheckpointError(CheckpointError):
     def __init__(self, problem: str, fix: str = "delete it to resume from an earlier checkpoint"):
         super().__init__(f"{problem}; {fix}")
         self.problem = problem  # without the fix, for a message that lists several files
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint whose pickle names objects that would run code when loaded (not tensors and containers)."""
 
 
 class ForeignCheckpointError(CheckpointError):
@@ -100,14 +115,89 @@ def read_bytes(path: Path) -> bytes:
     return path.read_bytes()
 
 
+def _old_sidecar_globals() -> list:
+    """What a format-1 sidecar needs beyond tensors: numpy's array reconstruction, under numpy 2's module name and
+    numpy 1's (the same function). It builds an array from a shape, a dtype and raw bytes, and any object the
+    array holds still passes through the safe unpickler."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    # numpy 2 sets a dtype's state on an instance of its own class: MT19937's key is uint32
+    return [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"),
+            (_reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
 def load_file(path: Path, data: Optional[bytes] = None) -> Any:
-    """torch.load on CPU of the file (or of `data`, its bytes already read), turning a missing or truncated file
-    into one CheckpointError naming it."""
+    """torch.load on CPU of the file (or of `data`, its bytes already read) with torch's safe unpickler; a missing
+    or truncated file is one CheckpointError naming it, a file that would run code an UnsafeCheckpointError."""
     data = read_bytes(path) if data is None else data
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
-    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as exc:
+        with torch.serialization.safe_globals(_old_sidecar_globals()):
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        names = _refused_globals(data)
+        if names or "Unsupported global" in str(exc):  # else an opcode it cannot read: a torn or foreign file
+            raise UnsafeCheckpointError(_unsafe_message(path, names)) from None
         raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line(exc)})") from None
+    except Exception as exc:  # noqa: BLE001  the safe unpickler runs none of the file's code: what it raises on
+        # garbage (RuntimeError, EOFError, IndexError from a torn pickle, ...) says the file is malformed
+        raise CorruptCheckpointError(f"checkpoint {path} is truncated or corrupt ({first_line(exc)})") from None
+
+
+def _refused_globals(data: bytes) -> list[str]:
+    """The names a file's pickle would import that the safe unpickler refuses ([] when torch cannot list them:
+    not its zip format, or a torn file)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:  # noqa: BLE001  listing reads the pickle's opcodes without running them; any failure: unknown
+        return []
+    allowed = {name for *_, name in (g if isinstance(g, tuple) else (f"{g.__module__}.{g.__name__}",)
+                                     for g in _old_sidecar_globals())}
+    return [name for name in names if name not in allowed]
+
+
+def _unsafe_message(path: Path, names: list[str]) -> str:
+    return (f"checkpoint {path} holds {', '.join(names) or 'a Python object'}, which loading would run as code; "
+            f"weights and training state need only tensors and containers, so it was refused unread. If you trust "
+            f"its source, convert it once: python tools/convert_checkpoint.py --trust {path} <new.pth>")
+
+
+def as_state_dict(loaded: Any, label: str) -> Mapping[str, Any]:
+    """The model's state_dict of a loaded weights file: the file itself (ours, upstream's, HEAL's), or the entry
+    of a fork's dict that holds it (`{'model': state_dict, 'epoch': ...}`)."""
+    if not isinstance(loaded, Mapping):
+        raise CheckpointError(f"checkpoint {label} holds a {type(loaded).__name__}, not a state_dict; "
+                              f"pass a net_epoch<N>.pth file")
+    if all(isinstance(value, torch.Tensor) for value in loaded.values()):
+        return loaded
+    for key in WRAPPED_STATE_KEYS:
+        inner = loaded.get(key)
+        if isinstance(inner, Mapping) and inner and all(isinstance(v, torch.Tensor) for v in inner.values()):
+            return inner
+    raise CheckpointError(f"checkpoint {label} holds a dict ({', '.join(map(str, list(loaded)[:6]))}) that is not a "
+                          f"state_dict and has none under {', '.join(WRAPPED_STATE_KEYS)}; pass a net_epoch<N>.pth "
+                          f"file")
+
+
+def device_of(model: nn.Module) -> torch.device:
+    """Where the model's tensors live (the CPU for a model without any)."""
+    tensor = next(iter(model.parameters()), None)
+    if tensor is None:
+        tensor = next(iter(model.buffers()), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+def cpu_state_dict(model: nn.Module) -> "OrderedDict[str, Any]":
+    """The unwrapped model's state_dict with every tensor on the CPU (a CPU tensor is kept as it is, so a CPU run's
+    file is unchanged), and torch's per-module version metadata kept."""
+    state = unwrap(model).state_dict()
+    moved = OrderedDict((key, value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+                        for key, value in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        moved._metadata = metadata
+    return moved
 
 
 def strip_module_prefix(state_dict: Mapping[str, Any]) -> dict:
@@ -142,11 +232,8 @@ def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: boo
     module added for fine-tuning, such as a compressor); they keep their initial values and their names are
     returned. Anything else that differs (an unexpected entry, another shape) is still refused."""
     label = str(source) if isinstance(source, (str, Path)) else (label or "the given state dict")
-    state = load_file(Path(source)) if isinstance(source, (str, Path)) else source
-    if not isinstance(state, Mapping):
-        raise CheckpointError(f"checkpoint {label} holds a {type(state).__name__}, not a state_dict; "
-                              f"pass a net_epoch<N>.pth file")
-    state = strip_module_prefix(state)
+    loaded = load_file(Path(source)) if isinstance(source, (str, Path)) else source
+    state = strip_module_prefix(as_state_dict(loaded, label))
     target = unwrap(model)
     model_state = target.state_dict()
     new = [key for key in model_state if key not in state] if allow_new else []
@@ -165,19 +252,54 @@ def epochs_on_disk(run_dir: Path, pattern: re.Pattern = WEIGHTS_RE) -> list[int]
     return sorted(int(m.group(1)) for m in (pattern.match(p.name) for p in run_dir.iterdir()) if m)
 
 
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+def rng_state(device: torch.device | str = "cpu") -> dict:
+    """This process's generators in a form the safe unpickler reads: torch's CPU state, numpy's and Python's,
+    and the CUDA generator of this rank's own device only (another node may show other GPUs, or one)."""
+    kind, key, position, has_gauss, gaussian = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": {"kind": str(kind), "key": torch.from_numpy(key.astype(np.int64)), "position": int(position),
+                       "has_gauss": int(has_gauss), "gaussian": float(gaussian)}}
+    device = torch.device(device)
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: Mapping[str, Any]) -> None:
+def set_rng_state(state: Mapping[str, Any], device: torch.device | str = "cpu") -> None:
+    """Restore what rng_state saved, on this rank's device. A run saved on GPUs resumes on the CPU without its
+    CUDA generator, and one saved on the CPU leaves the GPU's as seeded."""
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(numpy_state(state["numpy"]))
+    random.setstate(_python_state(state["python"]))
+    generator = cuda_generator_state(state, torch.device(device))
+    if generator is not None:
+        torch.cuda.set_rng_state(generator, torch.device(device))
+
+
+def numpy_state(saved: Any) -> tuple:
+    """np.random.set_state's tuple from the saved form: format 2's dict, or format 1's tuple as numpy gave it."""
+    if isinstance(saved, Mapping):
+        key = saved["key"].numpy().astype(np.uint32)
+        return saved["kind"], key, saved["position"], saved["has_gauss"], saved["gaussian"]
+    return tuple(saved)
+
+
+def _python_state(saved: Any) -> tuple:
+    version, internal, gauss = saved  # the safe unpickler gives back the tuples torch.save wrote
+    return version, tuple(internal), gauss
+
+
+def cuda_generator_state(state: Mapping[str, Any], device: torch.device) -> Optional[torch.Tensor]:
+    """The CUDA generator state to restore on `device`, or None: format 2 saves the rank's own device's; format 1
+    saved one per GPU the node showed, of which this rank's is the one at its device index when the node shows
+    that many (else none: a node of another size)."""
+    saved = state.get("cuda")
+    if device.type != "cuda" or saved is None:
+        return None
+    if isinstance(saved, torch.Tensor):
+        return saved
+    index = device.index or 0
+    return saved[index] if index < len(saved) else None
 
 
 def _serialized(obj: Any) -> bytes:
@@ -194,7 +316,7 @@ def _save_pair(weights_path: Path, state_path: Path, model: nn.Module, training_
                **state_fields: Any) -> None:
     """The sidecar first, holding the weights' size and digest, then the weights: a weights file on disk always
     has its training state next to it, and a weights file that is not the one saved is recognised."""
-    weights = _serialized(unwrap(model).state_dict())
+    weights = _serialized(cpu_state_dict(model))
     if training_state is not None:
         atomic_save(dict(training_state, format=STATE_FORMAT, weights=_describe_bytes(weights_path.name, weights),
                          **state_fields), state_path)
@@ -243,7 +365,7 @@ def save_bestval(run_dir: Path, epoch: int, model: nn.Module) -> Path:
     """Replace the single net_epoch_bestval_at{N}.pth with this epoch's weights. Rank 0 only."""
     run_dir = Path(run_dir)
     path = run_dir / bestval_name(epoch)
-    atomic_save(unwrap(model).state_dict(), path)
+    atomic_save(cpu_state_dict(model), path)
     for old in epochs_on_disk(run_dir, BESTVAL_RE):
         if old != epoch:
             (run_dir / bestval_name(old)).unlink(missing_ok=True)
@@ -302,10 +424,7 @@ def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
     if state is None and saved.kind == "step":
         raise CorruptCheckpointError(f"checkpoint {saved.weights} has no {saved.state.name} beside it")
     data = read_bytes(saved.weights)  # read once: loaded and hashed from memory
-    weights = load_file(saved.weights, data)
-    if not isinstance(weights, Mapping):
-        raise CheckpointError(f"checkpoint {saved.weights} holds a {type(weights).__name__}, not a state_dict; "
-                              f"pass a net_epoch<N>.pth file")
+    weights = as_state_dict(load_file(saved.weights, data), str(saved.weights))
     if state is not None:
         try:
             verify_weights_file(saved.weights, data, state)
@@ -317,7 +436,7 @@ def load_saved(saved: SavedCheckpoint) -> tuple[dict, Optional[dict]]:
 
 def load_state_file(path: Path) -> dict:
     state = load_file(path)
-    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in READABLE_STATE_FORMATS:
         raise CorruptCheckpointError(f"training state {path} has an unknown format",
                                      "delete it to resume from the weights alone")
     return state

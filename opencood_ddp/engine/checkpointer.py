@@ -142,7 +142,7 @@ class RunCheckpointer:
                    new_best: Optional[float]) -> None:
         """Collective. `due`: write net_epoch{epoch}.pth and its training state (`training_state()` is called on
         rank 0 only); `new_best`: this epoch's validation loss is the run's best, replace the best-val weights."""
-        rng = comm.gather_objects(ckpt.rng_state()) if due else None
+        rng = comm.gather_objects(ckpt.rng_state(ckpt.device_of(model))) if due else None
         if due:
             self.last_weights = self.run_dir / ckpt.weights_name(epoch)
 
@@ -160,7 +160,7 @@ class RunCheckpointer:
                        step_in_epoch: int) -> Path:
         """Collective: net_step{global_step}.pth and its training state, `epoch` epochs done plus `step_in_epoch`
         steps of the next; every rank's RNG goes with it."""
-        rng = comm.gather_objects(ckpt.rng_state())
+        rng = comm.gather_objects(ckpt.rng_state(ckpt.device_of(model)))
         self.last_weights = self.run_dir / ckpt.step_weights_name(global_step)
         self._agree_on(lambda: ckpt.save_step(self.run_dir, global_step, model, dict(training_state(), rng=rng),
                                               epoch=epoch, step_in_epoch=step_in_epoch), model)

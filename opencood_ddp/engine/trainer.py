@@ -197,7 +197,7 @@ class Trainer:
         a compressor added, the backbone frozen) keeps the count and the history but not the best validation
         loss, which was another model's; its optimizer restarts, as upstream's stages do."""
         rng = state["rng"]
-        ckpt.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world_size else rng[0])
+        ckpt.set_rng_state(rng[self.env.rank] if len(rng) == self.env.world_size else rng[0], self.device)
         self.progress = Progress(epoch=state["epoch"], global_step=state["global_step"],
                                  step_in_epoch=state.get("step_in_epoch", 0),
                                  best_val=math.inf if fine_tune else state["best_val"],
