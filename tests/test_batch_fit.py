@@ -141,3 +141,42 @@ def test_per_gpu_batch_auto_on_two_processes_follows_the_one_process_run(toy_sma
     chosen = re.search(r"--per_gpu_batch auto chose per-GPU batch (\d+) x (\d+) accumulation",
                        (work / "world2.log").read_text())  # the run's own output
     assert chosen and 2 * int(chosen[1]) * int(chosen[2]) == 4  # the plan ran, and it kept the batch
+
+
+def test_ddp_buckets_are_added_on_several_ranks_only():
+    model = batch_fit.fit([Probe(1, 3 * GIB, 0.1, parameter_bytes=GIB // 2), Probe(2, 5 * GIB, 0.2)])
+    assert batch_fit.ddp_bytes(model, 1) == 0 and batch_fit.ddp_bytes(model, 2) == GIB // 2
+    assert [o.predicted_bytes for o in batch_fit.options(4, 1, model, 100 * GIB)] == [9 * GIB, 5 * GIB, 3 * GIB]
+    assert [o.predicted_bytes for o in batch_fit.options(4, 2, model, 100 * GIB)] == [5.5 * GIB, 3.5 * GIB]
+    assert "per-GPU batch 1 needs 3.50 GiB" in batch_fit.no_plan_message(4, 2, model, GIB)
+
+
+@pytest.mark.parametrize("free, total, processes, share", [
+    (80, 80, 1, 72), (78, 80, 1, 70.2),  # one rank: what is free now (the CUDA context is not)
+    (78, 80, 2, 36), (78, 80, 4, 18),  # ranks sharing the GPU on purpose: an equal share of the whole each
+    (20, 80, 2, 18),  # another job holds most of it: no more than is free
+])
+def test_a_rank_plans_for_its_share_of_the_device(free, total, processes, share):
+    assert batch_fit.usable_share(free * GIB, total * GIB, processes, headroom=0.1) == pytest.approx(share * GIB)
+
+
+class _Split:
+    """A split whose samples hold these many CAVs (sample_cost), as an OPV2V test split's scenarios of 2 to 7."""
+
+    def __init__(self, cavs):
+        self.cavs = cavs
+
+    def __len__(self):
+        return len(self.cavs)
+
+    def sample_cost(self, index):
+        return self.cavs[index]
+
+
+def test_the_memory_probe_takes_the_heaviest_samples():
+    split = _Split([2, 2, 3, 7, 5, 7, 2])
+    assert batch_fit.heaviest_samples(split, 1) == [3]  # the first of the ties
+    assert batch_fit.heaviest_samples(split, 2) == [3, 5]
+    assert batch_fit.heaviest_samples(split, 3) == [3, 4, 5]
+    assert batch_fit.heaviest_samples(list(range(5)), 2) == [0, 1]  # no cost: the first ones
+    assert batch_fit.heaviest_samples(_Split([4, 5]), 4) == [0, 1]

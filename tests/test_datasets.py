@@ -459,3 +459,14 @@ def test_dataset_pickles_for_spawned_workers(toy_small):
     copy_in_worker = pickle.loads(pickle.dumps(dataset))
     assert copy_in_worker.voxelizer._generator is None and copy_in_worker.epoch == 5
     assert_identical(copy_in_worker.collate_batch_train([copy_in_worker[3]]), before)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_samples_cost_is_its_scenarios_cav_folders(kind, toy_small):
+    """sample_cost (what memory plans rank samples by) is the number of CAV folders of the sample's scenario on
+    disk, read from the index: the frame files are not opened."""
+    dataset = build_dataset(toy_hypes(kind, toy_small), "train", True, SEED)
+    for index in range(len(dataset)):
+        scenario, _ = dataset.source.index.locate_position(index)
+        on_disk = sum(1 for p in scenario.folder.iterdir() if p.is_dir() and p.name.lstrip("-").isdigit())
+        assert dataset.sample_cost(index) == on_disk

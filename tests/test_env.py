@@ -209,18 +209,3 @@ def test_parser_accepts_both_local_rank_spellings(argv):
 
 def test_parser_local_rank_default_is_none():
     assert parse_train_options([]).launch.local_rank is None
-
-
-def test_a_local_rank_without_a_gpu_is_one_error_naming_the_counts():
-    with pytest.raises(ConfigError, match=r"local rank 1 has no GPU of its own: this node shows 1; start at most 1 "
-                                          r"processes per node, or set OPENCOOD_DDP_SHARE_GPUS=1"):
-        detect_dist_env(TORCHRUN, cuda_available=True, cuda_count=1)
-    assert detect_dist_env(TORCHRUN, cuda_available=True, cuda_count=2).device == "cuda:1"
-
-
-def test_shared_gpus_are_asked_for_and_need_gloo():
-    shared = dict(TORCHRUN, OPENCOOD_DDP_SHARE_GPUS="1")
-    env = detect_dist_env(shared, cuda_available=True, cuda_count=1, backend="gloo")
-    assert env.device == "cuda:0" and env.backend == "gloo"
-    with pytest.raises(ConfigError, match="NCCL refuses; add --dist_backend gloo"):
-        detect_dist_env(shared, cuda_available=True, cuda_count=1)

@@ -1,7 +1,7 @@
 """Who am I in the job: detection of the launcher from an environ mapping, and process-group set-up.
 
-`detect_dist_env` is a pure function of (environ, --local_rank argument, CUDA availability) so that every
-launcher can be tested from a table of environments. `init_distributed_mode` is the only place that touches
+`detect_dist_env` is a pure function of (environ, --local_rank argument, CUDA availability, visible GPU count) so
+that every launcher and GPU layout can be tested from a table of environments. `init_distributed_mode` is the only place that touches
 torch.distributed's initialisation, and `distributed_session` pairs it with the teardown.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from opencood_ddp.distributed.devices import DeviceChoice, choose_cuda_device, node_processes
 from opencood_ddp.errors import ConfigError
 
 LAUNCHERS = ("torchrun", "launch", "slurm", "single")
@@ -26,8 +27,10 @@ LAUNCHERS = ("torchrun", "launch", "slurm", "single")
 class DistEnv:
     """The distributed state of this process, as one immutable value.
 
-    rank: global rank in [0, world_size). local_rank: rank within this node (selects the GPU).
-    launcher: one of LAUNCHERS. master_addr/master_port: rendezvous for SLURM (torchrun uses env://).
+    rank: global rank in [0, world_size). local_rank: rank within this node. device: this rank's device
+    (distributed/devices.py). processes_on_device: the ranks of this node that use the same device (one per GPU,
+    unless GPUs are shared on purpose; on the CPU every rank of the node). launcher: one of LAUNCHERS.
+    master_addr/master_port: rendezvous for SLURM (torchrun uses env://).
     """
 
     rank: int = 0
@@ -36,6 +39,7 @@ class DistEnv:
     backend: str = "gloo"
     launcher: str = "single"
     device: str = "cpu"
+    processes_on_device: int = 1
     master_addr: Optional[str] = None
     master_port: Optional[int] = None
 
@@ -123,25 +127,6 @@ def _torchrun_env(environ: Mapping[str, str], local_rank_arg: Optional[int]) -> 
                 local_rank=local_rank, launcher=launcher)
 
 
-SHARE_GPUS_VARIABLE = "OPENCOOD_DDP_SHARE_GPUS"
-
-
-def _cuda_device(local_rank: int, count: Optional[int], environ: Mapping[str, str], backend: str) -> str:
-    """cuda:<local_rank>; more processes than GPUs on a node only when asked (tools/gpu_check.py runs 2 ranks
-    on one GPU), and then over gloo: NCCL refuses two ranks on one device. `count` None: not known (a test's
-    pretended GPU machine), no check."""
-    if count is None or local_rank < count:
-        return f"cuda:{local_rank}"
-    if environ.get(SHARE_GPUS_VARIABLE) != "1":
-        raise ConfigError(f"local rank {local_rank} has no GPU of its own: this node shows {count}; start at most "
-                          f"{count} processes per node, or set {SHARE_GPUS_VARIABLE}=1 with --dist_backend gloo "
-                          f"to share them")
-    if backend != "gloo":
-        raise ConfigError(f"{SHARE_GPUS_VARIABLE}=1 puts several ranks on one GPU, which NCCL refuses; add "
-                          f"--dist_backend gloo")
-    return f"cuda:{local_rank % count}"
-
-
 def detect_dist_env(environ: Mapping[str, str], local_rank_arg: Optional[int] = None,
                     cuda_available: Optional[bool] = None, backend: Optional[str] = None,
                     cuda_count: Optional[int] = None) -> DistEnv:
@@ -161,14 +146,16 @@ def detect_dist_env(environ: Mapping[str, str], local_rank_arg: Optional[int] = 
         raise ConfigError(f"rank {fields['rank']} is outside world size {fields['world_size']}; "
                           f"check the launcher's RANK/WORLD_SIZE (or SLURM_PROCID/SLURM_STEP_NUM_TASKS)")
     chosen_backend = backend or ("nccl" if cuda_available else "gloo")
+    processes = node_processes(environ, fields["launcher"], fields["world_size"])
     if cuda_available:
         if cuda_count is None and torch.cuda.is_available():
             cuda_count = torch.cuda.device_count()
-        count = cuda_count
-        device = _cuda_device(fields["local_rank"], count, environ, chosen_backend)
-    else:
-        device = "cpu"
-    return DistEnv(backend=chosen_backend, device=device, **fields)
+        choice = choose_cuda_device(fields["local_rank"], processes, cuda_count, environ, fields["launcher"],
+                                    chosen_backend)
+    else:  # the ranks of a node share its memory
+        choice = DeviceChoice("cpu", processes if processes is not None else fields["world_size"])
+    return DistEnv(backend=chosen_backend, device=choice.device, processes_on_device=choice.processes_on_device,
+                   **fields)
 
 
 def init_distributed_mode(env: DistEnv, timeout_minutes: float = 30.0) -> None:

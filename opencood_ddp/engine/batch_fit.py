@@ -4,9 +4,11 @@ fit its growth with the batch, and choose world x per-GPU batch x accumulation =
 Used by tools/plan_batch.py (prints every option) and by `tools/train_ddp.py --per_gpu_batch auto` (rank 0
 measures, every rank takes the chosen per-GPU batch; nothing else of the run changes). The measurement is one
 training step as the trainer takes it (forward, loss, backward, optimizer step; the second step, once the
-optimizer's state exists) on real batches of the hypes' training split, on this process's device: CUDA's
-`max_memory_allocated`, or on the CPU the growth of the resident set's high-water mark (engine/memory.py), both
-over the memory held before the model was built. Batches are probed in increasing size, so on the CPU memory a
+optimizer's state exists) on the split's heaviest samples (the dataset's `sample_cost`, its CAV count), on this
+process's device: what CUDA's caching allocator reserved at its peak (`max_memory_reserved`), or on the CPU the
+growth of the resident set's high-water mark (engine/memory.py), both over the memory held before the model was
+built. The plan adds DDP's gradient buckets on several ranks and fits into what the GPU has free, shared by the
+ranks that use it (`device_capacity`). Batches are probed in increasing size, so on the CPU memory a
 smaller probe freed and the allocator kept counts toward the next, never against it.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -31,9 +33,15 @@ GIB = 1024 ** 3
 
 @dataclass(frozen=True)
 class Probe:
+    """One measured step. peak_bytes: what the plan fits (CUDA: reserved by the caching allocator; CPU: resident
+    set growth); allocated_bytes: CUDA's bytes held by tensors (the CPU's one figure again); parameter_bytes: the
+    model's trainable parameters, which DDP's gradient buckets copy once more on several ranks."""
+
     per_rank: int
     peak_bytes: int
     step_seconds: float
+    allocated_bytes: int = 0
+    parameter_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -78,7 +86,7 @@ def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, devi
     if len(task.train_set) < per_rank:
         raise ConfigError(f"the training split has {len(task.train_set)} samples, fewer than the per-rank batch "
                           f"{per_rank} to measure; point root_dir at more data")
-    batch = task.collate_train([task.train_set[i] for i in range(per_rank)])
+    batch = task.collate_train([task.train_set[i] for i in heaviest_samples(task.train_set, per_rank)])
     meter = PeakMemory(device)
     meter.start()
     model = task.model.to(device).train()
@@ -94,10 +102,28 @@ def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, devi
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
-    peak = meter.growth()
+    peak, allocated = meter.growth(), meter.growth_allocated()
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     del model, optimizer, moved, batch, task, out
     release_freed_memory(device)
-    return Probe(per_rank, int(peak), seconds)
+    return Probe(per_rank, int(peak), seconds, int(allocated), int(parameters))
+
+
+# Samples whose cost is read to find the heaviest: all of a split this size, an evenly spaced subset beyond it
+COST_SCAN_LIMIT = 5000
+
+
+def heaviest_samples(dataset: Any, count: int) -> list[int]:
+    """The `count` samples a step's memory should be measured on: those the dataset says cost the most
+    (`sample_cost(index)`, such as a sample's number of CAVs), else the first ones. A split's first frames may
+    hold 2 CAVs where others hold 7: a plan measured there would not fit them."""
+    cost = getattr(dataset, "sample_cost", None)
+    total = len(dataset)
+    if not callable(cost) or total <= count:
+        return list(range(min(count, total)))
+    stride = max(1, total // COST_SCAN_LIMIT)
+    scanned = range(0, total, stride)
+    return sorted(sorted(scanned, key=lambda index: (-cost(index), index))[:count])
 
 
 def release_freed_memory(device: torch.device) -> None:
@@ -141,12 +167,13 @@ def fit(probes: Sequence[Probe]) -> MemoryModel:
 
 
 def options(batch_size: int, world: int, model: MemoryModel, capacity_bytes: float) -> list[PlanOption]:
-    """Every exact split of batch_size over `world` ranks (per-rank x accumulation), largest per-rank first."""
+    """Every exact split of batch_size over `world` ranks (per-rank x accumulation), largest per-rank first; the
+    predicted peak includes DDP's buckets on several ranks."""
     found = []
     for per_rank in range(batch_size // world, 0, -1):
         if batch_size % (per_rank * world):
             continue
-        predicted = model.predict(per_rank)
+        predicted = model.predict(per_rank) + ddp_bytes(model, world)
         found.append(PlanOption(world, per_rank, batch_size // (per_rank * world), predicted,
                                 predicted <= capacity_bytes))
     return found
@@ -167,6 +194,8 @@ def describe(batch_size: int, world: int, model: MemoryModel, capacity_bytes: fl
     lines = [f"peak memory of one training step: {gib(model.fixed)} + {gib(model.per_sample)} per sample "
              f"(fit over per-rank batch {', '.join(str(p.per_rank) for p in model.probes)}; worst residual "
              f"{gib(model.worst_residual())})",
+             *([f"plus {gib(ddp_bytes(model, world))} per GPU for DDP's gradient buckets on {world} GPUs"]
+               if world > 1 else []),
              f"batch_size {batch_size} on {world} GPU(s) of {gib(capacity_bytes)} usable each:",
              "  per-GPU batch | accumulation | predicted peak | fits"]
     lines += [f"  {o.per_rank:13d} | {o.accumulation:12d} | {gib(o.predicted_bytes):>14s} | "
@@ -192,19 +221,35 @@ def no_plan_message(batch_size: int, world: int, model: Optional[MemoryModel], c
         worlds = [w for w in range(1, batch_size + 1) if batch_size % w == 0]
         return (f"train_params.batch_size {batch_size} cannot be split evenly over {world} GPUs; use a GPU count "
                 f"in {worlds}")
-    need = model.predict(1)
+    need = model.predict(1) + ddp_bytes(model, world)
     return (f"even per-GPU batch 1 needs {gib(need)}, more than the {gib(capacity_bytes)} usable per GPU; "
             f"try --half, GPUs with at least {math.ceil(need / GIB * 10) / 10:.1f} GiB, or a smaller model")
 
 
 def device_capacity(device: torch.device, processes_on_device: int, headroom: float = 0.1) -> float:
-    """Bytes one process may use on `device`: the GPU's memory, or on the CPU the memory Linux reports available
-    shared by the processes of this node; less the headroom the measure does not see (CUDA context, caches)."""
+    """Bytes one process may use on `device`, shared by the `processes_on_device` ranks that use it: on a GPU
+    what is free now (`mem_get_info`: without the CUDA contexts and whatever other jobs hold) and at most an equal
+    share of the whole; on the CPU the memory Linux reports available. Less the headroom the measure does not see
+    (NCCL's buffers, fragmentation over a long run)."""
     if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
+        free, total = torch.cuda.mem_get_info(device)
     else:
-        total = _mem_available() / max(processes_on_device, 1)
-    return total * (1 - headroom)
+        free = total = _mem_available()
+    return usable_share(free, total, processes_on_device, headroom)
+
+
+def usable_share(free: float, total: float, processes: int, headroom: float) -> float:
+    """One of `processes` ranks' share of a device with `free` of `total` bytes free: an equal share of the whole,
+    and no more than is free, less the headroom."""
+    return min(free, total / max(processes, 1)) * (1 - headroom)
+
+
+def ddp_bytes(model: MemoryModel, world: int) -> float:
+    """What DDP adds on several ranks that a 1-process probe does not hold: its gradient buckets, one more copy
+    of the trainable parameters (torch's default, gradient_as_bucket_view=False)."""
+    if world <= 1:
+        return 0.0
+    return float(max((p.parameter_bytes for p in model.probes), default=0))
 
 
 def _mem_available() -> int:

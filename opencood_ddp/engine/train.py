@@ -86,21 +86,13 @@ def choose_per_gpu_batch(options: TrainOptions, hypes: dict, env: DistEnv, build
 
     def measure() -> int:
         capacity = (options.per_gpu_mem_gib * batch_fit.GIB if options.per_gpu_mem_gib else
-                    batch_fit.device_capacity(device, processes_on_device=local_processes(env)))
+                    batch_fit.device_capacity(device, processes_on_device=env.processes_on_device))
         chosen, lines = batch_fit.auto_plan(hypes, build_task, env.world_size, device, options.half, capacity)
         for line in lines:
             get_logger().info(line)
         return chosen.per_rank
 
     return comm.on_main_then_broadcast(measure)
-
-
-def local_processes(env: DistEnv) -> int:
-    """Processes of this run on this node (torchrun and SLURM say; else all of them)."""
-    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return env.world_size
 
 
 def seed_everything(seed: int) -> None:

@@ -252,6 +252,11 @@ class OpencoodDataset(Dataset):
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         raise NotImplementedError
 
+    def sample_cost(self, index: int) -> int:
+        """How much work sample ``index`` is, read from the index without opening a file: its CAVs (before the
+        communication range drops any). Memory plans measure the costliest samples (engine/batch_fit.py)."""
+        return self.source.sample_frames(index, self.epoch).count
+
     # ----------------------------------------------------------------------------------- received CAVs
 
     def sample_frames(self, index: int) -> Tuple[SampleFrames, List[int], SampleKey]:
