@@ -10,9 +10,12 @@ pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 
 
-def test_comm_helpers_on_three_ranks(tmp_path):
+@pytest.mark.parametrize("group", ["default", "separate"])
+def test_comm_helpers_on_three_ranks(tmp_path, group):
+    """On the default gloo group, and on a gloo group of their own: the control plane's group under NCCL."""
     out = tmp_path / "comm.json"
-    result = torchrun(3, WORKERS / "comm_worker.py", "--out", out)
+    flags = ["--separate_control_group"] if group == "separate" else []
+    result = torchrun(3, WORKERS / "comm_worker.py", "--out", out, *flags)
     assert result.returncode == 0, explain(result)
     seen = json.loads(out.read_text())
     assert [s["rank"] for s in seen] == [0, 1, 2]

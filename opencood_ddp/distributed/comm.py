@@ -30,28 +30,47 @@ def get_rank() -> int:
     return dist.get_rank() if is_dist() else 0
 
 
-def comm_device() -> torch.device:
-    """NCCL only moves CUDA tensors; gloo only CPU ones."""
-    if is_dist() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+# The control plane (step agreement, error agreement, loss sums, object gathers) runs on gloo whatever the default
+# backend: gloo's collectives time out with an error this package turns into one CollectiveError line, where NCCL's
+# block in the GPU stream until its watchdog aborts the process. Under NCCL it is a gloo group of every rank, made
+# once when the default group is (`open_control_group`); under gloo it is the default group itself.
+_control_group: Optional[Any] = None
+
+
+def open_control_group(timeout: datetime.timedelta, separate: Optional[bool] = None) -> None:
+    """Collective, right after init_process_group: the gloo group of the control plane, separate from the default
+    group when the default backend is not gloo (`separate` forces the choice: the tests take NCCL's path on gloo)."""
+    global _control_group
+    if separate is None:
+        separate = dist.get_backend() != "gloo"
+    _control_group = dist.new_group(backend="gloo", timeout=timeout) if separate else None
+
+
+def close_control_group() -> None:
+    """Forget the control group (destroy_process_group destroys it with every other group)."""
+    global _control_group
+    _control_group = None
+
+
+def control_group() -> Optional[Any]:
+    """The group control collectives run on; None is the default group (gloo)."""
+    return _control_group
 
 
 def barrier() -> None:
     if is_dist():
-        dist.barrier()
+        dist.barrier(group=control_group())
 
 
 def all_reduce_sum(values: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in float64 so that sums of many per-sample losses do not drift with world size.
 
-    Returns a CPU float64 tensor of the same length.
+    Returns a CPU float64 tensor of the same length (the control plane is gloo, on the CPU).
     """
-    tensor = torch.as_tensor(values, dtype=torch.float64).detach().reshape(-1).clone()
+    tensor = torch.as_tensor(values, dtype=torch.float64).detach().reshape(-1).cpu().clone()
     if is_dist():
-        tensor = tensor.to(comm_device())
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-    return tensor.cpu()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=control_group())
+    return tensor
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -59,7 +78,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not is_dist():
         return obj
     holder = [obj if get_rank() == src else None]
-    dist.broadcast_object_list(holder, src=src, device=comm_device())
+    dist.broadcast_object_list(holder, src=src, group=control_group())
     return holder[0]
 
 
@@ -67,13 +86,8 @@ def gather_objects(obj: Any, dst: int = 0) -> Optional[list]:
     """List of every rank's object (in rank order) on `dst`; None elsewhere."""
     if not is_dist():
         return [obj]
-    if dist.get_backend() == "nccl":
-        # NCCL has no gather_object; all_gather_object costs the same bytes on small payloads.
-        gathered: list = [None] * get_world_size()
-        dist.all_gather_object(gathered, obj)
-        return gathered if get_rank() == dst else None
     gathered = [None] * get_world_size() if get_rank() == dst else None
-    dist.gather_object(obj, gathered, dst=dst)
+    dist.gather_object(obj, gathered, dst=dst, group=control_group())
     return gathered
 
 
@@ -102,7 +116,7 @@ def all_gather_objects(obj: Any) -> list:
     if not is_dist():
         return [obj]
     gathered: list = [None] * get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=control_group())
     return gathered
 
 

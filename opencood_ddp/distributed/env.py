@@ -17,6 +17,7 @@ from typing import Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.devices import DeviceChoice, choose_cuda_device, node_processes
 from opencood_ddp.errors import ConfigError
 
@@ -177,6 +178,7 @@ def init_distributed_mode(env: DistEnv, timeout_minutes: float = 30.0) -> None:
         kwargs["device_id"] = torch.device(env.device)
     dist.init_process_group(backend=env.backend, rank=env.rank, world_size=env.world_size, timeout=timeout,
                             **kwargs)
+    comm.open_control_group(timeout)
 
 
 def _agent_store_of_this_attempt(timeout: datetime.timedelta) -> dist.Store:
@@ -197,8 +199,9 @@ def teardown(synchronize: bool = True) -> None:
     aborts the process ("terminate called without an active exception")."""
     if dist.is_available() and dist.is_initialized():
         if synchronize:
-            dist.barrier()
+            comm.barrier()
         gc.collect()
+        comm.close_control_group()
         dist.destroy_process_group()
 
 

@@ -3,6 +3,7 @@
 Rank 0 writes what each collective returned on every rank, for the test to check.
 """
 import argparse
+import datetime
 import json
 
 from opencood_ddp.distributed import comm
@@ -35,9 +36,15 @@ def observations(rank: int) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
+    parser.add_argument("--separate_control_group", action="store_true",
+                        help="run the helpers on a gloo group of their own, as under NCCL")
     args = parser.parse_args()
     env = detect_from_process()
     with distributed_session(env):
+        if args.separate_control_group:
+            comm.open_control_group(datetime.timedelta(minutes=1), separate=True)
+            if comm.control_group() is None:
+                raise SystemExit("no separate control group")
         gathered = comm.gather_objects(observations(env.rank))
         if env.is_main:
             with open(args.out, "w") as handle:
