@@ -4,6 +4,7 @@ The multi-process behaviour of the same code (every rank calls the hooks and the
 the runs of test_train_engine, test_resilience and test_end_to_end; here: what each hook and the checkpointer
 writes, in which order the loop calls them, and that a hook on another rank writes nothing.
 """
+import math
 import os
 from pathlib import Path
 
@@ -378,3 +379,15 @@ def test_cosine_resumed_from_weights_alone_starts_the_epoch_as_upstream(tmp_path
     resumed = _resume(tmp_path)
     assert resumed.progress.global_step == 4 * STEPS_PER_EPOCH
     assert _logged_lrs(tmp_path) == pytest.approx(upstream_step_lrs(COSINE, BASE_LR, STEPS_PER_EPOCH, 4), rel=1e-6)
+
+
+def test_gradscaler_skipped_steps_are_not_non_finite_steps(tmp_path):
+    """Under float16 a GradScaler skips the steps whose scaled gradients overflow and lowers its scale: normal,
+    not the non-finite policy's business. A real CPU GradScaler with a scale past float32's range overflows the
+    first steps' gradients; the run goes on and takes them as steps, and the policy records no skip."""
+    trainer = _trainer(tmp_path, epochs=1)
+    trainer.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127, growth_interval=1000)
+    trainer.fit()
+    assert trainer.progress.global_step == 4 and trainer.progress.skipped_steps == []
+    skipped_by_scaler = 127 - int(math.log2(trainer.scaler.get_scale()))  # each skip halves the scale
+    assert 1 <= skipped_by_scaler <= 4

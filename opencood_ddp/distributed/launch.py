@@ -45,4 +45,6 @@ def forwarded_training_flags(args: argparse.Namespace) -> list[str]:
     for name in ("per_gpu_batch", "seed"):
         if getattr(args, name) is not None:
             flags += [f"--{name}", str(getattr(args, name))]
+    if isinstance(args.half, str):  # a tool that forwards --half [fp16|bf16] as given
+        return flags + ["--half", args.half]
     return flags + (["--half"] if args.half else [])

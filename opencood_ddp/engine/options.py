@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol, Sequence, Union
 
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS
+from opencood_ddp.engine.step import HALF_MODES
 from opencood_ddp.engine.step_guard import NONFINITE_POLICIES
 
 
@@ -38,7 +39,7 @@ class TrainOptions:
     per_gpu_mem_gib: Optional[float] = None
     batch_semantics: str = "global"
     scale_lr: str = "none"
-    half: bool = False
+    half: Optional[str] = None  # --half [fp16|bf16]: "auto", "fp16" or "bf16"; None: float32
     seed: Optional[int] = None  # None: train_params.seed of the hypes, else 0
     sync_bn: bool = True  # --no_sync_bn clears it
     max_steps: Optional[int] = None
@@ -124,7 +125,9 @@ def train_parser() -> argparse.ArgumentParser:
                         help="global: batch_size is the effective batch (default); per_gpu: upstream behaviour")
     parser.add_argument("--scale_lr", choices=LR_SCALINGS, default=TrainOptions.scale_lr,
                         help="lr scaling with per_gpu semantics")
-    parser.add_argument("--half", action="store_true", help="mixed precision (fp16 + GradScaler on CUDA, bf16 on CPU)")
+    parser.add_argument("--half", nargs="?", const="auto", choices=HALF_MODES, metavar="{fp16,bf16}",
+                        help="mixed precision: fp16 with a GradScaler, or bf16; a bare --half is fp16 on CUDA and bf16 "
+                             "on the CPU")
     parser.add_argument("--seed", type=int, help="default: train_params.seed of the hypes, else 0")
     parser.add_argument("--no_sync_bn", dest="sync_bn", action="store_false",
                         help="keep per-rank BatchNorm statistics")

@@ -2,8 +2,9 @@
 (`engine/batch_fit.py`), so that a probe measures the step the run will take.
 
 - `Precision` is the ``--half`` policy: autocast to float16 on CUDA (with a GradScaler, since float16 gradients
-  underflow) and to bfloat16 on the CPU (no scaler: bfloat16 has float32's exponent range). Without ``--half``
-  everything stays float32.
+  underflow) and to bfloat16 on the CPU (no scaler: bfloat16 has float32's exponent range); ``--half bf16`` or
+  ``--half fp16`` picks the type on either. Without ``--half`` everything stays float32. The models keep a few
+  computations in float32 under autocast (models/modules/precision.py).
 - `forward_backward` runs the task's step on a micro-batch under that policy and back-propagates its loss
   divided by the number of micro-batches of the step.
 - `optimizer_step` steps the optimizer (through the scaler when there is one) and drops the gradients.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Optional, Union
 
 import torch
 from torch import nn
@@ -20,23 +21,33 @@ from torch import nn
 from opencood_ddp.engine.task import LossOutput, StepFn
 
 
+HALF_MODES = ("auto", "fp16", "bf16")  # --half [fp16|bf16]; a bare --half is "auto"
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class Precision:
-    half: bool
+    """half: None or False for float32; "auto" (or True) for float16 on CUDA and bfloat16 on the CPU; "fp16" or
+    "bf16" for that type on either."""
+
+    half: Union[bool, str, None]
     device: torch.device
 
     @property
     def autocast_dtype(self) -> Optional[torch.dtype]:
         if not self.half:
             return None
-        return torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        if self.half is True or self.half == "auto":
+            return torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        return HALF_DTYPES[self.half]
 
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device.type, dtype=dtype)
 
     def new_scaler(self) -> Optional[torch.amp.GradScaler]:
-        return torch.amp.GradScaler("cuda") if self.autocast_dtype == torch.float16 else None
+        """float16 needs a GradScaler (its gradients underflow); bfloat16 has float32's exponent range."""
+        return torch.amp.GradScaler(self.device.type) if self.autocast_dtype == torch.float16 else None
 
 
 def forward_backward(step: StepFn, model: nn.Module, batch: Any, precision: Precision,

@@ -19,6 +19,8 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from opencood_ddp.models.modules.precision import in_full_precision
+
 
 class EgoWarp(NamedTuple):
     """What ``warp_to_ego`` needs for one batch's CAV maps, at any backbone level."""
@@ -77,10 +79,14 @@ def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> t
     others = torch.nonzero(moving_rows(theta, is_ego)).squeeze(1)
     if others.numel() == 0:
         return x
-    moved = x.index_select(0, others)
-    grid = F.affine_grid(theta.index_select(0, others).to(moved.dtype), list(moved.shape), align_corners=False)
-    warped = F.grid_sample(moved, grid.to(moved.dtype), mode="bilinear", padding_mode="zeros", align_corners=False)
+    warped = in_full_precision(_resample, x.index_select(0, others), theta.index_select(0, others))
     return x.index_copy(0, others, warped.to(x.dtype))
+
+
+def _resample(maps: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """Bilinear resampling of `maps` on the grid of `theta`, in the maps' dtype (a full-precision island)."""
+    grid = F.affine_grid(theta.to(maps.dtype), list(maps.shape), align_corners=False)
+    return F.grid_sample(maps, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 
 
 def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float], device: torch.device) -> Optional[EgoWarp]:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.models.modules.ego_warp import EgoWarp, to_ego_frame
+from opencood_ddp.models.modules.precision import in_full_precision
 
 
 def regroup(x: torch.Tensor, record_len: torch.Tensor) -> List[torch.Tensor]:
@@ -35,7 +36,9 @@ class AttFusion(nn.Module):
 
     def ego_weights(self, tokens: torch.Tensor) -> torch.Tensor:
         """(cells, cavs, C) -> (cells, 1, cavs): the ego row of the attention matrix (only it is used)."""
-        return torch.softmax(torch.bmm(tokens[:, :1], tokens.transpose(1, 2)) * self.scale, dim=-1)
+        # float32 logits under --half: a dot product of C-vectors overflows float16 (modules/precision.py)
+        return in_full_precision(
+            lambda t: torch.softmax(torch.bmm(t[:, :1], t.transpose(1, 2)) * self.scale, dim=-1), tokens)
 
     def forward(self, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp] = None) -> torch.Tensor:
         fused = []

@@ -12,6 +12,8 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.precision import in_full_precision
+
 
 class PFNLayer(nn.Module):
     """Linear (+ BatchNorm1d) + ReLU over points, then max over the pillar; inner layers concatenate both."""
@@ -35,8 +37,8 @@ class PFNLayer(nn.Module):
         # included (a (0, C) input leaves its running statistics alone and gives its weight and bias zero
         # gradients), so every parameter is in the graph and every rank makes the same collectives.
         x = self.linear(inputs.reshape(pillars * points, channels))
-        if self.use_norm:
-            x = self.norm(x)
+        if self.use_norm:  # in float32 under --half: a rank without a pillar must send SyncBN float32 statistics
+            x = in_full_precision(self.norm, x)
         x = x.reshape(pillars, points, x.shape[-1])
         x = torch.relu(x)
         x_max = x.max(dim=1, keepdim=True).values

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.precision import in_full_precision
+
 
 def relative_position_index(agents: int, window: int) -> torch.Tensor:
     """(n, n) index into the bias table of every token pair, n = agents * window * window.
@@ -52,7 +54,7 @@ class WindowAttention(nn.Module):
         tokens = x.permute(0, 2, 3, 1, 4, 5, 6).reshape(b * nx * ny, agents * w1 * w2, dim)
         q, k, v = self.to_qkv(tokens).chunk(3, dim=-1)
         q, k, v = (t.reshape(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        sim = (q * self.scale) @ k.transpose(-2, -1)  # (B X Y, heads, n, n)
+        sim = in_full_precision(lambda q, k: (q * self.scale) @ k.transpose(-2, -1), q, k)  # (B X Y, heads, n, n)
         bias = self.relative_position_bias_table(self.relative_position_index)  # (n, n, heads)
         sim = sim + bias.permute(2, 0, 1)
         # A key of an absent agent gets no weight; every window holds the ego, so no row is all masked.

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opencood_ddp.models.modules.fusion import regroup
+from opencood_ddp.models.modules.precision import in_full_precision
 
 AGGREGATORS = ("avg", "max")
 
@@ -90,6 +91,10 @@ def pairwise_affines(pairwise_t_matrix: torch.Tensor, lidar_range: Sequence[floa
 
 def warp_all_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) maps, (N, N, 2, 3) affines -> (N, N, C, H, W): [i, j] is map j in receiver i's frame."""
+    return in_full_precision(_warp_all_pairs, x, theta).to(x.dtype)
+
+
+def _warp_all_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     n, c, h, w = x.shape
     grid = F.affine_grid(theta.reshape(n * n, 2, 3).to(x.dtype), [n * n, c, h, w], align_corners=False)
     senders = x.unsqueeze(0).expand(n, n, c, h, w).reshape(n * n, c, h, w)
@@ -99,11 +104,14 @@ def warp_all_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
 
 def field_of_view(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
     """(N, N, 2, 3) affines -> (N, N, 1, H, W) masks: 1 where sender j's map covers receiver i's cell."""
-    n = theta.shape[0]
-    grid = F.affine_grid(theta.reshape(n * n, 2, 3), [n * n, 1, h, w], align_corners=False)
-    ones = theta.new_ones(n * n, 1, h, w)
-    covered = F.grid_sample(ones, grid, mode="nearest", padding_mode="zeros", align_corners=False)
-    return covered.view(n, n, 1, h, w)
+    def cover(theta: torch.Tensor) -> torch.Tensor:
+        n = theta.shape[0]
+        grid = F.affine_grid(theta.reshape(n * n, 2, 3), [n * n, 1, h, w], align_corners=False)
+        ones = theta.new_ones(n * n, 1, h, w)
+        covered = F.grid_sample(ones, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+        return covered.view(n, n, 1, h, w)
+
+    return in_full_precision(cover, theta)
 
 
 class V2VNetFusion(nn.Module):

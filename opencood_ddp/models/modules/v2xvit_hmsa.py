@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.precision import in_full_precision
 from opencood_ddp.models.modules.v2xvit_agents import NUM_KINDS, Agents
 from opencood_ddp.models.parameter_use import TracksParameterUse
 
@@ -50,7 +51,7 @@ def key_mask(agents: Agents, visible: torch.Tensor) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q, k (B, L, H, W, M, d) -> attention weights (B, H, W, M, L_query, L_key)."""
-    logits = torch.einsum("bihwmp,bjhwmp->bhwmij", q, k) * scale
+    logits = in_full_precision(lambda q, k: torch.einsum("bihwmp,bjhwmp->bhwmij", q, k) * scale, q, k)
     return logits.masked_fill(~mask, float("-inf")).softmax(dim=-1)
 
 

@@ -13,6 +13,8 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.precision import in_full_precision
+
 
 def relative_offsets(window: int) -> torch.Tensor:
     """(s^2, s^2, 2) offset (row, column) of cell j from cell i of a window, shifted to start at 0."""
@@ -61,7 +63,7 @@ class WindowAttention(nn.Module):
         """x (N, H, W, C) -> (N, H, W, C); H and W are multiples of the window (checked with the hypes)."""
         _, height, width, _ = x.shape
         q, k, v = (to_windows(t, self.window, self.heads) for t in self.to_qkv(x).chunk(3, dim=-1))
-        logits = q @ k.transpose(-1, -2) * self.scale + self.position_bias()
+        logits = in_full_precision(lambda q, k: q @ k.transpose(-1, -2) * self.scale, q, k) + self.position_bias()
         out = from_windows(logits.softmax(dim=-1) @ v, self.window, height, width)
         return self.to_out(out)
 

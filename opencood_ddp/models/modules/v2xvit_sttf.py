@@ -16,6 +16,8 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from opencood_ddp.models.modules.precision import in_full_precision
+
 _EPS = 1e-14  # upstream's denominator for a map one pixel wide
 
 
@@ -37,16 +39,24 @@ def _pixels_to_unit(height: int, width: int, like: torch.Tensor) -> torch.Tensor
 
 
 def sampling_grid(pixel_map: torch.Tensor, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """(n, 3, 3) source -> destination pixel maps -> (n, H, W, 2) grid_sample grid over the destination."""
-    unit = _pixels_to_unit(height, width, pixel_map)
-    # grid_sample looks up, for each destination pixel, where it came from: the inverse map.
-    theta = unit @ torch.linalg.inv(pixel_map) @ torch.linalg.inv(unit)
-    return F.affine_grid(theta[:, :2].to(dtype), [pixel_map.shape[0], 1, height, width], align_corners=True)
+    """(n, 3, 3) source -> destination pixel maps -> (n, H, W, 2) grid_sample grid over the destination, in
+    `dtype` or float32 if that is a 16-bit type (under --half, a float16 grid is off by a fifth of a cell)."""
+    def grid(pixel_map: torch.Tensor) -> torch.Tensor:
+        unit = _pixels_to_unit(height, width, pixel_map)
+        # grid_sample looks up, for each destination pixel, where it came from: the inverse map.
+        theta = unit @ torch.linalg.inv(pixel_map) @ torch.linalg.inv(unit)
+        full = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        return F.affine_grid(theta[:, :2].to(full), [pixel_map.shape[0], 1, height, width], align_corners=True)
+
+    return in_full_precision(grid, pixel_map)
 
 
 def warp(maps: torch.Tensor, grid: torch.Tensor, mode: str) -> torch.Tensor:
-    """(n, C, H, W) maps resampled on ``grid``; zero where the grid leaves the source map."""
-    return F.grid_sample(maps, grid.to(maps.dtype), mode=mode, padding_mode="zeros", align_corners=True)
+    """(n, C, H, W) maps resampled on ``grid``; zero where the grid leaves the source map. A full-precision
+    island: 16-bit maps are sampled in float32 on the full-precision grid, and the answer is float32."""
+    return in_full_precision(
+        lambda maps, grid: F.grid_sample(maps, grid.to(maps.dtype), mode=mode, padding_mode="zeros",
+                                         align_corners=True), maps, grid)
 
 
 class SpatialAligner:

@@ -1,0 +1,32 @@
+"""Full-precision islands under ``--half`` (autocast to float16 on CUDA, bfloat16 on the CPU).
+
+Autocast runs matrix products in 16 bits. Three places must not:
+- **sampling grids** (the ego warp, V2VNet's pairwise warp, V2X-ViT's STTF): ``affine_grid`` is a matrix product,
+  and float16 grid coordinates in [-1, 1] are 2^-11 apart, a shift of 0.1 to 0.2 cell on a 700-cell map;
+- **attention logits** (AttFuse, CoBEVT, V2X-ViT): a dot product of C-vectors overflows float16's 65504 long before
+  the softmax (which autocast already runs in float32) sees it;
+- **the pillar VFE's BatchNorm**, the one BatchNorm whose input can be empty (a rank whose batch has no pillar):
+  torch's SyncBatchNorm then builds that rank's statistics in the input's dtype, float16, while the other ranks send
+  float32, and the gather mismatches.
+
+`in_full_precision(fn, *tensors)` runs ``fn`` with autocast off and 16-bit float inputs upcast to float32 (float32
+and float64 inputs kept, so the float64 model tests run in float64). Without autocast and with full-precision
+inputs it calls ``fn`` as it is: a float32 run is bit for bit the one without islands.
+"""
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+import torch
+
+T = TypeVar("T")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def in_full_precision(fn: Callable[..., T], *tensors: torch.Tensor) -> T:
+    device_type = tensors[0].device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    if not autocast and not any(t.dtype in HALF_DTYPES for t in tensors):
+        return fn(*tensors)
+    with torch.autocast(device_type, enabled=False):
+        return fn(*(t.float() if t.dtype in HALF_DTYPES else t for t in tensors))
