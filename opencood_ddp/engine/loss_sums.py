@@ -11,21 +11,44 @@ from opencood_ddp.distributed import comm
 
 
 class LossSums:
-    """Sample-weighted sums of the loss and its parts on this rank, reduced over ranks on demand."""
+    """Sample-weighted sums of the loss and its parts on this rank, reduced over ranks on demand.
+
+    `add` keeps a micro-batch's values on their device; they reach the host together when the sums are read
+    (`settle`), so that a training step waits for its device once, not once per loss part and micro-batch. The
+    host sums are float64 and added in the order the values came, whether settled at once or one by one."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
-        self.values: list[float] = []
+        self._values: list[float] = []
+        self._pending: list[tuple[torch.Tensor, int]] = []
         self.count = 0
 
     def add(self, total: torch.Tensor, parts: dict, n: int) -> None:
         items = {"loss": total, **parts}
         if not self.names:
             self.names = list(items)
-            self.values = [0.0] * len(items)
-        for i, name in enumerate(self.names):
-            self.values[i] += float(items[name].detach()) * n
+            self._values = [0.0] * len(items)
+        # float32 -> float64 is exact: the host sums are those of float(value) * n
+        self._pending.append((torch.stack([items[name].detach().reshape(()).to(torch.float64)
+                                           for name in self.names]), n))
         self.count += n
+
+    def settle(self) -> list[list[float]]:
+        """Bring the pending values to the host in one transfer and add them; returns them, one row per `add`
+        (the loss first), in order."""
+        if not self._pending:
+            return []
+        rows = torch.stack([values for values, _ in self._pending]).cpu().tolist()
+        for row, (_, n) in zip(rows, self._pending):
+            for i, value in enumerate(row):
+                self._values[i] += value * n
+        self._pending = []
+        return rows
+
+    @property
+    def values(self) -> list[float]:
+        self.settle()
+        return self._values
 
     def reduced_means(self, names: Optional[list[str]] = None) -> dict:
         return self.reduced_means_and_flags(names)[0]
@@ -51,14 +74,15 @@ class LossSums:
         sums = cls()
         if saved and saved["names"]:
             sums.names = list(saved["names"])
-            sums.values = list(saved["values"]) if holder else [0.0] * len(saved["names"])
+            sums._values = list(saved["values"]) if holder else [0.0] * len(saved["names"])
             sums.count = int(saved["count"]) if holder else 0
         return sums
 
     def merge(self, other: "LossSums") -> None:
         """Add another set of sums of the same loss parts (a step's into its epoch's)."""
         if not self.names:
-            self.names, self.values = list(other.names), [0.0] * len(other.names)
+            self.names, self._values = list(other.names), [0.0] * len(other.names)
+        self.settle()
         for i, value in enumerate(other.values):
-            self.values[i] += value
+            self._values[i] += value
         self.count += other.count

@@ -62,7 +62,7 @@ class TrainSettings:
     save_freq: int = 1
     num_workers: int = 0
     find_unused_parameters: bool = False
-    half: bool = False
+    half: Optional[str] = None  # --half: "auto", "fp16" or "bf16" (engine/step.py Precision)
     sync_bn: bool = True
     keep_states: int = 2
     max_steps: Optional[int] = None  # end the run after this many optimizer steps (smoke tests, parity checks)
@@ -281,15 +281,14 @@ class Trainer:
                           self.epoch_batches(epoch), collate_fn=InBandSmallTensors(self.task.collate_train),
                           pin_memory=self.device.type == "cuda", **self._loader_options())
 
-    def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> float:
-        """Forward and backward of one micro-batch; returns its loss (non-finite ones included)."""
+    def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> None:
+        """Forward and backward of one micro-batch; its loss and parts go into `sums`, still on the device."""
         batch = self.task.move_to(batch, self.device)
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
         with no_sync() if no_sync else contextlib.nullcontext():
             out = forward_backward(self.task.step, self.model, batch, self.precision, self.scaler,
                                    self.plan.accumulation)
         sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
-        return float(out.total.detach())
 
     # ------------------------------------------------------------------------------------- one step, agreed
     def _fetch(self, batches: Iterator) -> tuple[list, Optional[OpencoodDdpError]]:
@@ -329,9 +328,10 @@ class Trainer:
         non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
         snapshot = BufferSnapshot(self.model_without_ddp)
         self._take_parameter_use()  # what forwards outside a step (validation) recorded is not this step's
-        step_sums, losses = LossSums(), []
+        step_sums = LossSums()
         for micro, batch in enumerate(micro_batches):
-            losses.append(self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums))
+            self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums)
+        losses = [row[0] for row in step_sums.settle()]  # the step's one wait for the device
         groups = self._take_parameter_use()
         # With a GradScaler, overflowing fp16 gradients are its business: it skips the step and lowers the scale.
         grads_ok = self.scaler is not None or gradients_finite(self.model_without_ddp)
