@@ -1,7 +1,8 @@
-"""tools/gpu_check.py on the CPU (`--device cpu`), as `make test` runs it, so that the GPU check cannot rot.
+"""tools/gpu_check.py on the CPU (`--device cpu`), as `make test` runs it, so that the GPU acceptance run cannot rot.
 
-On the CPU the same path runs with gloo, GlooSyncBatchNorm and bf16; one model runs at its toy size (the full-size
-opv2v baselines take minutes per step on 2 cores; on a GPU `make gpu-check` runs them)."""
+On the CPU the same path runs with gloo, GlooSyncBatchNorm and the CPU's autocast (fp16 with a CPU GradScaler, and
+bf16). One toy model stands for the nine (each runs the same lines), the full-size model is left out (minutes per
+step on 2 cores), and the planner runs on the toy model; on a GPU `make gpu-check` runs them all."""
 import json
 
 import pytest
@@ -11,27 +12,30 @@ from launch import REPO, explain, python
 
 pytestmark = pytest.mark.slow
 
-# One config: every line of the tool's baseline check runs for each config alike, so a second one adds time and no
-# line. Training and evaluation of each fusion kind on several ranks are tests/test_opencood_training.py's.
-TOY_MODELS = ["toy/point_pillar_intermediate_fusion"]
+TOY = "toy/point_pillar_intermediate_fusion"
 
 
 def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     out = tmp_path / "report"
     result = python(REPO / "tools" / "gpu_check.py", "--device", "cpu", "--out", out, "--data", toy_small,
-                    "--configs", *TOY_MODELS, timeout=1200)
+                    "--configs", TOY, "--full_size", "--precisions", "fp32", "fp16", "bf16",
+                    "--planner_config", TOY, timeout=1200)
     assert result.returncode == 0, explain(result)
     report = json.loads((out / "gpu_check.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
-    assert {"process_group", "sync_batchnorm", "half", "voxelizer"} <= set(checks)
     assert all(c["status"] == "ok" for c in checks.values()), checks
-    for model in TOY_MODELS:
-        assert checks[f"train+eval {model}"]["figures"]["eval"]["frames"] == 4
-        rows = checks[f"memory {model}"]["figures"]["per_gpu_batch"]
-        assert set(rows) == {"1", "2"} and all(r["peak_mib"] > 0 and r["samples_per_s"] > 0 for r in rows.values())
+    assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY}",
+            f"planner {TOY}"} <= set(checks)
+    for precision in ("fp32", "fp16", "bf16"):
+        figures = checks[f"train {TOY} {precision}"]["figures"]
+        assert figures["steps"] == 4 and figures["frames"] == 4  # 2 steps, 2 more after the resume; 4 test frames
+        assert figures["samples_per_s"] > 0 and figures["peak_reserved_mib"] > 0
+    planner = checks[f"planner {TOY}"]["figures"]
+    assert set(planner["probes"]) == {"1", "2", "4"} and planner["ratio"] > 0
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table
+    assert f"| {TOY} | bf16 | ok |" in table
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device: make gpu-check runs there")

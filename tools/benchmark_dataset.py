@@ -28,6 +28,7 @@ import inspect
 import os
 import platform
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--handover", choices=sorted(HANDOVERS), default="in_band",
                         help="how workers hand batches over: in_band (the engine's: small tensors inside the "
                              "pickled batch), shared (PyTorch's shared memory for every tensor), or both in turns")
+    parser.add_argument("--epoch-start", type=int, default=0, metavar="EPOCHS",
+                        help="also time the first batch of each of EPOCHS epochs: a new loader per epoch (the "
+                             "trainer's) against one with persistent workers")
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="torch intra-op threads of the main process (0: torch's default). DataLoader workers "
                              "always use 1; spconv's output copies are slow with 2+ threads on a busy machine")
@@ -111,6 +115,25 @@ def throughput(dataset, batch_size: int, workers: int, handover: str = "in_band"
         cavs += int(batch["ego"]["record_len"].sum()) if "record_len" in batch["ego"] else count
     seconds = time.perf_counter() - start
     return samples / seconds, cavs / seconds
+
+
+def epoch_start(dataset, batch_size: int, workers: int, epochs: int, persistent: bool) -> Tuple[list, float]:
+    """(seconds to each epoch's first batch, median seconds of a later batch): a new DataLoader per epoch, as the
+    trainer makes one (its workers forked anew), or one loader whose workers persist."""
+    batches = [list(range(i, i + batch_size)) for i in range(0, len(dataset) - batch_size + 1, batch_size)]
+    loader, firsts, later = None, [], []
+    for _ in range(epochs):
+        if loader is None or not persistent:
+            loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers, persistent_workers=persistent,
+                                collate_fn=InBandSmallTensors(dataset.collate_batch_train))
+        start = time.perf_counter()
+        batch_iter = iter(loader)
+        next(batch_iter)
+        firsts.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        rest = sum(1 for _ in batch_iter)
+        later.append((time.perf_counter() - start) / max(rest, 1))
+    return firsts, statistics.median(later)
 
 
 def voxel_points_per_cav(dataset) -> float:
@@ -273,6 +296,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for workers in args.workers:
         best = max(throughput(dataset, args.batch_size, workers)[0] for _ in range(args.repeats))
         print(f"num_workers={workers}: {best:.1f} samples/s")
+    for workers in [w for w in args.workers if w and args.epoch_start]:
+        for persistent in (False, True):
+            firsts, later = epoch_start(dataset, args.batch_size, workers, args.epoch_start, persistent)
+            print(f"num_workers={workers} {'persistent workers' if persistent else 'new workers each epoch'}: "
+                  f"first batch of each epoch {', '.join(f'{x:.3f}' for x in firsts)} s; a later batch {later:.3f} s")
 
     total, stages, top = profile(dataset, args.profile_samples, args.batch_size)
     print(f"\ncProfile, {args.profile_samples} samples + collate in one process: {total:.2f} s "

@@ -1,32 +1,39 @@
 #!/usr/bin/env python
-"""One command that proves the CUDA path (`make gpu-check`), or the same path on the CPU (`--device cpu`, run by
-`make test` so that it cannot rot). Writes gpu_check.md and gpu_check.json into --out.
+"""The GPU acceptance run (`make gpu-check`): one command on one GPU, about 10 minutes, exit 1 on any failure.
+`--device cpu` runs the same path on the CPU (`make test` runs a part of it, so that it cannot rot). Writes
+gpu_check.json (every figure) and gpu_check.md (the tables docs/benchmarks.md and docs/model_zoo.md take) into --out.
 
-    python tools/gpu_check.py [--device cuda|cpu] [--out gpu_check] [--half] [--configs opv2v/x ...]
+    python tools/gpu_check.py [--device cuda|cpu] [--out gpu_check] [--configs toy/x ...] [--precisions fp32 ...]
 
 Checks, each ok / failed / skipped with the reason:
-- process_group: NCCL (gloo on the CPU) initialised at world size 1, an all_reduce on the device;
-- sync_batchnorm: torch's SyncBatchNorm conversion (our GlooSyncBatchNorm on the CPU) and a training step in that
-  group, equal to plain BatchNorm at world size 1;
-- half: fp16 autocast with a GradScaler through a few steps, the scaler saved and resumed (bf16 and no scaler on
-  the CPU, which needs none);
-- voxelizer: the data pipeline's spconv point-to-voxel generator on the installed spconv wheel, and spconv's sparse
-  convolution on the device (what SECOND needs);
-- for each opv2v baseline on full-size synthetic frames (the toy world read with the baseline's range, grid and
-  model): one epoch of a few steps (tools/train_ddp.py), and the evaluation of that checkpoint on 1 process
-  and on 2 processes sharing the one device over gloo (DDP-era collectives on the device's tensors), whose eval.yaml
-  must be equal;
-- memory: per model and per-GPU batch 1 and 2, a training step's time, samples/s and peak memory
-  (`torch.cuda.max_memory_allocated`; the resident-set growth on the CPU), as tools/plan_batch.py measures.
-Exit 0 when nothing failed, 1 otherwise.
+- device: the device this process gets from the launcher's environment (distributed/devices.py);
+- process_group: NCCL (gloo on the CPU) at world size 1 on `cuda:<index>`, an all_reduce on the device, and the
+  gloo control group the control plane runs on;
+- sync_batchnorm: torch's SyncBatchNorm (our GlooSyncBatchNorm on the CPU) equal to BatchNorm at world size 1;
+- spconv: spconv's sparse convolution on the device (SECOND needs it), or "no CUDA spconv for this torch";
+- train/resume/eval, for each config (the nine toy models, then the full-size OPV2V AttFuse) and each precision
+  (fp32, fp16 = `--half fp16`, bf16 = `--half bf16`): 2 optimizer steps (`--max_steps 2`), a resume of that run to
+  the end of its epoch, and the evaluation of the epoch's checkpoint (`--eval_after_training`), each through the
+  tools' own entry (`engine.train.main`) in this process; samples/s of the resumed steps and the peak memory
+  (reserved and allocated) of the whole;
+- cpu_weights: a weights file written on the device opened by `torch.load` without map_location (as upstream's
+  loader does) in a process that sees no GPU;
+- parity: 2 processes sharing the device over gloo (OPENCOOD_DDP_SHARE_GPUS=1) against 1 process, by
+  tools/parity_check.py (its measured noise floor);
+- planner: engine/batch_fit's prediction for per-GPU batch 4, fitted on batches 1 and 2, beside the measured
+  peak at 4 (reserved and allocated), on the full-size AttFuse.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import io
 import json
+import logging
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,8 +46,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-BASELINES = ["opv2v/point_pillar_early_fusion", "opv2v/point_pillar_late_fusion",
-             "opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_fcooper"]
+TOY_CONFIGS = [f"toy/{name}" for name in (
+    "point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
+    "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt",
+    "point_pillar_where2comm", "second_intermediate_fusion")]
+FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
+PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
+SPARSE_CONFIGS = ("second",)  # configs that need spconv's kernels on the device
 
 
 @dataclass
@@ -52,14 +64,23 @@ class Check:
     figures: dict = field(default_factory=dict)
 
 
+class SkipCheck(Exception):
+    pass
+
+
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", default="gpu_check", help="folder of the report (created)")
-    parser.add_argument("--half", action="store_true", help="train and evaluate the baselines with --half too")
-    parser.add_argument("--configs", nargs="+", default=BASELINES, help="hypes under hypes_yaml/, without .yaml")
+    parser.add_argument("--configs", nargs="*", default=TOY_CONFIGS, help="hypes under hypes_yaml/, without .yaml")
+    parser.add_argument("--full_size", nargs="*", default=[FULL_SIZE],
+                        help="full-size configs trained on the toy world's frames (none: leave out)")
+    parser.add_argument("--precisions", nargs="+", choices=sorted(PRECISIONS), default=list(PRECISIONS))
+    parser.add_argument("--parity_config", default="toy/point_pillar_intermediate_fusion",
+                        help="config of the 2-process parity check ('none': leave it out)")
+    parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--scale", choices=("small", "demo"), default="small",
-                        help="toy world of the synthetic frames (small: 4 test frames)")
+                        help="toy world of the synthetic frames (small: 8 training, 4 test frames)")
     parser.add_argument("--data", help="toy world folder (default: one under --out, generated)")
     return parser.parse_args(argv)
 
@@ -82,29 +103,50 @@ def timed(name: str, action: Callable[[], tuple[str, dict]]) -> Check:
     return check
 
 
-class SkipCheck(Exception):
-    pass
-
-
 # ------------------------------------------------------------------------------------------ in-process checks
+def check_device(device: torch.device) -> tuple[str, dict]:
+    from opencood_ddp.distributed.env import detect_dist_env
+
+    env = detect_dist_env(os.environ, cuda_available=device.type == "cuda")
+    assert env.device.startswith(device.type), env.describe()
+    return env.describe(), {"device": env.device, "processes_on_device": env.processes_on_device}
+
+
 def _one_rank_group(device: torch.device):
+    """A world-size-1 group as init_distributed_mode opens one: NCCL bound to the device with its index (torch
+    refuses a device_id without one), and the control plane's gloo group beside it."""
     import torch.distributed as dist
 
-    store = dist.HashStore()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1,
-                            **({"device_id": device} if device.type == "cuda" else {}))
-    return dist
+    from opencood_ddp.distributed import comm
+
+    kwargs = {}
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        kwargs["device_id"] = device
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                            world_size=1, **kwargs)
+    comm.open_control_group(datetime.timedelta(minutes=2))
+    return dist, comm
+
+
+def _close_group(dist, comm) -> None:
+    comm.close_control_group()
+    dist.destroy_process_group()
 
 
 def check_process_group(device: torch.device) -> tuple[str, dict]:
-    dist = _one_rank_group(device)
+    dist, comm = _one_rank_group(device)
     try:
         value = torch.arange(4, dtype=torch.float32, device=device)
         dist.all_reduce(value)
         assert value.tolist() == [0.0, 1.0, 2.0, 3.0], value
-        return f"{dist.get_backend()} at world size 1, all_reduce on {device}", {"backend": dist.get_backend()}
+        error, flags = comm.agree(None, flags=[1.0])
+        assert error is None and flags == [1.0]
+        control = "a gloo control group" if comm.control_group() is not None else "the default group for control"
+        return (f"{dist.get_backend()} at world size 1, all_reduce on {value.device}; {control}",
+                {"backend": dist.get_backend(), "control_group": comm.control_group() is not None})
     finally:
-        dist.destroy_process_group()
+        _close_group(dist, comm)
 
 
 def _bn_net() -> torch.nn.Module:
@@ -116,12 +158,12 @@ def _bn_net() -> torch.nn.Module:
 def check_sync_batchnorm(device: torch.device) -> tuple[str, dict]:
     from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 
-    dist = _one_rank_group(device)
+    dist, comm = _one_rank_group(device)
     try:
         plain = _bn_net().to(device)
         synced, kind = convert_sync_batchnorm(_bn_net(), world_size=2, device=str(device))  # the multi-rank path
         synced = synced.to(device)
-        x = torch.randn(4, 3, 16, 16, device=device, generator=None)
+        x = torch.randn(4, 3, 16, 16, device=device)
         outputs = []
         for net in (plain, synced):
             out = net(x)
@@ -131,58 +173,25 @@ def check_sync_batchnorm(device: torch.device) -> tuple[str, dict]:
         assert gap < 1e-4, f"{kind} differs from BatchNorm at world size 1 by {gap}"
         return f"{kind}: forward and backward equal BatchNorm at world size 1 (max gap {gap:.1e})", {"kind": kind}
     finally:
-        dist.destroy_process_group()
+        _close_group(dist, comm)
 
 
-def check_half(device: torch.device, folder: Path) -> tuple[str, dict]:
-    """The engine's --half policy (engine/step.py) through a few steps of a small BatchNorm network."""
-    from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
-    from opencood_ddp.engine.task import LossOutput
-
-    net = _bn_net().to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
-    precision = Precision(True, device)
-    scaler = precision.new_scaler()
-
-    def step(model, x):
-        return LossOutput(model(x).float().square().mean())
-
-    for _ in range(3):
-        forward_backward(step, net, torch.randn(2, 3, 16, 16, device=device), precision, scaler)
-        optimizer_step(optimizer, scaler)
-    dtype = str(precision.autocast_dtype).replace("torch.", "")
-    if scaler is None:
-        return f"{dtype} autocast on the {device.type.upper()} (no GradScaler: {dtype} has float32's range)", \
-            {"dtype": dtype}
-    path = folder / "scaler.pt"
-    torch.save(scaler.state_dict(), path)
-    resumed = precision.new_scaler()
-    resumed.load_state_dict(torch.load(path, weights_only=False))
-    assert resumed.get_scale() == scaler.get_scale(), (resumed.get_scale(), scaler.get_scale())
-    return f"{dtype} autocast + GradScaler, scale {scaler.get_scale():g} saved and resumed", \
-        {"dtype": dtype, "scale": scaler.get_scale()}
-
-
-def check_voxelizer(device: torch.device) -> tuple[str, dict]:
+def check_spconv(device: torch.device) -> tuple[str, dict]:
+    """spconv's sparse convolution on the device: SECOND's kernels. A wheel whose kernels do not run here is a
+    skip that says so, never an ok."""
     import importlib.metadata as metadata
 
-    from opencood_ddp.data.voxelize import Voxelizer
-
-    wheels = [d.metadata["Name"] for d in metadata.distributions() if d.metadata["Name"].lower().startswith("spconv")]
-    points = torch.rand(5000, 4, generator=torch.Generator().manual_seed(0)).numpy()
-    points[:, :3] = points[:, :3] * [40, 20, 3] - [20, 10, 2]
-    voxels = Voxelizer([0.4, 0.4, 4], [-20, -10, -3, 20, 10, 1], 32, 16000)(points)
-    assert voxels["voxel_num_points"].sum() == len(points), "every point inside the range is kept"
-    detail = f"{', '.join(wheels) or 'no spconv'}: {len(voxels['voxel_coords'])} pillars from {len(points)} points"
-    figures = {"spconv": wheels, "pillars": int(len(voxels["voxel_coords"]))}
-    if device.type == "cuda":
-        figures["sparse_conv_on_device"] = _sparse_conv_runs(device)
-        detail += f"; spconv sparse convolution on {device}: {figures['sparse_conv_on_device']}"
-    return detail, figures
+    wheels = [f"{d.metadata['Name']} {d.version}" for d in metadata.distributions()
+              if d.metadata["Name"].lower().startswith("spconv")]
+    works = sparse_conv_runs(device)
+    if works != "yes":
+        raise SkipCheck(f"no {device.type.upper()} spconv for this torch ({', '.join(wheels) or 'no spconv wheel'}: "
+                        f"{works}); SECOND is not checked")
+    return f"{', '.join(wheels)}: a submanifold convolution ran on {device}", {"spconv": wheels}
 
 
-def _sparse_conv_runs(device: torch.device) -> str:
-    """'yes', or why not: SECOND needs spconv's CUDA kernels (a spconv-cuXXX wheel)."""
+def sparse_conv_runs(device: torch.device) -> str:
+    """'yes', or why not."""
     try:
         import spconv.pytorch as spconv
 
@@ -190,69 +199,110 @@ def _sparse_conv_runs(device: torch.device) -> str:
         features = torch.ones(2, 4, device=device)
         tensor = spconv.SparseConvTensor(features, coords, [4, 4, 4], 1)
         out = spconv.SubMConv3d(4, 8, 3, indice_key="k").to(device)(tensor)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return "yes" if out.features.shape == (2, 8) else f"unexpected shape {tuple(out.features.shape)}"
-    except Exception as exc:  # noqa: BLE001  reported, not raised: the PointPillar models do not need it
-        return f"no ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+    except Exception as exc:  # noqa: BLE001  reported as the reason SECOND is skipped
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
-# ------------------------------------------------------------------------------------------ baselines
-def _environ(device: torch.device) -> dict:
-    from opencood_ddp.distributed.env import SHARE_GPUS_VARIABLE, environ_without_launcher
-
-    environ = environ_without_launcher(os.environ)
-    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    if device.type == "cuda":
-        environ[SHARE_GPUS_VARIABLE] = "1"  # 2 ranks on the one GPU, over gloo
-    else:
-        environ["CUDA_VISIBLE_DEVICES"] = ""
-    return environ
-
-
-def _run(command: list, device: torch.device, timeout: float = 1800) -> subprocess.CompletedProcess:
-    result = subprocess.run([str(part) for part in command], capture_output=True, text=True, cwd=REPO,
-                            env=_environ(device), timeout=timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"exit {result.returncode}: {' '.join(map(str, command[:6]))} ...\n{result.stderr[-1500:]}")
-    return result
-
-
+# ------------------------------------------------------------------------------------------ the trainings
 def _splits(data: Path) -> list[str]:
     return ["--set", f"root_dir={data / 'train'}", "--set", f"validate_dir={data / 'validate'}",
             "--set", f"test_dir={data / 'test'}"]
 
 
-def _fusion_of(config: str) -> str:
-    from opencood_ddp import hypes as hypes_lib
-    from opencood_ddp.data.datasets import fusion_methods
+@contextlib.contextmanager
+def _entry_sandbox(device: torch.device):
+    """What a tool's run leaves in this process, put back: the launcher variables stay out of the environment, the
+    signal handlers and the package logger's handlers are restored, its output is kept apart."""
+    from opencood_ddp.distributed.env import environ_without_launcher
 
-    dataset = hypes_lib.load_hypes(REPO / "hypes_yaml" / f"{config}.yaml")["fusion"]["core_method"]
-    return next(method for method, name in fusion_methods().items() if name == dataset)
+    saved = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    os.environ.clear()
+    os.environ.update(environ_without_launcher(saved))
+    if device.type == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            yield out
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        logger = logging.getLogger("opencood_ddp")
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+            handler.close()
 
 
-def check_baseline(config: str, device: torch.device, data: Path, work: Path, half: bool) -> tuple[str, dict]:
-    from opencood_ddp.distributed.launch import launcher_prefix
+def run_training(argv: list, device: torch.device) -> None:
+    """tools/train_ddp.py's main on `argv`, in this process; a non-zero exit is an error with the run's output."""
+    from opencood_ddp.engine.train import main
+    from opencood_ddp.tasks import build_eval, build_task
 
-    run_dir = work / config.replace("/", "_")
+    with _entry_sandbox(device) as out:
+        code = main([str(a) for a in argv], build_task, build_eval)
+    if code != 0:
+        raise RuntimeError(f"train_ddp {' '.join(map(str, argv[:4]))} ... exit {code}\n{out.getvalue()[-2000:]}")
+
+
+class Peak:
+    """Peak memory of a stretch of work: CUDA's reserved and allocated bytes, the resident set on the CPU."""
+
+    def __init__(self, device: torch.device):
+        from opencood_ddp.engine.memory import PeakMemory
+
+        self.meter = PeakMemory(device)
+
+    def __enter__(self):
+        self.meter.start()
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def mib(self) -> dict:
+        return {"peak_reserved_mib": round(self.meter.peak() / 2 ** 20, 1),
+                "peak_allocated_mib": round(self.meter.peak_allocated() / 2 ** 20, 1)}
+
+
+def check_training(config: str, precision: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
+    """2 steps, a resume to the end of the epoch, the evaluation of its checkpoint; samples/s and peak memory."""
+    from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
+
+    if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
+        raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
+    run_dir = work / f"{config.replace('/', '_')}_{precision}"
+    common = ["--num_workers", "0", *PRECISIONS[precision], *_splits(data)]
     hypes = REPO / "hypes_yaml" / f"{config}.yaml"
-    flags = ["--half"] if half else []
     started = time.perf_counter()
-    # One epoch of the toy world: a few steps (small: 4 of 2 frames), and a net_epoch1.pth to evaluate.
-    _run([sys.executable, REPO / "tools" / "train_ddp.py", "--hypes_yaml", hypes, "--model_dir", run_dir,
-          "--set", "train_params.epoches=1", "--num_workers", "0", *flags, *_splits(data)], device)
-    trained = time.perf_counter() - started
-    steps = len((run_dir / "train_steps.csv").read_text().splitlines()) - 1
-    fusion = _fusion_of(config)
-    results = {}
-    for world in (1, 2):
-        launcher = launcher_prefix(world, torchrun=world > 1)
-        backend = [] if world == 1 else ["--dist_backend", "gloo"]
-        _run([*launcher, REPO / "tools" / "inference_ddp.py", "--model_dir", run_dir, "--fusion_method", fusion,
-              "--epoch", "1", "--dataset_dir", data / "test", "--num_workers", "0", *backend], device)
-        found = json.loads(json.dumps(_read_yaml(run_dir / "eval.yaml")))
-        results[world] = {k: v for k, v in found.items() if k not in ("world_size", "seconds")}
-    assert results[1] == results[2], f"eval.yaml on 2 ranks differs from 1 process: {results[1]} vs {results[2]}"
-    return (f"{steps} steps in {trained:.1f} s; eval on 1 and 2 ranks equal (AP@0.5 {results[1]['ap_50']:.3f}, "
-            f"{results[1].get('frames')} frames)", {"train_seconds": round(trained, 2), "eval": results[1]})
+    with Peak(device) as peak:
+        run_training(["--hypes_yaml", hypes, "--model_dir", run_dir, "--set", "train_params.epoches=1",
+                      "--max_steps", "2", *common], device)
+        assert (run_dir / "net_step2.pth").is_file(), f"no net_step2.pth in {run_dir}"
+        run_training(["--model_dir", run_dir, "--eval_after_training", *common], device)
+    rows = read_step_log(run_dir / STEP_LOG_NAME)
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) > 2, \
+        f"the resumed run did not go on from step 2: steps {[r['step'] for r in rows]}"
+    losses = [r["loss"] for r in rows]
+    assert all(map(_finite, losses)), f"non-finite loss: {losses}"
+    result = _read_yaml(run_dir / "eval.yaml")
+    resumed = rows[2:]
+    rate = sum(r["samples_per_s"] for r in resumed) / len(resumed)
+    figures = {"steps": len(rows), "losses": [round(x, 4) for x in losses], "samples_per_s": round(rate, 2),
+               "ap_50": result["ap_50"], "frames": result["frames"], "seconds": round(time.perf_counter() - started, 1),
+               "weights": str(run_dir / "net_epoch1.pth"), **peak.mib()}
+    return (f"{len(rows)} steps (2, then resumed), loss {losses[0]:.3f} -> {losses[-1]:.3f}, {rate:.1f} samples/s, "
+            f"peak {figures['peak_reserved_mib']} MiB reserved; eval AP@0.5 {result['ap_50']:.3f} on "
+            f"{result['frames']} frames"), figures
+
+
+def _finite(value: float) -> bool:
+    return value == value and abs(value) != float("inf")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -261,7 +311,45 @@ def _read_yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
 
 
-def check_memory(config: str, device: torch.device, data: Path, half: bool) -> tuple[str, dict]:
+def check_cpu_weights(weights: Path) -> tuple[str, dict]:
+    """Upstream's load_saved_model calls torch.load without map_location: a file of CUDA tensors would not open on
+    a host without a GPU. Opened here in a process that sees none."""
+    code = ("import sys, torch; s = torch.load(sys.argv[1], weights_only=True); "
+            "print(len(s), sorted({str(v.device) for v in s.values()}))")
+    environ = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run([sys.executable, "-c", code, str(weights)], capture_output=True, text=True, env=environ,
+                            timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(f"{weights} does not open without a GPU:\n{result.stderr[-1500:]}")
+    return f"{weights.name} opens without map_location on a process without GPU: {result.stdout.strip()}", {}
+
+
+def check_parity(config: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
+    """tools/parity_check.py: 2 processes on the one device (gloo) against 1, judged by its measured noise floor."""
+    from opencood_ddp.distributed.devices import SHARE_GPUS_VARIABLE
+    from opencood_ddp.distributed.env import environ_without_launcher
+
+    environ = environ_without_launcher(os.environ)
+    environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **{SHARE_GPUS_VARIABLE: "1"})
+    if device.type == "cpu":
+        environ["CUDA_VISIBLE_DEVICES"] = ""
+    command = [sys.executable, REPO / "tools" / "parity_check.py", "--hypes_yaml",
+               REPO / "hypes_yaml" / f"{config}.yaml", "--world_sizes", "2", "--steps", "4",
+               "--train_args", "--dist_backend gloo", "--work_dir", work / "parity", "--timeout", "600"]
+    for override in _splits(data)[1::2]:
+        command += ["--set", override]
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=environ, cwd=REPO,
+                            timeout=1200)
+    if result.returncode != 0:
+        raise RuntimeError(f"parity_check exit {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}")
+    lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
+    world2 = next((line for line in lines if line.startswith("world2 ")), "")
+    return (f"2 processes sharing {device} follow 1: {' '.join(world2.split())} (loss gap, weight gap, verdict)",
+            {"report": lines[-8:]})
+
+
+def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, dict]:
+    """The memory model of --per_gpu_batch auto, fitted on batches 1 and 2, against the measured peak at 4."""
     from opencood_ddp import hypes as hypes_lib
     from opencood_ddp.engine import batch_fit
     from opencood_ddp.tasks import build_task
@@ -269,12 +357,17 @@ def check_memory(config: str, device: torch.device, data: Path, half: bool) -> t
 
     path = REPO / "hypes_yaml" / f"{config}.yaml"
     hypes = run_yaml_parser(hypes_lib.apply_overrides(hypes_lib.load_hypes(path), _splits(data)[1::2]), str(path))
-    probes = batch_fit.measure(hypes, build_task, [1, 2], device, half)
-    rows = {p.per_rank: {"step_s": round(p.step_seconds, 3), "samples_per_s": round(p.per_rank / p.step_seconds, 2),
-                         "peak_mib": round(p.peak_bytes / 2 ** 20, 1)} for p in probes}
-    text = "; ".join(f"batch {b}: {r['step_s']} s/step, {r['samples_per_s']} samples/s, {r['peak_mib']} MiB"
-                     for b, r in rows.items())
-    return text, {"per_gpu_batch": rows}
+    probes = batch_fit.measure(hypes, build_task, [1, 2, 4], device)
+    model = batch_fit.fit(probes[:2])
+    predicted, measured = model.fixed + model.per_sample * 4, probes[2]
+    rows = {p.per_rank: {"reserved_mib": round(p.peak_bytes / 2 ** 20, 1),
+                         "allocated_mib": round(p.allocated_bytes / 2 ** 20, 1),
+                         "step_s": round(p.step_seconds, 3)} for p in probes}
+    figures = {"probes": rows, "predicted_4_mib": round(predicted / 2 ** 20, 1),
+               "ratio": round(predicted / max(measured.peak_bytes, 1), 3)}
+    return (f"per-GPU batch 4: predicted {figures['predicted_4_mib']} MiB from batches 1 and 2, measured "
+            f"{rows[4]['reserved_mib']} MiB reserved ({rows[4]['allocated_mib']} allocated); predicted / measured "
+            f"{figures['ratio']}"), figures
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -289,6 +382,20 @@ def environment(device: torch.device) -> dict:
     return info
 
 
+def model_table(checks: list[Check]) -> list[str]:
+    """One row per trained config and precision: the figures docs/model_zoo.md's GPU columns take."""
+    lines = ["| config | precision | status | samples/s | peak reserved MiB | peak allocated MiB | AP@0.5 (toy) |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    for check in checks:
+        if not check.name.startswith("train "):
+            continue
+        _, config, precision = check.name.split(" ")
+        f = check.figures
+        lines.append(f"| {config} | {precision} | {check.status} | {f.get('samples_per_s', '')} | "
+                     f"{f.get('peak_reserved_mib', '')} | {f.get('peak_allocated_mib', '')} | {f.get('ap_50', '')} |")
+    return lines
+
+
 def write_report(out: Path, machine: dict, checks: list[Check]) -> None:
     (out / "gpu_check.json").write_text(json.dumps({"environment": machine, "checks": [asdict(c) for c in checks]},
                                                    indent=2))
@@ -296,6 +403,7 @@ def write_report(out: Path, machine: dict, checks: list[Check]) -> None:
              "| check | status | seconds | detail |", "|---|---|---:|---|"]
     lines += [f"| {c.name} | {c.status} | {c.seconds} | {c.detail.splitlines()[0] if c.detail else ''} |"
               for c in checks]
+    lines += ["", *model_table(checks)]
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
@@ -312,19 +420,31 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("error: --device cuda but torch sees no CUDA device (torch "
                          f"{torch.__version__}, CUDA {torch.version.cuda}); pass --device cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # an index: what torch.distributed needs
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(args, out)
-    checks = [timed("process_group", lambda: check_process_group(device)),
+    checks = [timed("device", lambda: check_device(device)),
+              timed("process_group", lambda: check_process_group(device)),
               timed("sync_batchnorm", lambda: check_sync_batchnorm(device)),
-              timed("half", lambda: check_half(device, out)),
-              timed("voxelizer", lambda: check_voxelizer(device))]
-    with tempfile.TemporaryDirectory(dir=out) as work:
-        for config in args.configs:
-            checks.append(timed(f"train+eval {config}", lambda c=config: check_baseline(
-                c, device, data, Path(work), args.half)))
-    for config in args.configs:
-        checks.append(timed(f"memory {config}", lambda c=config: check_memory(c, device, data, args.half)))
+              timed("spconv", lambda: check_spconv(device))]
+    with tempfile.TemporaryDirectory(dir=out) as folder:
+        work = Path(folder)
+        for config in [*args.configs, *args.full_size]:
+            for precision in args.precisions:
+                checks.append(timed(f"train {config} {precision}", lambda c=config, p=precision: check_training(
+                    c, p, device, data, work)))
+        trained = [c for c in checks if c.name.startswith("train ") and c.status == "ok"]
+        if trained:
+            weights = Path(trained[0].figures["weights"])
+            checks.append(timed("cpu_weights", lambda: check_cpu_weights(weights)))
+        if args.parity_config != "none":
+            checks.append(timed(f"parity {args.parity_config}", lambda: check_parity(
+                args.parity_config, device, data, work)))
+    if args.planner_config != "none":
+        checks.append(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device,
+                                                                                     data)))
     write_report(out, environment(device), checks)
     return checks
 
