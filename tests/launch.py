@@ -143,20 +143,17 @@ def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
     with theirs bit for bit."""
     import contextlib
     import io
-    import logging
     import runpy
-    import signal
 
-    saved_environ, saved_argv = dict(os.environ), sys.argv
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    from opencood_ddp.engine.entry import entry_sandbox
+
+    saved_argv = sys.argv
     out, err, code = io.StringIO(), io.StringIO(), 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.environ.clear()
-    os.environ.update(clean_environ())
     sys.argv = [str(script), *map(str, args)]
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with entry_sandbox(clean_environ()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
                 runpy.run_path(str(script), run_name="__main__")
             except SystemExit as exc:  # the tools end with sys.exit(code); argparse exits 2 on a bad flag
@@ -164,12 +161,4 @@ def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
     finally:
         torch.set_num_threads(threads)
         sys.argv = saved_argv
-        os.environ.clear()
-        os.environ.update(saved_environ)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        logger = logging.getLogger("opencood_ddp")
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-            handler.close()
     return subprocess.CompletedProcess([str(script), *map(str, args)], code, out.getvalue(), err.getvalue())

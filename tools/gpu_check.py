@@ -30,10 +30,8 @@ import contextlib
 import datetime
 import io
 import json
-import logging
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -214,29 +212,17 @@ def _splits(data: Path) -> list[str]:
 
 @contextlib.contextmanager
 def _entry_sandbox(device: torch.device):
-    """What a tool's run leaves in this process, put back: the launcher variables stay out of the environment, the
-    signal handlers and the package logger's handlers are restored, its output is kept apart."""
+    """A tool's main in this process (engine/entry.py's sandbox): the launcher variables out of its environment,
+    no GPU on the CPU run, its output kept apart."""
     from opencood_ddp.distributed.env import environ_without_launcher
+    from opencood_ddp.engine.entry import entry_sandbox
 
-    saved = dict(os.environ)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    os.environ.clear()
-    os.environ.update(environ_without_launcher(saved))
+    environ = environ_without_launcher(os.environ)
     if device.type == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        environ["CUDA_VISIBLE_DEVICES"] = ""
     out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            yield out
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        logger = logging.getLogger("opencood_ddp")
-        for handler in list(logger.handlers):
-            logger.removeHandler(handler)
-            handler.close()
+    with entry_sandbox(environ), contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        yield out
 
 
 def run_training(argv: list, device: torch.device) -> None:

@@ -6,13 +6,15 @@ collective (CollectiveError) is told by every rank that saw it: rank 0 may be th
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
@@ -78,3 +80,26 @@ def write_elastic_error_file(line: str) -> None:
             json.dump(data, handle)
     except OSError:  # the summary is a courtesy; the line is on stderr already
         pass
+
+
+@contextlib.contextmanager
+def entry_sandbox(environ: Mapping[str, str]) -> Iterator[None]:
+    """For a program that runs a tool's main in its own process (gpu_check's trainings, the tests' in-process
+    runs): the run sees `environ`, and what it leaves behind is put back afterwards: the environment, the SIGTERM
+    and SIGINT handlers (the stop signal's), and the package logger's handlers (setup_logging's)."""
+    saved = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    os.environ.clear()
+    os.environ.update(environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        logger = logging.getLogger("opencood_ddp")
+        for handler in list(logger.handlers):
+            logger.removeHandler(handler)
+            handler.close()
+
