@@ -105,3 +105,20 @@ def test_cpu_ranks_share_the_node(environ, expected):
                                          ("", []), ("4(x)", []), ("a", [])])
 def test_expand_tasks_per_node(text, counts):
     assert expand_tasks_per_node(text) == counts
+
+
+def test_gpu_check_hands_torch_distributed_a_device_with_its_index():
+    """`make gpu-check` passes --device cuda; torch 2.13's init_process_group refuses device_id=cuda (no index)."""
+    import sys
+
+    from launch import REPO
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import torch
+
+    import gpu_check
+
+    assert gpu_check.with_index(torch.device("cuda"), 0) == torch.device("cuda", 0)
+    assert gpu_check.with_index(torch.device("cuda"), 2) == torch.device("cuda", 2)
+    assert gpu_check.with_index(torch.device("cuda", 1), 0) == torch.device("cuda", 1)
+    assert gpu_check.with_index(torch.device("cpu"), 0) == torch.device("cpu")

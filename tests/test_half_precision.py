@@ -123,3 +123,21 @@ def test_nothing_changes_without_autocast():
     grid = F.affine_grid(theta[1:].float(), [2, 4, 40, 176], align_corners=False)
     plain = F.grid_sample(x[1:], grid, mode="bilinear", padding_mode="zeros", align_corners=False)
     assert torch.equal(warp_to_ego(x, theta, is_ego)[1:], plain)
+
+
+@pytest.mark.parametrize("voxels", [6, 0], ids=["voxels", "no-voxel"])
+def test_the_sparse_backbones_batchnorm_runs_in_float32(voxels):
+    """SECOND's sparse stages: the other BatchNorm a rank without a point feeds an empty input."""
+    from opencood_ddp.models.modules.sparse_backbone import SparseStage
+    from opencood_ddp.models.modules.spconv_compat import load_spconv
+
+    spconv = load_spconv()
+    norm = torch.nn.BatchNorm1d(4, eps=1e-3, momentum=0.01)
+    seen = []
+    norm.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    stage = SparseStage(spconv.SubMConv3d(4, 4, 3, bias=False, indice_key="s"), norm, torch.nn.ReLU())
+    coords = torch.tensor([[0, 1, 1, i] for i in range(voxels)], dtype=torch.int32).reshape(-1, 4)
+    x = spconv.SparseConvTensor(torch.randn(voxels, 4), coords, [4, 4, 8], 1)
+    with _autocast():
+        stage(x)
+    assert seen == [torch.float32]

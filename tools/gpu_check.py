@@ -119,12 +119,18 @@ def _one_rank_group(device: torch.device):
 
     kwargs = {}
     if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        device = with_index(device, torch.cuda.current_device())
         kwargs["device_id"] = device
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1, **kwargs)
     comm.open_control_group(datetime.timedelta(minutes=2))
     return dist, comm
+
+
+def with_index(device: torch.device, current: int) -> torch.device:
+    """`device` with its index (`current` when it has none): init_process_group refuses a device_id without one
+    ("Please use a device_id with index"), and `--device cuda` names none."""
+    return device if device.index is not None or device.type != "cuda" else torch.device(device.type, current)
 
 
 def _close_group(dist, comm) -> None:
@@ -407,7 +413,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         raise SystemExit("error: --device cuda but torch sees no CUDA device (torch "
                          f"{torch.__version__}, CUDA {torch.version.cuda}); pass --device cpu")
     if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # an index: what torch.distributed needs
+        device = with_index(device, torch.cuda.current_device())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = ensure_data(args, out)

@@ -23,7 +23,9 @@ from typing import Any, List, Mapping, Sequence, Tuple, Union
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
+from opencood_ddp.models.modules.precision import in_full_precision
 from opencood_ddp.models.modules.spconv_compat import load_spconv
 
 Triple = Tuple[int, int, int]
@@ -94,10 +96,23 @@ class SparseStage(nn.Sequential):
             if isinstance(layer, SparseStage):
                 x = layer(x)
             elif _is_sparse_conv(layer):
-                x = layer(x) if x.indices.shape[0] else _empty_conv(layer, x)
+                x = _sparse_conv(layer, x) if x.indices.shape[0] else _empty_conv(layer, x)
+            elif isinstance(layer, _BatchNorm):  # float32 under --half: a rank without a voxel (precision.py)
+                x = x.replace_feature(in_full_precision(layer, x.features))
             else:
                 x = x.replace_feature(layer(x.features))
         return x
+
+
+def _sparse_conv(layer: nn.Module, x: Any) -> Any:
+    """The convolution under --half: spconv's kernels take float16 on CUDA, but neither bfloat16 nor any 16-bit
+    type on the CPU (a KeyError deep in spconv), so there the convolution runs in float32."""
+    device_type = x.features.device.type
+    if not torch.is_autocast_enabled(device_type) or (
+            device_type == "cuda" and torch.get_autocast_dtype(device_type) == torch.float16):
+        return layer(x)
+    with torch.autocast(device_type, enabled=False):
+        return layer(x.replace_feature(x.features.float()))
 
 
 def _is_sparse_conv(layer: nn.Module) -> bool:
