@@ -1,8 +1,9 @@
 """Training batches: the union of the ranks' batches at step t is the 1-process batch t. Eval shards: no padding."""
+import numpy as np
 import pytest
 
-from opencood_ddp.distributed.samplers import (EvalShardSampler, make_train_batch_sampler, shard_bounds,
-                                               steps_per_epoch)
+from opencood_ddp.distributed.samplers import (EvalShardSampler, balanced_shards, make_train_batch_sampler,
+                                               shard_bounds, steps_per_epoch)
 from opencood_ddp.errors import ConfigError
 
 SEED = 7
@@ -155,3 +156,26 @@ def test_eval_shards_cover_every_index_once(n, world):
 ])
 def test_shard_bounds_values(n, world, expected):
     assert [shard_bounds(n, world, rank) for rank in range(world)] == expected
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_balanced_shards_cover_every_index_once_and_carry_equal_work(world, seed):
+    """Frames of scenarios with 2 to 7 CAVs, in scenario blocks as a real test split holds them."""
+    rng = np.random.default_rng(seed)
+    costs = [c for c in rng.integers(2, 8, size=25) for _ in range(int(rng.integers(3, 12)))]
+    shards = [list(EvalShardSampler(len(costs), world, rank, costs)) for rank in range(world)]
+    assert sorted(i for s in shards for i in s) == list(range(len(costs)))  # every frame once, no padding
+    assert all(s == sorted(s) for s in shards)  # each rank reads in dataset order
+    work = [sum(costs[i] for i in s) for s in shards]
+    assert max(work) - min(work) <= max(costs)  # within one frame's work
+    contiguous = [sum(costs[i] for i in EvalShardSampler(len(costs), world, rank)) for rank in range(world)]
+    assert max(work) <= max(contiguous)
+
+
+def test_balanced_shards_by_hand():
+    # costs 7,2,2,2,2,2,2,7: longest first gives rank 0 index 0 (7), rank 1 index 7 (7), then the 2s alternate
+    shards = balanced_shards([7, 2, 2, 2, 2, 2, 2, 7], 2)
+    assert shards == [[0, 1, 3, 5], [2, 4, 6, 7]]
+    assert balanced_shards([], 3) == [[], [], []]
+    assert balanced_shards([5, 1], 3) == [[0], [1], []]

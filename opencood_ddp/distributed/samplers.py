@@ -7,12 +7,16 @@ ranks that is the contiguous block [W*b*t, W*b*(t+1)): exactly the 1-process bat
 accumulation the same holds per optimizer step (A consecutive micro-batches). That identity is what lets
 an N-rank run follow the 1-rank run.
 
-Evaluation: contiguous, unpadded shards whose sizes differ by at most one, so every sample is seen once
-and concatenating the shards in rank order restores the dataset order.
+Evaluation: unpadded shards, every sample seen once. Without costs they are contiguous, their sizes differ by at
+most one, and concatenating them in rank order restores the dataset order. With a cost per sample (its CAVs,
+known from the dataset's index) they are balanced by work: the costliest samples first, each to the rank with the
+least work so far, so that the ranks' work differs by at most one sample's; each rank reads its samples in
+dataset order, and the evaluator puts the records back in dataset order by their indices.
 """
 from __future__ import annotations
 
-from typing import Iterator, Sized
+import heapq
+from typing import Iterator, Optional, Sequence, Sized
 
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
@@ -55,14 +59,34 @@ def shard_bounds(num_samples: int, world_size: int, rank: int) -> tuple[int, int
     return start, start + base + (1 if rank < extra else 0)
 
 
-class EvalShardSampler(Sampler[int]):
-    """This rank's contiguous, unpadded slice of [0, num_samples), in dataset order."""
+def balanced_shards(costs: Sequence[float], world_size: int) -> list[list[int]]:
+    """Sample indices per rank, each rank's in ascending order, with the ranks' summed costs differing by at most
+    the largest single cost: the greedy longest-first rule (costliest sample first, ties by index; to the rank
+    with the least work so far, ties by rank). Every rank computes the same assignment from the same costs."""
+    loads = [(0.0, rank) for rank in range(world_size)]
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        load, rank = heapq.heappop(loads)
+        shards[rank].append(index)
+        heapq.heappush(loads, (load + costs[index], rank))
+    return [sorted(shard) for shard in shards]
 
-    def __init__(self, num_samples: int, world_size: int, rank: int):
-        self.start, self.end = shard_bounds(num_samples, world_size, rank)
+
+class EvalShardSampler(Sampler[int]):
+    """This rank's unpadded shard of [0, num_samples), in dataset order: contiguous, or balanced by `costs` (one
+    per sample) when given."""
+
+    def __init__(self, num_samples: int, world_size: int, rank: int, costs: Optional[Sequence[float]] = None):
+        if costs is None:
+            start, end = shard_bounds(num_samples, world_size, rank)
+            self.indices = list(range(start, end))
+        else:
+            if len(costs) != num_samples:
+                raise ValueError(f"{len(costs)} costs for {num_samples} samples")
+            self.indices = balanced_shards(costs, world_size)[rank]
 
     def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.end))
+        return iter(self.indices)
 
     def __len__(self) -> int:
-        return self.end - self.start
+        return len(self.indices)

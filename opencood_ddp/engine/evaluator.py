@@ -6,8 +6,11 @@ the batch's dataset indices, so per-frame files are named by frame whatever rank
 ``summarize(records in dataset order) -> dict``, optionally ``finish(records in dataset order)`` for
 artefacts drawn once on rank 0 (plots), the name of the summary file and ``report(result)``, the text rank 0
 logs (a metrics table). Every frame is evaluated by exactly one rank (the shards of
-``EvalShardSampler`` are contiguous, unpadded and cover the dataset), so nothing is counted twice, and the
+``EvalShardSampler`` are unpadded and cover the dataset), so nothing is counted twice, and the
 summary is computed once from the same ordered list at every world size: the metrics do not depend on it.
+Where the dataset says what a frame costs (``sample_cost(index)``: its CAVs, read from the index), the shards
+are balanced by that cost rather than contiguous: real test splits hold scenarios of 2 to 7 CAVs, and the
+evaluation waits for its slowest rank.
 """
 from __future__ import annotations
 
@@ -63,7 +66,7 @@ class EvalResult:
 
 def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: int) -> List[Tuple[int, Any]]:
     """(dataset index, record) for this rank's frames, in order; a progress bar on rank 0."""
-    sampler = EvalShardSampler(len(spec.dataset), env.world_size, env.rank)
+    sampler = EvalShardSampler(len(spec.dataset), env.world_size, env.rank, sample_costs(spec.dataset))
     indices = list(sampler)
     loader = DataLoader(spec.dataset, batch_size=batch_size, sampler=sampler,
                         collate_fn=InBandSmallTensors(spec.collate), num_workers=num_workers)
@@ -78,13 +81,23 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
                 raise RuntimeError(f"rank {env.rank}: evaluate_batch returned {len(batch_records)} records for "
                                    f"{len(batch_indices)} frames; it must return one record per sample")
             records.extend(zip(batch_indices, batch_records))
-            # Rank 0 sees only its own shard; shards differ by at most one frame, so its pace x world size is
-            # the whole job's pace.
-            bar.update(min(len(batch_records) * env.world_size, bar.total - bar.n))
-            bar.set_postfix(frames_per_s=f"{len(records) * env.world_size / (time.perf_counter() - started):.1f}")
+            # Rank 0 sees only its own shard, and the shards carry equal work: its share of its shard done is the
+            # whole job's share done.
+            share = len(spec.dataset) / max(len(indices), 1)
+            bar.update(min(round(len(records) * share) - bar.n, bar.total - bar.n))
+            bar.set_postfix(frames_per_s=f"{len(records) * share / (time.perf_counter() - started):.1f}")
     finally:
         bar.close()  # an error's line must not run on from the bar's
     return records
+
+
+def sample_costs(dataset: Dataset) -> Optional[List[float]]:
+    """Each sample's cost, where the dataset can say (`sample_cost(index)`, read without loading the sample);
+    None otherwise (contiguous shards)."""
+    cost = getattr(dataset, "sample_cost", None)
+    if not callable(cost):
+        return None
+    return [float(cost(index)) for index in range(len(dataset))]
 
 
 def in_dataset_order(per_rank: Sequence[Sequence[Tuple[int, Any]]], num_frames: int) -> List[Any]:
