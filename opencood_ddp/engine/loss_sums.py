@@ -30,20 +30,23 @@ class LossSums:
             self._values = [0.0] * len(items)
         # float32 -> float64 is exact: the host sums are those of float(value) * n
         self._pending.append((torch.stack([items[name].detach().reshape(()).to(torch.float64)
-                                           for name in self.names]), n))
+                                           for name in self.names]), n))  # (parts,) on the values' device
         self.count += n
 
-    def settle(self) -> list[list[float]]:
-        """Bring the pending values to the host in one transfer and add them; returns them, one row per `add`
-        (the loss first), in order."""
-        if not self._pending:
-            return []
-        rows = torch.stack([values for values, _ in self._pending]).cpu().tolist()
+    def settle(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[list[float]], list[float]]:
+        """Bring the pending values, and the scalars `extra` (a step's gradient norm), to the host in one transfer
+        and add the values; returns them, one row per `add` (the loss first) in order, and `extra`'s values."""
+        if not self._pending and not extra:
+            return [], []
+        width = len(self.names)
+        flat = [values for values, _ in self._pending] + [t.detach().reshape(1).to(torch.float64) for t in extra]
+        host = torch.cat(flat).cpu().tolist()
+        rows = [host[i * width:(i + 1) * width] for i in range(len(self._pending))]
         for row, (_, n) in zip(rows, self._pending):
             for i, value in enumerate(row):
                 self._values[i] += value * n
         self._pending = []
-        return rows
+        return rows, host[len(rows) * width:]
 
     @property
     def values(self) -> list[float]:

@@ -9,7 +9,7 @@ buffers are put back as they were before the step in both cases.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -17,11 +17,11 @@ from torch import nn
 NONFINITE_POLICIES = ("stop", "skip")
 
 
-def gradients_finite(model: nn.Module) -> bool:
+def gradient_norm(model: nn.Module) -> Optional[torch.Tensor]:
+    """The 2-norm of all gradients, left on their device (None without any): finite exactly when every gradient
+    is, and read with the step's losses in one transfer (LossSums.settle)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return True
-    return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=2.0)).item())
+    return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else None
 
 
 class BufferSnapshot:

@@ -46,7 +46,7 @@ from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
 from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
-from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradients_finite, rank_report
+from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradient_norm, rank_report
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
 from opencood_ddp.hypes import get_key, section_digests
@@ -331,10 +331,12 @@ class Trainer:
         step_sums = LossSums()
         for micro, batch in enumerate(micro_batches):
             self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums)
-        losses = [row[0] for row in step_sums.settle()]  # the step's one wait for the device
-        groups = self._take_parameter_use()
         # With a GradScaler, overflowing fp16 gradients are its business: it skips the step and lowers the scale.
-        grads_ok = self.scaler is not None or gradients_finite(self.model_without_ddp)
+        norm = None if self.scaler is not None else gradient_norm(self.model_without_ddp)
+        rows, norms = step_sums.settle(extra=[norm] if norm is not None else [])  # the step's one device wait
+        losses = [row[0] for row in rows]
+        groups = self._take_parameter_use()
+        grads_ok = all(map(math.isfinite, norms))
         finite = grads_ok and all(math.isfinite(loss) for loss in losses)
         self._mark(f"{where}: loss all-reduce")
         # One all-reduce: the losses, the non-finite flag and, per parameter group, how many ranks used it.
