@@ -40,6 +40,7 @@ from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch
 from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
+from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed
 from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
@@ -130,6 +131,9 @@ class Trainer:
         self.phase = "start"  # where this rank is, published for peers that must explain a failed collective
         self._epoch_carry: Optional[dict] = None  # loss sums of the epoch a mid-epoch checkpoint interrupted
         self._epoch_sums = LossSums()  # this rank's loss sums of the epoch in progress
+        # Made on first use and kept: their workers are forked once and persist over the epochs (engine/loaders.py)
+        self._train_loader: Optional[DataLoader] = None
+        self._val_loader: Optional[DataLoader] = None
 
     @property
     def last_weights(self) -> Optional[Path]:
@@ -230,17 +234,25 @@ class Trainer:
         if self.progress.epoch >= self.settings.epochs:
             self.log.info(f"nothing to do: {self.progress.epoch} of {self.settings.epochs} epochs already trained")
         first_step = self.progress.global_step
-        with comm.collective_guard(lambda: self.phase):
-            for epoch in range(self.progress.epoch, self.settings.epochs):
-                trained = self.train_one_epoch(epoch)
-                if trained is None:  # --max_steps ended the epoch early
-                    break
-                self._finish_epoch(epoch, *trained)
-            if self._max_steps_reached() and self.progress.global_step > first_step:
-                path = self._save_mid_epoch()
-                self.log.info(f"stopped after {self.progress.global_step} optimizer steps (--max_steps): saved {path}")
+        try:
+            with comm.collective_guard(lambda: self.phase):
+                for epoch in range(self.progress.epoch, self.settings.epochs):
+                    trained = self.train_one_epoch(epoch)
+                    if trained is None:  # --max_steps ended the epoch early
+                        break
+                    self._finish_epoch(epoch, *trained)
+                if self._max_steps_reached() and self.progress.global_step > first_step:
+                    path = self._save_mid_epoch()
+                    self.log.info(f"stopped after {self.progress.global_step} optimizer steps (--max_steps): "
+                                  f"saved {path}")
+        finally:
+            self.close_loaders()
         self.hooks.on_fit_end()
         return self.progress
+
+    def close_loaders(self) -> None:
+        """Let the persistent workers go (their loaders' last reference): the run is over or failing."""
+        self._train_loader = self._val_loader = None
 
     def _finish_epoch(self, epoch: int, train_means: dict, timing: str) -> None:
         if self.schedule is not None:
@@ -265,7 +277,8 @@ class Trainer:
 
     def _loader_options(self) -> dict:
         workers = self.settings.num_workers
-        return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None}
+        return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None,
+                "persistent_workers": workers > 0}
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches of `epoch` (sample indices), the same list at every call."""
@@ -273,13 +286,14 @@ class Trainer:
         return list(self.batch_sampler)
 
     def train_loader(self, epoch: int, batches: Optional[list[list[int]]] = None) -> DataLoader:
-        """The loader over `batches` (default: the whole epoch), with the epoch's augmentation."""
-        set_epoch = getattr(self.task.train_set, "set_epoch", None)
-        if callable(set_epoch):  # per-sample augmentation keyed by (seed, epoch, index)
-            set_epoch(epoch)
-        return DataLoader(self.task.train_set, batch_sampler=batches if batches is not None else
-                          self.epoch_batches(epoch), collate_fn=InBandSmallTensors(self.task.collate_train),
-                          pin_memory=self.device.type == "cuda", **self._loader_options())
+        """The run's one training loader, set to `batches` (default: the whole epoch) of `epoch`: each index
+        travels with its epoch, so that the persistent workers draw the epoch's augmentation."""
+        if self._train_loader is None:
+            self._train_loader = DataLoader(EpochKeyed(self.task.train_set), batch_sampler=EpochBatches(),
+                                            collate_fn=InBandSmallTensors(self.task.collate_train),
+                                            pin_memory=self.device.type == "cuda", **self._loader_options())
+        self._train_loader.batch_sampler.use(epoch, batches if batches is not None else self.epoch_batches(epoch))
+        return self._train_loader
 
     def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> None:
         """Forward and backward of one micro-batch; its loss and parts go into `sums`, still on the device."""
@@ -444,9 +458,12 @@ class Trainer:
         if self.task.val_set is None:
             return None
         self._mark(f"epoch {self.progress.epoch + 1}: validation")
-        sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
-        loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
-                            collate_fn=InBandSmallTensors(self.task.collate_val), **self._loader_options())
+        if self._val_loader is None:  # the same shard every epoch: one loader, its workers kept
+            sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
+            self._val_loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
+                                          collate_fn=InBandSmallTensors(self.task.collate_val),
+                                          **self._loader_options())
+        loader = self._val_loader
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()
         sums, error = LossSums(), None
