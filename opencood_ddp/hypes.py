@@ -142,6 +142,10 @@ KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 _MISSING = object()
 
+# Keys a run writes into its config.yaml that describe the run, not the baseline: dropped whenever hypes are loaded
+# (a resume recomputes them). The one list; schema.OWN_KEYS adds the other keys only this project reads.
+RUN_KEYS: Sequence[str] = ("batch_plan",)
+
 # Keys the training engine itself reads; tasks add their own.
 ENGINE_KEYS: Sequence[tuple[str, str]] = (
     ("name", "str"),

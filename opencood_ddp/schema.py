@@ -16,7 +16,7 @@ import difflib
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import ENGINE_KEYS, ENGINE_OPTIONAL_KEYS, get_key
+from opencood_ddp.hypes import ENGINE_KEYS, ENGINE_OPTIONAL_KEYS, RUN_KEYS, get_key
 from opencood_ddp.registry import ALL_REGISTRIES, IMPORTS_KEY
 
 # Keys (or whole sections) of upstream's hypes files that nothing here reads, and why they are harmless.
@@ -24,8 +24,9 @@ UPSTREAM_CARRIED: Mapping[str, str] = {
     "model.args.max_cav": "upstream's models keep a copy of train_params.max_cav; the datasets read that one",
     "model.args.batch_size": "SECOND's fixed batch; the batch comes from the data here",
 }
-# Keys of ours that describe a run rather than the baseline, and the hypes-level imports list.
-RUN_KEYS: Sequence[str] = ("batch_plan", IMPORTS_KEY, "task")
+# Keys only this project reads: what a run records about itself (hypes.RUN_KEYS), the hypes-level imports list and
+# the task's name. The schema accepts them; tools/export_upstream.py drops them for upstream's loader.
+OWN_KEYS: Sequence[str] = tuple(RUN_KEYS) + (IMPORTS_KEY, "task")
 
 
 def _leaves(node: Mapping, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -55,7 +56,7 @@ def selected_entries(hypes: Mapping) -> list:
 def accepted_keys(hypes: Mapping, extra: Iterable[tuple[str, str]] = ()) -> dict[str, str]:
     """Every accepted key with its kind."""
     keys = dict(tuple(ENGINE_KEYS) + tuple(ENGINE_OPTIONAL_KEYS) + tuple(extra))
-    keys.update({key: "any" for key in RUN_KEYS})
+    keys.update({key: "any" for key in OWN_KEYS})
     keys.update({key: "dict" for key in UPSTREAM_CARRIED})
     for entry in selected_entries(hypes) or ():
         keys.update(dict(entry.keys))

@@ -17,8 +17,10 @@ parsed again on resume).
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+import os
+from typing import Iterable, List, Sequence
 
+from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.registry import YAML_PARSERS, import_modules
 
@@ -91,4 +93,18 @@ def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
                           f"({type(exc).__name__}: {exc}); fix the hypes") from None
 
 
-__all__ = ["load_point_pillar_params", "load_voxel_params", "load_second_params", "run_yaml_parser"]
+def load_parsed_hypes(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:
+    """The one way a hypes file is read, for training, evaluation and every tool: loaded, `--set` overrides
+    applied in order, the keys a run wrote about itself dropped (hypes.RUN_KEYS), the ``imports:`` imported, the
+    ``yaml_parser`` run, and the engine's keys validated. Each step's error is one ConfigError naming the file."""
+    source = str(path)
+    hypes = hypes_lib.apply_overrides(hypes_lib.load_hypes(path), overrides)
+    for key in hypes_lib.RUN_KEYS:
+        hypes.pop(key, None)
+    hypes = run_yaml_parser(hypes, source)
+    hypes_lib.validate(hypes, hypes_lib.ENGINE_KEYS, source, hypes_lib.ENGINE_OPTIONAL_KEYS)
+    return hypes
+
+
+__all__ = ["load_point_pillar_params", "load_voxel_params", "load_second_params", "run_yaml_parser",
+           "load_parsed_hypes"]

@@ -43,11 +43,10 @@ from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_yaml_bytes
 from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
 from opencood_ddp.engine.handover import InBandSmallTensors
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
 from opencood_ddp.toy.writer import generate_toy_opv2v
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 REPO = Path(__file__).resolve().parents[1]
 HANDOVERS = {"in_band": ("in_band",), "shared": ("shared",), "both": ("in_band", "shared")}
@@ -173,7 +172,7 @@ def measure_layouts(args: argparse.Namespace, data: Path) -> None:
     turns pass by pass (best of ``--repeats`` each), so a change in the machine's load falls on all of them."""
     datasets = {}
     for layout in args.layouts:
-        hypes = run_yaml_parser(apply_overrides(load_hypes(args.hypes), layout_overrides(layout, data)), args.hypes)
+        hypes = load_parsed_hypes(args.hypes, layout_overrides(layout, data))
         datasets[layout] = build_dataset(hypes, args.split, args.train, seed=0)
         datasets[layout].collate_batch_train([datasets[layout][0], datasets[layout][1]])  # warm-up: spconv, cache
     if args.upstream:
@@ -208,7 +207,7 @@ def upstream_dataset(args: argparse.Namespace, data: Path):
     sys.path.insert(0, str(Path(args.upstream).resolve()))
     from opencood.data_utils.datasets.intermediate_fusion_dataset import IntermediateFusionDataset
 
-    hypes = run_yaml_parser(apply_overrides(load_hypes(args.hypes), layout_overrides("opv2v", data)), args.hypes)
+    hypes = load_parsed_hypes(args.hypes, layout_overrides("opv2v", data))
     hypes["validate_dir" if not args.train else "root_dir"] = str(data / args.split)
     dataset = IntermediateFusionDataset(hypes, visualize=False, train=args.train)
     dataset.collate_batch_train([dataset[0], dataset[1]])
@@ -283,9 +282,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.yaml:
             measure_yaml(args.layouts, data, args.split)
         return 0
-    hypes = apply_overrides(load_hypes(args.hypes), [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}",
-                                                     f"test_dir={data / 'test'}"])
-    hypes = run_yaml_parser(hypes, args.hypes)
+    hypes = load_parsed_hypes(args.hypes, layout_overrides("opv2v", data))
     dataset = build_dataset(hypes, args.split, args.train, seed=0)
     clouds = summary.get("points_per_cloud", {}).get("mean")
     print(f"{hypes['fusion']['core_method']} on {data / args.split}: {len(dataset)} samples, "

@@ -47,13 +47,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 # ------------------------------------------------------------------------------------------- one config
 def _load_batch(config: str, data: Path, batch_size: int):
-    from opencood_ddp.hypes import apply_overrides, load_hypes
-    from opencood_ddp.yaml_parsers import run_yaml_parser
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
     from opencood_ddp.tasks.opencood import build_task
 
     path = REPO / "hypes_yaml" / f"{config}.yaml"
     overrides = [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
-    hypes = run_yaml_parser(apply_overrides(load_hypes(path), overrides), str(path))
+    hypes = load_parsed_hypes(path, overrides)
     hypes["train_params"]["seed"] = 0
     task = build_task(hypes, for_training=True)
     batch = task.collate_train([task.train_set[i] for i in range(batch_size)])

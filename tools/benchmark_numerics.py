@@ -110,14 +110,13 @@ def step_errors(task, model32: torch.nn.Module, batch: dict) -> tuple[float, flo
 
 
 def toy_task(stem: str, toy: Path):
-    from opencood_ddp.hypes import apply_overrides, load_hypes
     from opencood_ddp.tasks.opencood import build_task
-    from opencood_ddp.yaml_parsers import run_yaml_parser
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     path = REPO / "hypes_yaml" / "toy" / f"{stem}.yaml"
     overrides = [f"root_dir={toy / 'train'}", f"validate_dir={toy / 'validate'}", f"test_dir={toy / 'test'}"]
     torch.manual_seed(0)
-    return build_task(run_yaml_parser(apply_overrides(load_hypes(path), overrides), str(path)), for_training=True)
+    return build_task(load_parsed_hypes(path, overrides), for_training=True)
 
 
 def model_table(toy: Path) -> None:

@@ -25,7 +25,8 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.errors import CheckpointError, ConfigError, run_tool
 from opencood_ddp.models import create_model
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.schema import OWN_KEYS
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 # Per upstream core_method, the input widths its code fixes: {state_dict key: in-channels (dim 1)}. They equal
 # upstream's parameter shapes (tests/test_export_upstream.py checks them against the reference lists).
@@ -35,7 +36,6 @@ FIXED_WIDTHS = {
     "point_pillar_fcooper": {"backbone.blocks.0.1.weight": 64, "cls_head.weight": 256, "reg_head.weight": 256},
     "point_pillar_where2comm": {"backbone.blocks.0.1.weight": 64, "cls_head.weight": 256, "reg_head.weight": 256},
 }
-OUR_RUN_KEYS = ("batch_plan", "imports")  # what only our runs carry; upstream's loader has no use for them
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -87,7 +87,7 @@ def export(args: argparse.Namespace) -> str:
         raise ConfigError(f"--model_dir {run} is not a run (no config.yaml)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is not empty; pass a new or empty folder")
-    hypes = run_yaml_parser(hypes_lib.load_hypes(config), str(config))
+    hypes = load_parsed_hypes(config)
     model = create_model(hypes)
     core_method = hypes["model"]["core_method"]
     problems = width_problems(core_method, model.state_dict())
@@ -97,7 +97,7 @@ def export(args: argparse.Namespace) -> str:
     weights_path, epoch = choose(run, args)
     ckpt.load_weights(model, weights_path)  # the file is this config's model, strictly
     out.mkdir(parents=True, exist_ok=True)
-    for key in OUR_RUN_KEYS:
+    for key in OWN_KEYS:  # what only this project reads; upstream's loader has no use for them
         hypes.pop(key, None)
     hypes_lib.save_hypes(hypes, out / "config.yaml")
     target = out / ckpt.weights_name(epoch)

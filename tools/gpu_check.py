@@ -342,13 +342,12 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path) -> t
 
 def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, dict]:
     """The memory model of --per_gpu_batch auto, fitted on batches 1 and 2, against the measured peak at 4."""
-    from opencood_ddp import hypes as hypes_lib
     from opencood_ddp.engine import batch_fit
     from opencood_ddp.tasks import build_task
-    from opencood_ddp.yaml_parsers import run_yaml_parser
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     path = REPO / "hypes_yaml" / f"{config}.yaml"
-    hypes = run_yaml_parser(hypes_lib.apply_overrides(hypes_lib.load_hypes(path), _splits(data)[1::2]), str(path))
+    hypes = load_parsed_hypes(path, _splits(data)[1::2])
     probes = batch_fit.measure(hypes, build_task, [1, 2, 4], device)
     model = batch_fit.fit(probes[:2])
     predicted, measured = model.fixed + model.per_sample * 4, probes[2]

@@ -39,6 +39,7 @@ from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_p
 from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
 NOISE_RUN = "world1_reversed"
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
     """Fail before any training when the hypes' batch cannot be split over one of the world sizes."""
-    hypes = hypes_lib.apply_overrides(hypes_lib.load_hypes(args.hypes_yaml), args.overrides)
+    hypes = load_parsed_hypes(args.hypes_yaml, args.overrides)
     batch = hypes_lib.get_key(hypes, "train_params.batch_size", None)
     lr = float(hypes_lib.get_key(hypes, "optimizer.lr", 0.0))
     for world in world_sizes:

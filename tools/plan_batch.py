@@ -20,11 +20,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 from opencood_ddp.tasks import build_task
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -57,8 +56,7 @@ def print_probe(probe: batch_fit.Probe) -> None:
 
 def plan(args: argparse.Namespace) -> int:
     check_args(args)
-    hypes = run_yaml_parser(hypes_lib.apply_overrides(hypes_lib.load_hypes(args.hypes_yaml), args.overrides),
-                            args.hypes_yaml)
+    hypes = load_parsed_hypes(args.hypes_yaml, args.overrides)
     batch_size = int(hypes["train_params"]["batch_size"])
     capacity = args.gpu_mem_gib * batch_fit.GIB * (1 - args.headroom)
     device = torch.device(args.device)

@@ -12,8 +12,6 @@ from typing import Callable, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
@@ -24,6 +22,7 @@ from opencood_ddp.engine.logging import get_logger
 from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
 from opencood_ddp.errors import CheckpointError, ConfigError
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
 
@@ -34,9 +33,7 @@ def load_run_config(model_dir: Path) -> dict:
         raise ConfigError(f"{path} does not exist; pass --model_dir of a training run (it holds config.yaml)")
     # The result file and the task's artefacts go into the run: refuse before evaluating.
     require_writable(model_dir, "write eval.yaml into it (or evaluate a copy of the run)")
-    hypes = hypes_lib.load_hypes(path)
-    hypes.pop("batch_plan", None)
-    return run_yaml_parser(hypes, str(path))
+    return load_parsed_hypes(path)
 
 
 def choose_checkpoint(model_dir: Path, epoch: Optional[int], bestval: bool) -> Path:

@@ -18,8 +18,6 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan, make_batch_plan
@@ -38,9 +36,7 @@ from opencood_ddp.engine.run_dir import (CONFIG_NAME, RunFolder, create_run_fold
 from opencood_ddp.engine.task import Task, TaskBuilder
 from opencood_ddp.engine.trainer import Trainer, TrainSettings
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
-
-# Keys this script adds to config.yaml; they describe the run, not the baseline.
-RUN_KEYS = ("batch_plan",)
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 
 # ------------------------------------------------------------------------------------------------ hypes + plan
@@ -55,11 +51,7 @@ def load_run_hypes(options: TrainOptions) -> tuple[dict, str]:
         source = options.hypes_yaml
     else:
         raise ConfigError("pass --hypes_yaml for a new run, or --model_dir of an existing run (with config.yaml)")
-    hypes = hypes_lib.apply_overrides(hypes_lib.load_hypes(source), options.overrides)
-    for key in RUN_KEYS:
-        hypes.pop(key, None)
-    hypes = run_yaml_parser(hypes, source)
-    hypes_lib.validate(hypes, hypes_lib.ENGINE_KEYS, source, hypes_lib.ENGINE_OPTIONAL_KEYS)
+    hypes = load_parsed_hypes(source, options.overrides)
     seed = options.seed if options.seed is not None else hypes["train_params"].get("seed", 0)
     hypes["train_params"]["seed"] = seed
     return hypes, source
