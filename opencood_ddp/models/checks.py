@@ -16,6 +16,10 @@ from opencood_ddp.hypes import get_key
 ARGS = "model.args."
 SHRINK = ARGS + "shrink_header."
 SHRINK_LISTS = ("kernal_size", "stride", "padding", "dim")  # upstream's spelling of kernal_size
+# The shrink header's keys with their kinds, for a model entry's optional keys; check_shrink_header says the rest.
+SHRINK_HEADER_KEYS: Tuple[Tuple[str, str], ...] = (
+    ((ARGS + "shrink_header", "dict"),) + tuple((SHRINK + key, "list") for key in SHRINK_LISTS)
+    + ((SHRINK + "input_dim", "positive_int"),))
 # train_params.max_cav when the hypes leave it out: the datasets' default, as upstream's.
 DEFAULT_MAX_CAV = 7
 
@@ -39,10 +43,19 @@ def backbone_channels(args: Mapping) -> int:
     return int(sum(bev["num_upsample_filter"])) if bev["num_upsample_filter"] else int(bev["num_filters"][-1])
 
 
+def shrink_header(args: Mapping) -> Optional[Mapping]:
+    """The block of upstream's shrink header, or None when the model has none: the one rule for "is there a shrink
+    header", which the map geometry here, the checks and the models' neck (``modules/shrink_neck.py``) all follow.
+
+    The key being there is what counts: the registry has checked that its value is a mapping, and an empty one is
+    a header with its keys missing (``check_shrink_header`` refuses it), not a way of saying "none"."""
+    return args.get("shrink_header")
+
+
 def head_channels(args: Mapping) -> int:
     """Channels of the map the heads see: the shrink header's last width, else the backbone's output."""
-    shrink = args.get("shrink_header")
-    return int(shrink["dim"][-1]) if shrink else backbone_channels(args)
+    shrink = shrink_header(args)
+    return int(shrink["dim"][-1]) if shrink is not None else backbone_channels(args)
 
 
 def head_stride(args: Mapping) -> Optional[float]:
@@ -54,7 +67,7 @@ def head_stride(args: Mapping) -> Optional[float]:
         stride = float(bev["layer_strides"][0]) / float(bev["upsample_strides"][0])
     else:
         stride = float(math.prod(bev["layer_strides"]))
-    for step in (args.get("shrink_header") or {}).get("stride", []):
+    for step in (shrink_header(args) or {}).get("stride", []):
         stride *= float(step)
     return stride
 
@@ -82,7 +95,7 @@ def shrunk_map_size(args: Mapping) -> Tuple[int, int]:
                 n = (n - 1) // int(s) + 1
         for up in ups[:1] + ups[len(backbone["layer_strides"]):]:  # level 0's deblock, then the optional extra
             n = n * int(up) if up >= 1 else n // int(round(1 / up))
-        shrink = args.get("shrink_header") or {}
+        shrink = shrink_header(args) or {}
         for k, s, p in zip(shrink.get("kernal_size", []), shrink.get("stride", []), shrink.get("padding", [])):
             n = (n + 2 * int(p) - int(k)) // int(s) + 1
         return n
@@ -159,7 +172,7 @@ def check_backbone_compression(args: Mapping, source: str, rows: int, cols: int)
 def check_shrink_header(args: Mapping, source: str) -> int:
     """A shrink header, when there is one, has upstream's keys, one block per list entry, and takes the backbone's
     output; returns the channels of the map after it (the backbone's output when there is none)."""
-    shrink = args.get("shrink_header")
+    shrink = shrink_header(args)
     if shrink is None:
         return backbone_channels(args)
     for key in SHRINK_LISTS + ("input_dim",):
@@ -176,6 +189,15 @@ def check_shrink_header(args: Mapping, source: str) -> int:
         refuse(source, f"{SHRINK}input_dim ({shrink['input_dim']}) must equal the backbone's output channels "
                        f"({backbone_channels(args)}: sum of model.args.base_bev_backbone.num_upsample_filter)")
     return int(shrink["dim"][-1])
+
+
+def check_shrink_neck(args: Mapping, source: str) -> int:
+    """The rules of the neck that F-Cooper, V2X-ViT, CoBEVT, V2VNet and Where2comm share (modules/shrink_neck.py),
+    in the order it is built: the shrink header, then a compression ratio that divides the shrunk map's channels.
+    Returns those channels, which the model's fusion must take and its heads read."""
+    channels = check_shrink_header(args, source)
+    check_feature_compression(args, source)
+    return channels
 
 
 def check_max_cav(hypes: Mapping, source: str) -> None:
@@ -196,7 +218,8 @@ def check_anchor_stride(hypes: Mapping, source: str, stride: Optional[float]) ->
                        f"map ({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
 
 
-__all__ = ["refuse", "positive_ints", "backbone_channels", "head_channels", "head_stride", "check_shrink_header",
-           "check_max_cav", "check_anchor_stride", "level_map_sizes", "shrunk_map_size", "backbone_compression_steps",
-           "refuse_compression", "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV",
-           "ARGS", "SHRINK", "SHRINK_LISTS", "COMPRESSION", "BACKBONE_COMPRESSION"]
+__all__ = ["refuse", "positive_ints", "backbone_channels", "shrink_header", "head_channels", "head_stride",
+           "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_anchor_stride", "level_map_sizes",
+           "shrunk_map_size", "backbone_compression_steps", "refuse_compression", "check_feature_compression",
+           "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS",
+           "COMPRESSION", "BACKBONE_COMPRESSION"]

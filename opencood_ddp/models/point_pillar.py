@@ -18,7 +18,8 @@ upstream checkpoints load strictly (``tests/test_models.py`` checks every key an
 
 Two robustness options of upstream are built here for every pillar model that has them upstream:
 - feature compression (``modules/compressor.py``): ``model.args.compression`` puts ``naive_compressor`` between
-  the shrink header and the fusion (F-Cooper here; V2VNet, V2X-ViT, CoBEVT, Where2comm in their files);
+  the shrink header and the fusion, in the neck that F-Cooper here and V2VNet, V2X-ViT, CoBEVT and Where2comm
+  share (``modules/shrink_neck.py``: the shrink header, the compressor, the maps sent, the heads' width);
   AttFuse's ``model.args.base_bev_backbone.compression`` adds per-level auto-encoders to its backbone. A model
   refuses the key it does not build rather than ignoring it.
 - ``model.args.backbone_fix: true`` freezes what upstream's ``backbone_fix()`` freezes (``BACKBONE_FIX``), so
@@ -39,15 +40,14 @@ from torch import nn
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backbone_compression_steps,
-                                        check_backbone_compression, check_feature_compression, check_shrink_header,
-                                        head_channels, level_map_sizes, refuse_compression, shrunk_map_size)
+                                        check_backbone_compression, check_shrink_neck, level_map_sizes,
+                                        refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
-from opencood_ddp.models.modules.compressor import naive_compressor
-from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
 from opencood_ddp.models.modules.scatter import PointPillarScatter
+from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.registry import MODELS
 
 NUM_POINT_FEATURES = 4  # x, y, z, intensity
@@ -57,7 +57,8 @@ PILLAR_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) for key, ki
     ("voxel_size", "list"), ("lidar_range", "list"), ("anchor_number", "positive_int"),
     ("pillar_vfe.use_norm", "bool"), ("pillar_vfe.with_distance", "bool"),
     ("pillar_vfe.use_absolute_xyz", "bool"), ("pillar_vfe.num_filters", "list"),
-    ("point_pillar_scatter.num_features", "positive_int"), ("base_bev_backbone.layer_nums", "list"), ("base_bev_backbone.layer_strides", "list"),
+    ("point_pillar_scatter.num_features", "positive_int"), ("base_bev_backbone.layer_nums", "list"),
+    ("base_bev_backbone.layer_strides", "list"),
     ("base_bev_backbone.num_filters", "list"), ("base_bev_backbone.upsample_strides", "list"),
     ("base_bev_backbone.num_upsample_filter", "list")))
 # Upstream keys these models read or carry; a compression a model does not build is refused when switched on.
@@ -98,13 +99,6 @@ def check_point_pillar_args(hypes: Mapping, source: str) -> None:
 
 def anchor_number(args: Mapping) -> int:
     return int(args["anchor_number"])
-
-
-def shrunk_sent_maps(args: Mapping) -> List[Map]:
-    """The map a CAV of a model with ``model.args.compression`` sends: the shrunk map, with channels / ratio
-    channels when compressed (the compressor's bottleneck)."""
-    rows, cols = shrunk_map_size(args)
-    return [(head_channels(args) // (int(args.get("compression", 0) or 0) or 1), rows, cols)]
 
 
 @MODELS.register("point_pillar", fusion="none", required=PILLAR_KEYS, optional=PILLAR_OPTIONAL_KEYS,
@@ -155,17 +149,9 @@ class PointPillar(nn.Module):
         """Modules between the backbone and the heads (none here)."""
 
     def head_channels(self) -> int:
+        """Channels of the map the heads read: the backbone's output here; the shrink-neck models' own
+        (modules/shrink_neck.py) after the shrink header."""
         return self.backbone.num_bev_features
-
-    def shrunk_channels(self) -> int:
-        """Channels of the backbone's output after the shrink header, if there is one: what the compressor takes."""
-        shrink = getattr(self, "shrink_conv", None)
-        return shrink.out_channels if shrink is not None else self.backbone.num_bev_features
-
-    def compress(self, features: torch.Tensor) -> torch.Tensor:
-        """``naive_compressor`` (model.args.compression) on every CAV's map, the ego's included, as upstream."""
-        compressor = getattr(self, "naive_compressor", None)
-        return compressor(features) if compressor is not None else features
 
     @staticmethod
     def num_images(data_dict: Mapping) -> Optional[int]:
@@ -247,37 +233,26 @@ def check_fcooper_args(hypes: Mapping, source: str) -> None:
     """The pillar rules, a shrink header (when there is one) that takes the backbone's output, a compression
     ratio that divides the shrunk map's channels."""
     check_pillar_args(hypes, source)
-    check_shrink_header(hypes["model"]["args"], source)
-    check_feature_compression(hypes["model"]["args"], source)
+    check_shrink_neck(hypes["model"]["args"], source)
 
 
 @MODELS.register("point_pillar_fcooper", fusion="intermediate (max)", required=PILLAR_KEYS,
                  optional=FCOOPER_OPTIONAL_KEYS, check=check_fcooper_args)
-class PointPillarFCooper(PointPillar):
-    """F-Cooper: max fusion of the CAVs' backbone output (after the optional shrink header)."""
+class PointPillarFCooper(ShrinkNeck, PointPillar):
+    """F-Cooper: max fusion of the CAVs' backbone output (after the optional shrink header and compressor)."""
 
     warps_to_ego = True
 
     def build_neck(self, args: Mapping) -> None:
-        self.shrink_conv = DownsampleConv(args["shrink_header"]) if "shrink_header" in args else None
-        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
+        self.build_shrink_neck(args)
         self.fusion_net = self.build_fusion()
 
     def build_fusion(self) -> nn.Module:
         return MaxFusion()
 
-    @classmethod
-    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
-        return shrunk_sent_maps(args)
-
-    def head_channels(self) -> int:
-        return self.shrunk_channels()
-
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
-        if self.shrink_conv is not None:
-            features = self.shrink_conv(features)
-        return self.fusion_net(self.compress(features), data_dict["record_len"],
-                               self.ego_warp(data_dict, features.device))
+        features = self.shrink_and_compress(features)
+        return self.fusion_net(features, data_dict["record_len"], self.ego_warp(data_dict, features.device))
 
 
 @MODELS.register("point_pillar_opv2v", fusion="intermediate (attention, on the shrunk map)", required=PILLAR_KEYS,

@@ -14,18 +14,16 @@ Departures from upstream (docs/compatibility.md):
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Tuple
+from typing import Mapping, Tuple
 
 import torch
 
-from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compression, check_max_cav,
-                                        check_shrink_header, head_stride, refuse)
-from opencood_ddp.models.modules.compressor import naive_compressor
-from opencood_ddp.models.modules.downsample_conv import DownsampleConv
+from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride, check_max_cav, check_shrink_neck,
+                                        head_stride, refuse)
+from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
 from opencood_ddp.models.modules.ego_warp import to_ego_frame
-from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
-                                              check_pillar_args, shrunk_sent_maps)
+from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -36,10 +34,7 @@ COBEVT_KEYS = PILLAR_KEYS + tuple((_ARGS + key, kind) for key, kind in (
     ("fax_fusion.agent_size", "positive_int"), ("fax_fusion.window_size", "positive_int"),
     ("fax_fusion.dim_head", "positive_int"), ("fax_fusion.drop_out", "number"),
     ("fax_fusion.depth", "positive_int")))
-COBEVT_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + tuple((_ARGS + key, kind) for key, kind in (
-    ("fax_fusion.mask", "bool"), ("shrink_header", "dict"), ("shrink_header.kernal_size", "list"),
-    ("shrink_header.stride", "list"), ("shrink_header.padding", "list"), ("shrink_header.dim", "list"),
-    ("shrink_header.input_dim", "positive_int")))
+COBEVT_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + ((_ARGS + "fax_fusion.mask", "bool"),) + SHRINK_HEADER_KEYS
 
 
 # ------------------------------------------------------------------------------------------ hypes checks
@@ -56,7 +51,7 @@ def _check_block(source: str, args: Mapping) -> None:
 
 
 def _check_widths(source: str, args: Mapping) -> None:
-    channels = check_shrink_header(args, source)
+    channels = check_shrink_neck(args, source)
     if args["fax_fusion"]["input_dim"] != channels:
         refuse(source, f"{FAX}.input_dim ({args['fax_fusion']['input_dim']}) must equal the channels of the fused "
                        f"map ({channels}: model.args.shrink_header.dim[-1], else the backbone's output)")
@@ -88,7 +83,6 @@ def check_cobevt_args(hypes: Mapping, source: str) -> None:
     args = hypes["model"]["args"]
     _check_block(source, args)
     _check_widths(source, args)
-    check_feature_compression(args, source)
     check_max_cav(hypes, source)
     _check_map(hypes, source)
 
@@ -110,31 +104,21 @@ def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[tor
 
 @MODELS.register("point_pillar_cobevt", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
                  optional=COBEVT_OPTIONAL_KEYS, check=check_cobevt_args)
-class PointPillarCoBEVT(PointPillar):
+class PointPillarCoBEVT(ShrinkNeck, PointPillar):
     """PointPillar with CoBEVT's SwapFusion of the CAVs' shrunk maps."""
 
     warps_to_ego = True  # the shrunk maps, before the fusion
 
     def build_neck(self, args: Mapping) -> None:
-        self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
-        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
+        self.build_shrink_neck(args)
         fax = args["fax_fusion"]
         self.fusion_net = SwapFusionEncoder(int(fax["input_dim"]), int(fax["mlp_dim"]), int(fax["agent_size"]),
                                             int(fax["window_size"]), int(fax["dim_head"]), float(fax["drop_out"]),
                                             int(fax["depth"]))
         self.max_cav = int(args["max_cav"])
 
-    @classmethod
-    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
-        return shrunk_sent_maps(args)
-
-    def head_channels(self) -> int:
-        return self.shrunk_channels()
-
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
-        if self.shrink_conv is not None:
-            features = self.shrink_conv(features)
-        features = self.compress(features)
+        features = self.shrink_and_compress(features)
         features = to_ego_frame(features, self.ego_warp(data_dict, features.device))
         slots, present = to_slots(features, data_dict["record_len"], self.max_cav)
         return self.fusion_net(slots, present)

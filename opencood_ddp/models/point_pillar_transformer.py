@@ -15,18 +15,16 @@ width instead of a hard-coded 256; a dataset without ``proj_first`` gets its map
 from __future__ import annotations
 
 import math
-from typing import List, Mapping, Optional, Tuple
+from typing import Mapping, Tuple
 
 import torch
 
-from opencood_ddp.models.checks import (check_feature_compression, check_max_cav, check_shrink_header,
-                                        positive_ints, refuse, shrunk_map_size)
-from opencood_ddp.models.modules.compressor import naive_compressor
-from opencood_ddp.models.modules.downsample_conv import DownsampleConv
+from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_max_cav, check_shrink_neck, positive_ints, refuse,
+                                        shrink_header, shrunk_map_size)
+from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_encoder import V2XTransformer
-from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
-                                              check_pillar_args, shrunk_sent_maps)
+from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -48,9 +46,7 @@ V2XVIT_KEYS: Tuple[Tuple[str, str], ...] = PILLAR_KEYS + ((_ARGS + "max_cav", "p
         ("pwindow_att_config.window_size", "list"), ("pwindow_att_config.relative_pos_embedding", "bool"),
         ("pwindow_att_config.fusion_method", "str"),
         ("feed_forward.mlp_dim", "positive_int"), ("feed_forward.dropout", "number")))
-V2XVIT_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = PILLAR_OPTIONAL_KEYS + (
-    (_ARGS + "shrink_header", "dict"), (_SHRINK + "kernal_size", "list"), (_SHRINK + "stride", "list"),
-    (_SHRINK + "padding", "list"), (_SHRINK + "dim", "list"), (_SHRINK + "input_dim", "positive_int"))
+V2XVIT_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = PILLAR_OPTIONAL_KEYS + SHRINK_HEADER_KEYS
 FUSION_METHODS = ("split_attn", "naive")
 SPLIT_ATTN_BRANCHES = 3
 
@@ -82,9 +78,9 @@ def _check_transformer(hypes: Mapping, args: Mapping, source: str) -> None:
     if win["fusion_method"] == "split_attn" and len(win["window_size"]) != SPLIT_ATTN_BRANCHES:
         refuse(source, f"{_WIN}window_size needs exactly {SPLIT_ATTN_BRANCHES} windows with fusion_method "
                        f"split_attn, got {win['window_size']}; use 3 windows or fusion_method naive")
-    channels = check_shrink_header(args, source)
+    channels = check_shrink_neck(args, source)
     if channels != cav["dim"]:
-        where = f"{_SHRINK}dim[-1]" if args.get("shrink_header") else \
+        where = f"{_SHRINK}dim[-1]" if shrink_header(args) is not None else \
             "the sum of model.args.base_bev_backbone.num_upsample_filter"
         refuse(source, f"{_CAV}dim ({cav['dim']}) must equal the channels of the maps it fuses ({where} = "
                        f"{channels})")
@@ -119,30 +115,19 @@ def check_v2xvit_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     _check_transformer(hypes, args, source)
-    check_feature_compression(args, source)
     check_max_cav(hypes, source)
 
 
 @MODELS.register("point_pillar_transformer", fusion="intermediate (V2X-ViT)", required=V2XVIT_KEYS,
                  optional=V2XVIT_OPTIONAL_KEYS, check=check_v2xvit_args)
-class PointPillarTransformer(PointPillar):
+class PointPillarTransformer(ShrinkNeck, PointPillar):
     """V2X-ViT: per-CAV PointPillar maps fused by the V2X transformer into one map per sample."""
 
     def build_neck(self, args: Mapping) -> None:
         self.max_cav = int(args["max_cav"])
-        self.shrink_conv = DownsampleConv(args["shrink_header"]) if "shrink_header" in args else None
-        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
+        self.build_shrink_neck(args)
         self.fusion_net = V2XTransformer(args["transformer"])
 
-    @classmethod
-    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
-        return shrunk_sent_maps(args)
-
-    def head_channels(self) -> int:
-        return self.fusion_net.dim
-
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
-        if self.shrink_conv is not None:
-            features = self.shrink_conv(features)
-        features = self.compress(features)
+        features = self.shrink_and_compress(features)
         return self.fusion_net(features, Agents.from_batch(data_dict, self.max_cav, features.device))

@@ -18,17 +18,14 @@ builds the layer unused with false, so its checkpoints of such a run carry two k
 """
 from __future__ import annotations
 
-from typing import List, Mapping, Optional
+from typing import Mapping
 
 import torch
 
-from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compression, check_shrink_header,
-                                        head_stride, refuse)
-from opencood_ddp.models.modules.compressor import naive_compressor
-from opencood_ddp.models.modules.downsample_conv import DownsampleConv
+from opencood_ddp.models.checks import SHRINK_HEADER_KEYS, check_anchor_stride, check_shrink_neck, head_stride, refuse
+from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion
-from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
-                                              check_pillar_args, shrunk_sent_maps)
+from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -36,17 +33,16 @@ _BLOCK = _ARGS + "v2vfusion."
 V2VNET_KEYS = PILLAR_KEYS + tuple((_BLOCK + key, kind) for key, kind in (
     ("in_channels", "positive_int"), ("num_iteration", "positive_int"), ("agg_operator", "str"),
     ("gru_flag", "bool"), ("conv_gru.num_layers", "positive_int"), ("conv_gru.kernel_size", "list")))
-V2VNET_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + tuple((_ARGS + key, kind) for key, kind in (
-    ("max_cav", "positive_int"), ("shrink_header", "dict"), ("shrink_header.kernal_size", "list"),
-    ("shrink_header.stride", "list"), ("shrink_header.padding", "list"), ("shrink_header.dim", "list"),
-    ("shrink_header.input_dim", "positive_int"), ("v2vfusion", "dict"), ("v2vfusion.voxel_size", "list"),
-    ("v2vfusion.downsample_rate", "positive_int"), ("v2vfusion.conv_gru", "dict"),
-    ("v2vfusion.conv_gru.H", "positive_int"), ("v2vfusion.conv_gru.W", "positive_int"),
-    ("v2vfusion.use_temporal_encoding", "bool")))
+V2VNET_OPTIONAL_KEYS = (PILLAR_OPTIONAL_KEYS + ((_ARGS + "max_cav", "positive_int"),) + SHRINK_HEADER_KEYS
+                        + tuple((_ARGS + key, kind) for key, kind in (
+                            ("v2vfusion", "dict"), ("v2vfusion.voxel_size", "list"),
+                            ("v2vfusion.downsample_rate", "positive_int"), ("v2vfusion.conv_gru", "dict"),
+                            ("v2vfusion.conv_gru.H", "positive_int"), ("v2vfusion.conv_gru.W", "positive_int"),
+                            ("v2vfusion.use_temporal_encoding", "bool"))))
 
 
 def _check_fusion(hypes: Mapping, source: str, args: Mapping) -> None:
-    block, channels = args["v2vfusion"], check_shrink_header(args, source)
+    block, channels = args["v2vfusion"], check_shrink_neck(args, source)
     if block["in_channels"] != channels:
         refuse(source, f"model.args.v2vfusion.in_channels ({block['in_channels']}) must equal the channels the "
                        f"heads see ({channels}: model.args.shrink_header.dim[-1], else the backbone's output)")
@@ -79,7 +75,6 @@ def check_v2vnet_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     _check_fusion(hypes, source, args)
-    check_feature_compression(args, source)
 
 
 def kernel_sizes(gru: Mapping) -> list:
@@ -90,30 +85,21 @@ def kernel_sizes(gru: Mapping) -> list:
 
 @MODELS.register("point_pillar_v2vnet", fusion="intermediate (V2VNet graph)", required=V2VNET_KEYS,
                  optional=V2VNET_OPTIONAL_KEYS, check=check_v2vnet_args)
-class PointPillarV2VNet(PointPillar):
+class PointPillarV2VNet(ShrinkNeck, PointPillar):
     """PointPillar with V2VNet's message-passing fusion of the CAVs' (shrunk) backbone output."""
 
     def build_neck(self, args: Mapping) -> None:
-        self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
-        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
+        self.build_shrink_neck(args)
         block = args["v2vfusion"]
         self.fusion_net = V2VNetFusion(int(block["in_channels"]), int(block["num_iteration"]),
                                        block["agg_operator"], kernel_sizes(block["conv_gru"]), args["lidar_range"],
                                        temporal=bool(block.get("use_temporal_encoding", False)))
 
-    @classmethod
-    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
-        return shrunk_sent_maps(args)
-
-    def head_channels(self) -> int:
-        return self.shrunk_channels()
-
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
-        if self.shrink_conv is not None:
-            features = self.shrink_conv(features)
         record_len = data_dict["record_len"]
         delays = cav_delays(data_dict["prior_encoding"], record_len) if self.fusion_net.cnn is not None else None
-        return self.fusion_net(self.compress(features), record_len, data_dict["pairwise_t_matrix"], delays)
+        return self.fusion_net(self.shrink_and_compress(features), record_len, data_dict["pairwise_t_matrix"],
+                               delays)
 
 
 def cav_delays(prior_encoding: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:

@@ -52,14 +52,12 @@ import torch
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, validate
-from opencood_ddp.models.checks import (check_anchor_stride, check_feature_compression, check_max_cav,
-                                        check_shrink_header, head_channels, head_stride, level_map_sizes, refuse)
-from opencood_ddp.models.modules.compressor import naive_compressor
-from opencood_ddp.models.modules.downsample_conv import DownsampleConv
+from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride, check_max_cav, check_shrink_neck,
+                                        head_stride, level_map_sizes, refuse)
 from opencood_ddp.models.modules.ego_warp import ego_rows
+from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion
-from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar,
-                                              check_pillar_args, shrunk_sent_maps)
+from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -87,11 +85,8 @@ WHERE2COMM_OPTIONAL = (("n_head", "positive_int"), ("dropout_rate", "number"), (
 WHERE2COMM_KEYS = PILLAR_KEYS + ((_ARGS + "max_cav", "positive_int"),)
 WHERE2COMM_OPTIONAL_KEYS = (
     PILLAR_OPTIONAL_KEYS
-    + ((_ARGS + "head_dim", "positive_int"), (_ARGS + "shrink_header", "dict"),
-       (_ARGS + "shrink_header.kernal_size", "list"), (_ARGS + "shrink_header.stride", "list"),
-       (_ARGS + "shrink_header.padding", "list"), (_ARGS + "shrink_header.dim", "list"),
-       (_ARGS + "shrink_header.input_dim", "positive_int"),
-       (_ARGS + OPENCOOD_BLOCK, "dict"), (_ARGS + WHERE2COMM_BLOCK, "dict"))
+    + ((_ARGS + "head_dim", "positive_int"),) + SHRINK_HEADER_KEYS
+    + ((_ARGS + OPENCOOD_BLOCK, "dict"), (_ARGS + WHERE2COMM_BLOCK, "dict"))
     + _keys(OPENCOOD_BLOCK + ".", OPENCOOD_REQUIRED + _BLOCK_OPTIONAL)
     + _keys(WHERE2COMM_BLOCK + ".", WHERE2COMM_REQUIRED + _BLOCK_OPTIONAL + WHERE2COMM_OPTIONAL))
 
@@ -167,7 +162,7 @@ def _check_communication(source: str, key: str, block: Mapping) -> None:
 
 def _check_widths(hypes: Mapping, source: str, key: str, block: Mapping) -> None:
     args = hypes["model"]["args"]
-    bev, heads = args["base_bev_backbone"], check_shrink_header(args, source)
+    bev, heads = args["base_bev_backbone"], check_shrink_neck(args, source)
     if list(block["voxel_size"]) != list(args["voxel_size"]):
         refuse(source, f"{key}.voxel_size {block['voxel_size']} must equal model.args.voxel_size {args['voxel_size']}")
     if block["multi_scale"]:
@@ -211,25 +206,23 @@ def check_where2comm_args(hypes: Mapping, source: str) -> None:
     _check_unbuilt_options(source, args)
     _check_widths(hypes, source, key, block)
     _check_strides(hypes, source, key, block)
-    check_feature_compression(args, source)
     check_max_cav(hypes, source)
 
 
 # ------------------------------------------------------------------------------------------ the model
 @MODELS.register("point_pillar_where2comm", fusion="intermediate (where2comm)", required=WHERE2COMM_KEYS,
                  optional=WHERE2COMM_OPTIONAL_KEYS, check=check_where2comm_args)
-class PointPillarWhere2comm(PointPillar):
+class PointPillarWhere2comm(ShrinkNeck, PointPillar):
     """PointPillar with Where2comm's confidence-masked communication and attention fusion."""
 
     def build_neck(self, args: Mapping) -> None:
         spec = Where2commSpec.from_args(args)
-        self.shrink_conv = DownsampleConv(args["shrink_header"]) if args.get("shrink_header") else None
-        self.naive_compressor = naive_compressor(args, self.shrunk_channels())
+        self.build_shrink_neck(args)
         if spec.multi_scale and self.naive_compressor is not None:
             # Upstream discards the compressor's output on this path: no gradient ever reaches it (module doc).
             self.naive_compressor.requires_grad_(False)
         block = args[OPENCOOD_BLOCK if OPENCOOD_BLOCK in args else WHERE2COMM_BLOCK]
-        levels = block["num_filters"] if spec.multi_scale else [head_channels(args)]
+        levels = block["num_filters"] if spec.multi_scale else [self.shrunk_channels()]
         communication = (Communication(spec.threshold, spec.smoothing) if spec.threshold is not None else None)
         self.fusion_net = Where2commFusion(levels, spec.aggregator, args["lidar_range"], communication, spec.fully)
         self.multi_scale = spec.multi_scale
@@ -242,16 +235,10 @@ class PointPillarWhere2comm(PointPillar):
         share actually sent is the batch's ``comm_rate``."""
         _, block = fusion_block(args, "hypes")
         if not block["multi_scale"]:
-            return shrunk_sent_maps(args)
+            return super().sent_maps(args)
         grid = args["point_pillar_scatter"]["grid_size"]
         rows, cols = level_map_sizes(args["base_bev_backbone"], int(grid[1]), int(grid[0]))[0]
         return [(int(args["base_bev_backbone"]["num_filters"][0]), rows, cols)]
-
-    def head_channels(self) -> int:
-        return self.shrunk_channels()
-
-    def shrink(self, features: torch.Tensor) -> torch.Tensor:
-        return self.shrink_conv(features) if self.shrink_conv is not None else features
 
     def bev(self, data_dict: Mapping) -> torch.Tensor:
         """Pillars scattered to one (C, H, W) map per CAV: the backbone's input."""

@@ -48,12 +48,17 @@ class NaiveCompressor(nn.Module):
         return self.decoder(self.encoder(x))
 
 
+def compression_ratio(args: Mapping) -> int:
+    """``model.args.compression``: the naive compressor's channel ratio, 0 for none (absent or null too)."""
+    return int(args.get("compression", 0) or 0)
+
+
 def naive_compressor(args: Mapping, channels: int) -> Optional[NaiveCompressor]:
     """The compressor ``model.args.compression`` asks for on a map of ``channels`` (None for 0 or absent).
 
     Upstream fixes the compressor's width at 256 (its shrunk map); here it takes the map's own channels, which
     are 256 in upstream's configs."""
-    ratio = int(args.get("compression", 0) or 0)
+    ratio = compression_ratio(args)
     return NaiveCompressor(channels, ratio) if ratio > 0 else None
 
 
@@ -92,4 +97,4 @@ class AutoEncoder(nn.Module):
         return x
 
 
-__all__ = ["NaiveCompressor", "AutoEncoder", "naive_compressor"]
+__all__ = ["NaiveCompressor", "AutoEncoder", "compression_ratio", "naive_compressor"]
