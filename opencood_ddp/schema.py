@@ -16,7 +16,7 @@ import difflib
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import ENGINE_KEYS, ENGINE_OPTIONAL_KEYS, RUN_KEYS, get_key
+from opencood_ddp.hypes import ENGINE_KEYS, ENGINE_OPTIONAL_KEYS, RUN_KEYS
 from opencood_ddp.registry import ALL_REGISTRIES, IMPORTS_KEY
 
 # Keys (or whole sections) of upstream's hypes files that nothing here reads, and why they are harmless.

@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence, Tuple, Union
 
 import numpy as np
-import yaml
 
 from opencood_ddp.data.geometry import box_corners_from_object, pose_to_matrix, wrap_angle
 from opencood_ddp.data.opv2v import is_rsu_id, lidar_pose_of, load_opv2v_yaml, order_cav_ids

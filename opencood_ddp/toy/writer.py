@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import time
 from pathlib import Path
 from typing import List, Optional
 
