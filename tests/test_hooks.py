@@ -19,7 +19,9 @@ from opencood_ddp.engine.checkpointer import RunCheckpointer
 from opencood_ddp.engine.hooks import (EpochLineHook, EpochSummary, Hooks, StepCsvHook, StepRecord,
                                        TensorBoardHook, TrainHook, default_hooks)
 from opencood_ddp.engine.logging import read_step_log, setup_logging
-from opencood_ddp.engine.trainer import Trainer, TrainSettings
+from opencood_ddp.engine.options import LaunchOptions, LoopOptions, TrainOptions
+from opencood_ddp.engine.run_dir import RunSetup
+from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.errors import CheckpointError
 from opencood_ddp.tasks import build_task
 from upstream_loop import upstream_step_lrs
@@ -69,8 +71,9 @@ def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2, lr_scheduler=Non
     task = build_task(hypes, for_training=True)
     plan = make_batch_plan(hypes["train_params"]["batch_size"], 1, float(hypes["optimizer"]["lr"]),
                            per_gpu_batch=per_rank)
-    settings = TrainSettings(epochs=epochs, seed=0, max_steps=max_steps)
-    return Trainer(task, plan, env, settings, hypes, run_dir, hooks)
+    hypes["train_params"]["seed"] = 0
+    options = TrainOptions(loop=LoopOptions(max_steps=max_steps), launch=LaunchOptions(num_workers=0))
+    return Trainer(task, plan, env, options, RunSetup(Path(run_dir), False, hypes, str(SYNTHETIC)), hooks)
 
 
 def _record(step: int, loss: float = 1.0) -> StepRecord:

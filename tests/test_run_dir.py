@@ -1,131 +1,158 @@
-"""Run folder: a new timestamped folder, --model_dir new / resume / refused, nothing created before validation."""
+"""The run's set-up, decided once (engine/run_dir.py `decide_run`, `claim_run`): one test per rule. A new run,
+an existing run with and without --hypes_yaml, a torchrun restart with and without --model_dir, a folder that
+changed under the lock, and the folders that must not be written. Nothing is created before the claim."""
 import os
 import time
+from pathlib import Path
 
 import pytest
 
-from opencood_ddp.engine.run_dir import CONFIG_NAME, RunFolder, create_run_folder, resolve_run_folder
+from opencood_ddp import hypes as hypes_lib
+from opencood_ddp.distributed.elastic import RUN_ID_FILE
+from opencood_ddp.engine.options import RunOptions
+from opencood_ddp.engine.run_dir import (CONFIG_NAME, claim_run, create_run_dir, decide_run, release_run_dir)
 from opencood_ddp.errors import ConfigError
 
 NOW = time.struct_time((2024, 3, 9, 7, 5, 2, 5, 69, -1))
 STAMP = "2024_03_09_07_05_02"
+HYPES = Path(__file__).resolve().parents[1] / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
+NAME = hypes_lib.load_hypes(HYPES)["name"]
+# torchrun's variables for the second attempt of the job "job7" (the first one made the run folder)
+RESTART = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "job7"}
+FIRST_ATTEMPT = dict(RESTART, TORCHELASTIC_RESTART_COUNT="0")
 
 
-def _tree(root):
+def _tree(root: Path) -> list:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def test_new_timestamped_folder(tmp_path):
-    folder = resolve_run_folder(None, "point_pillar", str(tmp_path / "logs"), now=NOW)
-    assert folder == RunFolder(tmp_path / "logs" / f"point_pillar_{STAMP}", resume=False)
-    assert folder.config_path == tmp_path / "logs" / f"point_pillar_{STAMP}" / CONFIG_NAME
-    assert not (tmp_path / "logs").exists()  # nothing created
+def _existing_run(folder: Path, name: str = "the_run_itself", batch: int = 4) -> Path:
+    """A run as training leaves it: config.yaml (another name and batch than the hypes file, to tell them apart)."""
+    folder.mkdir(parents=True)
+    hypes = hypes_lib.load_hypes(HYPES)
+    hypes["name"], hypes["train_params"]["batch_size"] = name, batch
+    hypes_lib.save_hypes(dict(hypes, batch_plan={"global_batch": batch}), folder / CONFIG_NAME)
+    return folder
 
 
-def test_empty_model_dir_string_means_timestamped(tmp_path):
-    folder = resolve_run_folder("", "pp", str(tmp_path), now=NOW)
-    assert folder.path == tmp_path / f"pp_{STAMP}" and folder.resume is False
+def _decide(tmp_path: Path, environ=None, **options):
+    return decide_run(RunOptions(log_root=str(tmp_path / "logs"), **options), environ or {}, now=NOW)
 
 
-def test_collision_adds_a_suffix(tmp_path):
-    (tmp_path / f"pp_{STAMP}").mkdir()
-    assert resolve_run_folder(None, "pp", str(tmp_path), now=NOW).path == tmp_path / f"pp_{STAMP}_1"
-    (tmp_path / f"pp_{STAMP}_1").mkdir()
-    (tmp_path / f"pp_{STAMP}_2").write_text("a file also collides")
-    folder = resolve_run_folder(None, "pp", str(tmp_path), now=NOW)
-    assert folder == RunFolder(tmp_path / f"pp_{STAMP}_3", resume=False)
-    assert _tree(tmp_path) == [f"pp_{STAMP}", f"pp_{STAMP}_1", f"pp_{STAMP}_2"]
-
-
-def test_model_dir_nonexistent_is_a_new_run_there(tmp_path):
-    target = tmp_path / "a" / "b" / "run"
-    folder = resolve_run_folder(str(target), "pp", str(tmp_path / "logs"), now=NOW)
-    assert folder == RunFolder(target, resume=False)
+def test_a_new_run_gets_a_timestamped_folder_and_nothing_is_created(tmp_path):
+    setup = _decide(tmp_path, hypes_yaml=str(HYPES), overrides=("train_params.batch_size=6",))
+    assert setup.run_dir == tmp_path / "logs" / f"{NAME}_{STAMP}" and not setup.resume
+    assert setup.hypes_source == str(HYPES) and setup.hypes["train_params"]["batch_size"] == 6
+    assert setup.records_run_id and setup.attempt is None and not setup.notes
     assert _tree(tmp_path) == []
 
 
-def test_model_dir_existing_run_resumes(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / CONFIG_NAME).write_text("name: pp\n")
-    (run / "net_epoch3.pth").write_bytes(b"x")
-    folder = resolve_run_folder(str(run), "other_name", str(tmp_path / "logs"), now=NOW)
-    assert folder == RunFolder(run, resume=True)
-    assert _tree(tmp_path) == ["run", "run/config.yaml", "run/net_epoch3.pth"]
+def test_the_same_second_adds_a_suffix(tmp_path):
+    (tmp_path / "logs" / f"{NAME}_{STAMP}").mkdir(parents=True)
+    (tmp_path / "logs" / f"{NAME}_{STAMP}_1").mkdir()
+    assert _decide(tmp_path, hypes_yaml=str(HYPES)).run_dir == tmp_path / "logs" / f"{NAME}_{STAMP}_2"
 
 
-def test_model_dir_existing_empty_folder_is_a_new_run(tmp_path):
-    run = tmp_path / "empty"
-    run.mkdir()
-    assert resolve_run_folder(str(run), "pp", str(tmp_path), now=NOW) == RunFolder(run, resume=False)
+@pytest.mark.parametrize("exists", [False, True], ids=["new-path", "empty-folder"])
+def test_a_model_dir_that_is_no_run_yet_is_a_new_run_there(tmp_path, exists):
+    target = tmp_path / "mine"
+    if exists:
+        target.mkdir()
+    setup = _decide(tmp_path, hypes_yaml=str(HYPES), model_dir=str(target))
+    assert setup.run_dir == target and not setup.resume and not setup.records_run_id
 
 
-def test_model_dir_non_empty_without_config_is_refused(tmp_path):
-    run = tmp_path / "someone_elses"
-    run.mkdir()
-    (run / "notes.txt").write_text("keep me")
-    with pytest.raises(ConfigError) as info:
-        resolve_run_folder(str(run), "pp", str(tmp_path), now=NOW)
-    assert str(run) in str(info.value) and "not a run" in str(info.value) and CONFIG_NAME in str(info.value)
-    assert (run / "notes.txt").read_text() == "keep me"
+def test_an_existing_run_resumes_with_its_own_config(tmp_path):
+    run = _existing_run(tmp_path / "run")
+    setup = _decide(tmp_path, model_dir=str(run), overrides=("train_params.epoches=9",))
+    assert setup.resume and setup.run_dir == run and setup.hypes_source == str(run / CONFIG_NAME)
+    assert setup.hypes["name"] == "the_run_itself" and setup.hypes["train_params"]["epoches"] == 9
+    assert "batch_plan" not in setup.hypes  # what the run recorded about itself is recomputed
+    assert not setup.notes
 
 
-def test_model_dir_with_config_yaml_folder_is_not_a_run(tmp_path):
-    run = tmp_path / "odd"
-    (run / CONFIG_NAME).mkdir(parents=True)  # config.yaml is a folder, not a file
-    with pytest.raises(ConfigError, match="not a run"):
-        resolve_run_folder(str(run), "pp", str(tmp_path), now=NOW)
+def test_an_existing_runs_config_wins_over_hypes_yaml(tmp_path):
+    run = _existing_run(tmp_path / "run")
+    setup = _decide(tmp_path, hypes_yaml=str(HYPES), model_dir=str(run))
+    assert setup.resume and setup.hypes["name"] == "the_run_itself"
+    assert setup.notes == (f"{run} is an existing run: its config.yaml wins over --hypes_yaml {HYPES} (upstream's "
+                           f"rule); using {run / CONFIG_NAME}",)
 
 
-def test_model_dir_is_a_file(tmp_path):
-    path = tmp_path / "afile"
-    path.write_text("x")
-    with pytest.raises(ConfigError) as info:
-        resolve_run_folder(str(path), "pp", str(tmp_path), now=NOW)
-    assert str(path) in str(info.value) and "is a file" in str(info.value)
+def test_a_torchrun_restart_with_model_dir_resumes_it(tmp_path):
+    run = _existing_run(tmp_path / "run")
+    setup = _decide(tmp_path, RESTART, hypes_yaml=str(HYPES), model_dir=str(run))
+    assert setup.resume and setup.run_dir == run and setup.restarted_job and setup.hypes["name"] == "the_run_itself"
+
+
+def test_a_torchrun_restart_without_model_dir_resumes_the_first_attempts_folder_with_its_config(tmp_path):
+    """The first attempt made a timestamped folder and recorded the job's id; the restart finds it, and that
+    run's config.yaml wins over --hypes_yaml (it used to be found only after the hypes were loaded)."""
+    first = _decide(tmp_path, FIRST_ATTEMPT, hypes_yaml=str(HYPES))
+    claim_run(first)
+    release_run_dir(first.run_dir)
+    assert (first.run_dir / RUN_ID_FILE).read_text().strip() == "job7"
+    hypes_lib.save_hypes(dict(first.hypes, name="written_by_attempt_0"), first.run_dir / CONFIG_NAME)
+    setup = _decide(tmp_path, RESTART, hypes_yaml=str(HYPES), overrides=("name=typed_again",))
+    assert setup.run_dir == first.run_dir and setup.resume and setup.restarted_job
+    assert setup.hypes_source == str(first.run_dir / CONFIG_NAME) and setup.hypes["name"] == "typed_again"
+    assert setup.notes[0] == f"torchrun restart 1 of 3: continuing {first.run_dir}"
+
+
+def test_a_torchrun_restart_that_finds_no_folder_starts_anew_and_says_why(tmp_path):
+    setup = _decide(tmp_path, RESTART, hypes_yaml=str(HYPES))
+    assert not setup.resume and setup.records_run_id and "no run folder of an earlier attempt found" in setup.notes[0]
+
+
+def test_a_folder_that_became_a_run_under_the_lock_is_refused(tmp_path):
+    setup = _decide(tmp_path, hypes_yaml=str(HYPES), model_dir=str(tmp_path / "race"))
+    _existing_run(tmp_path / "race", name="another_job")  # another job got there between the decision and the claim
+    with pytest.raises(ConfigError, match="changed while this job started"):
+        claim_run(setup)
+    assert not (tmp_path / "race" / ".run.lock").exists()  # the lock was given back
+
+
+def test_claiming_a_new_run_creates_and_locks_it(tmp_path):
+    setup = _decide(tmp_path, hypes_yaml=str(HYPES), model_dir=str(tmp_path / "a" / "b"))
+    claim_run(setup)
+    try:
+        assert (tmp_path / "a" / "b" / ".run.lock").is_file()
+    finally:
+        release_run_dir(setup.run_dir)
+    assert _tree(tmp_path / "a") == ["b"]
+
+
+def test_no_hypes_and_no_run_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="pass --hypes_yaml for a new run, or --model_dir of an existing run"):
+        _decide(tmp_path, model_dir=str(tmp_path / "nothing"))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: (p.mkdir(), (p / "notes.txt").write_text("mine")), r"is not a run \(no config.yaml\) and is not empty"),
+    (lambda p: (p.mkdir(), (p / CONFIG_NAME).mkdir()), r"is not a run \(no config.yaml\) and is not empty"),
+    (lambda p: p.write_text("a file"), "is a file, not a folder"),
+], ids=["someone-elses-files", "config-yaml-is-a-folder", "a-file"])
+def test_folders_that_must_not_be_written_are_refused(tmp_path, make, message):
+    target = tmp_path / "target"
+    make(target)
+    before = _tree(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        _decide(tmp_path, hypes_yaml=str(HYPES), model_dir=str(target))
+    assert _tree(tmp_path) == before
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
-def test_model_dir_run_not_writable(tmp_path):
-    run = tmp_path / "ro"
-    run.mkdir()
-    (run / CONFIG_NAME).write_text("name: pp\n")
+def test_a_run_that_is_not_writable_is_refused(tmp_path):
+    run = _existing_run(tmp_path / "ro")
     run.chmod(0o555)
     try:
-        with pytest.raises(ConfigError) as info:
-            resolve_run_folder(str(run), "pp", str(tmp_path), now=NOW)
-        assert str(run) in str(info.value) and "not writable" in str(info.value)
+        with pytest.raises(ConfigError, match="not writable"):
+            _decide(tmp_path, model_dir=str(run))
     finally:
         run.chmod(0o755)
 
 
-def test_create_run_folder_creates_parents_and_leaves_no_probe(tmp_path):
-    folder = resolve_run_folder(None, "pp", str(tmp_path / "logs" / "deep"), now=NOW)
-    assert create_run_folder(folder) is folder
-    assert folder.path.is_dir()
-    assert _tree(tmp_path) == ["logs", "logs/deep", f"logs/deep/pp_{STAMP}"]
-    # idempotent on an existing folder
-    create_run_folder(folder)
-    assert list(folder.path.iterdir()) == []
-
-
-def test_create_run_folder_under_a_file_is_a_config_error(tmp_path):
-    (tmp_path / "afile").write_text("x")
-    target = tmp_path / "afile" / "run"
-    with pytest.raises(ConfigError) as info:
-        create_run_folder(RunFolder(target, resume=False))
-    assert str(target) in str(info.value) and "--model_dir" in str(info.value)
-    assert (tmp_path / "afile").read_text() == "x"
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
-def test_create_run_folder_in_read_only_parent(tmp_path):
-    parent = tmp_path / "ro"
-    parent.mkdir()
-    parent.chmod(0o555)
-    try:
-        with pytest.raises(ConfigError) as info:
-            create_run_folder(RunFolder(parent / "run", resume=False))
-        assert str(parent / "run") in str(info.value) and "Permission denied" in str(info.value)
-    finally:
-        parent.chmod(0o755)
+def test_create_run_dir_under_a_file_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="cannot create or write the run folder"):
+        create_run_dir(tmp_path / "file" / "run")

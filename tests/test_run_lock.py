@@ -1,4 +1,4 @@
-"""A run folder is held by the job that trains in it (engine/run_dir.lock_run_folder): a second job refuses with
+"""A run folder is held by the job that trains in it (engine/run_dir.lock_run_dir): a second job refuses with
 one line naming the holder, a lock left by a killed job is taken over, and a job that ends removes its lock."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from launch import REPO, Background, explain, train, wait_until
-from opencood_ddp.engine.run_dir import LOCK_NAME, lock_run_folder, release_run_folder
+from opencood_ddp.engine.run_dir import LOCK_NAME, lock_run_dir, release_run_dir
 from opencood_ddp.errors import ConfigError
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
@@ -27,20 +27,20 @@ def steps_logged(run_dir) -> int:
 
 def test_a_lock_held_by_another_process_is_refused_naming_it(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from opencood_ddp.engine.run_dir import lock_run_folder; "
-        f"lock_run_folder({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)")],
+        "import sys, time; from opencood_ddp.engine.run_dir import lock_run_dir; "
+        f"lock_run_dir({str(tmp_path)!r}); print('held', flush=True); time.sleep(60)")],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(ConfigError) as caught:
-            lock_run_folder(tmp_path)
+            lock_run_dir(tmp_path)
         assert f"is in use by host {socket.gethostname()}, pid {holder.pid}, since" in str(caught.value)
     finally:
         holder.kill()
         holder.wait()
-    lock_run_folder(tmp_path)  # the killed holder's lock is the kernel's to release: taken over
+    lock_run_dir(tmp_path)  # the killed holder's lock is the kernel's to release: taken over
     assert f"pid {os.getpid()}" in (tmp_path / LOCK_NAME).read_text()
-    release_run_folder(tmp_path)
+    release_run_dir(tmp_path)
     assert not (tmp_path / LOCK_NAME).exists()
 
 

@@ -67,28 +67,31 @@ def worker(args: argparse.Namespace) -> int:
 
 def training_options(args: argparse.Namespace):
     """The engine's options of the run this benchmark times: its defaults but for the flags given here."""
-    from opencood_ddp.engine.options import LaunchOptions, TrainOptions
+    from opencood_ddp.engine.options import BatchOptions, LaunchOptions, LoopOptions, RunOptions, TrainOptions
 
-    return TrainOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides),
-                        per_gpu_batch=args.per_gpu_batch, half=args.half, seed=args.seed,
+    return TrainOptions(run=RunOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides)),
+                        batch=BatchOptions(per_gpu_batch=args.per_gpu_batch),
+                        loop=LoopOptions(half="auto" if args.half else None, seed=args.seed),
                         launch=LaunchOptions(num_workers=args.num_workers))
 
 
 def measure(options, args: argparse.Namespace, env) -> None:
     """Train warmup + steps with the engine's Trainer; rank 0 writes every rank's figures to --worker_out."""
     from opencood_ddp.distributed import comm
-    from opencood_ddp.engine.train import load_run_hypes, plan_batches, seed_everything
-    from opencood_ddp.engine.trainer import Trainer, TrainSettings
+    from opencood_ddp.engine.run_dir import RunSetup
+    from opencood_ddp.engine.train import plan_batches, resolve_seed, seed_everything
+    from opencood_ddp.engine.trainer import Trainer
     from opencood_ddp.tasks import build_task
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    hypes, _ = load_run_hypes(options)
-    plan = plan_batches(hypes, options, env.world_size, options.per_gpu_batch)
-    seed_everything(hypes["train_params"]["seed"])
+    hypes = load_parsed_hypes(options.run.hypes_yaml, options.run.overrides)
+    plan = plan_batches(hypes, options.batch, env.world_size, options.batch.per_gpu_batch)
+    seed_everything(resolve_seed(hypes, options.loop.seed))
     task = build_task(hypes, for_training=True)
-    settings = TrainSettings.from_hypes(hypes, options)
     with tempfile.TemporaryDirectory(prefix="benchmark_ddp_") as scratch:
-        trainer = Trainer(task, plan, env, settings, hypes, Path(scratch))
+        setup = RunSetup(Path(scratch), False, hypes, options.run.hypes_yaml)
+        trainer = Trainer(task, plan, env, options, setup)
         loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)
         measured = timed_steps(trainer, args.warmup, args.steps)
     result = dict(measured, rank=env.rank, loader_samples_per_s=loader_rate, device=device_name(env.device),

@@ -18,6 +18,7 @@ Per way: the median step time (the slowest rank's, step by step), its quartiles,
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -51,27 +52,28 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------- worker side
 def worker(args: argparse.Namespace) -> int:
     from opencood_ddp.engine.entry import run_distributed
-    from opencood_ddp.engine.options import LaunchOptions, TrainOptions
+    from opencood_ddp.engine.options import LaunchOptions, RunOptions, TrainOptions
 
     # The engine's defaults but for the hypes and their overrides; no loader workers: the step is timed.
-    options = TrainOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides),
+    options = TrainOptions(run=RunOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides)),
                            launch=LaunchOptions(num_workers=0))
     return run_distributed(options.launch, lambda env: measure(options, args, env))
 
 
 def build_trainer(way: str, options, hypes: dict, plan, env, scratch: Path):
     """The engine's Trainer on a fresh task (the same initial weights for every way)."""
+    from opencood_ddp.engine.run_dir import RunSetup
     from opencood_ddp.engine.train import seed_everything
-    from opencood_ddp.engine.trainer import Trainer, TrainSettings
+    from opencood_ddp.engine.trainer import Trainer
     from opencood_ddp.tasks import build_task
 
     seed_everything(hypes["train_params"]["seed"])
     task = build_task(hypes, for_training=True)
     if way != "flags":
         task = dataclasses.replace(task, parameter_use=None)
-    settings = dataclasses.replace(TrainSettings.from_hypes(hypes, options),
-                                   find_unused_parameters=way == "find_unused")
-    return Trainer(task, plan, env, settings, hypes, scratch / way)
+    hypes = copy.deepcopy(hypes)
+    hypes["train_params"]["find_unused_parameters"] = way == "find_unused"
+    return Trainer(task, plan, env, options, RunSetup(scratch / way, False, hypes, options.run.hypes_yaml))
 
 
 def endless_steps(trainer):
@@ -84,11 +86,13 @@ def endless_steps(trainer):
 
 def measure(options, args: argparse.Namespace, env) -> None:
     from opencood_ddp.distributed import comm
-    from opencood_ddp.engine.train import load_run_hypes, plan_batches
+    from opencood_ddp.engine.train import plan_batches, resolve_seed
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    hypes, _ = load_run_hypes(options)
-    plan = plan_batches(hypes, options, env.world_size, None)
+    hypes = load_parsed_hypes(options.run.hypes_yaml, options.run.overrides)
+    resolve_seed(hypes, options.loop.seed)
+    plan = plan_batches(hypes, options.batch, env.world_size, None)
     seconds = {way: [] for way in WAYS}
     with tempfile.TemporaryDirectory(prefix="benchmark_unused_") as scratch:
         steps = {way: endless_steps(build_trainer(way, options, hypes, plan, env, Path(scratch))) for way in WAYS}

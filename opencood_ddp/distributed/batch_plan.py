@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Literal, Optional, get_args
 
 from opencood_ddp.errors import ConfigError
 
-SEMANTICS = ("global", "per_gpu")
-LR_SCALINGS = ("none", "linear", "sqrt")
+Semantics = Literal["global", "per_gpu"]
+LrScaling = Literal["none", "linear", "sqrt"]
+SEMANTICS: tuple = get_args(Semantics)
+LR_SCALINGS: tuple = get_args(LrScaling)
 
 
 @dataclass(frozen=True)

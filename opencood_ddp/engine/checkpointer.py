@@ -10,7 +10,6 @@ a barrier ends each save, so that no rank starts the next epoch, or exits, while
 """
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,6 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
-from opencood_ddp.distributed.elastic import elastic_attempt
 from opencood_ddp.engine.logging import STEP_LOG_NAME, get_logger
 from opencood_ddp.engine.run_dir import CONFIG_NAME
 from opencood_ddp.errors import CheckpointError, ConfigError, first_line
@@ -53,6 +51,7 @@ class ResumeRules:
     global_batch: Optional[int] = None
     allow_config_change: bool = False
     restart: bool = False  # a history without a checkpoint is trained anew (--restart)
+    restarted_job: bool = False  # a torchrun restart: the history may be its own earlier attempt's (RunSetup)
 
 
 class RunCheckpointer:
@@ -130,8 +129,7 @@ class RunCheckpointer:
         history. Refused unless --restart, or unless this is torchrun restarting the job that wrote it."""
         steps_file = self.run_dir / STEP_LOG_NAME
         steps = max(0, len(steps_file.read_text().splitlines()) - 1) if steps_file.is_file() else 0
-        attempt = elastic_attempt(os.environ)
-        if not steps or self.rules.restart or (attempt is not None and attempt.restart):
+        if not steps or self.rules.restart or self.rules.restarted_job:
             return
         raise ConfigError(f"run folder {self.run_dir} has a history ({STEP_LOG_NAME}: {steps} steps) but no "
                           f"checkpoint (net_epoch<N>.pth or net_step<K>.pth); restore its checkpoints, or pass "

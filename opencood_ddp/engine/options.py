@@ -1,21 +1,25 @@
-"""The run options: the command line, parsed once into frozen dataclasses that the engine takes (never argparse's
-Namespace). A field's name is its flag's `dest`, so that adding a flag is two edits: its ``add_argument`` here
-and its field. Programs that call the engine (benchmarks, checks) build the dataclasses directly.
+"""The run options: the command line, parsed once into frozen dataclasses that the engine takes unchanged (never
+argparse's Namespace, never a copy). A field's name is its flag's ``dest`` and its type's choices are the flag's
+choices, so that adding a flag is two edits: its ``add_argument`` in the group of its dataclass, and its field
+(then its use). Programs that call the engine (benchmarks, checks) build the dataclasses directly.
 
 - ``LaunchOptions``: what every entry point needs to start and to load data (``add_launch_arguments``).
-- ``TrainOptions``: tools/train_ddp.py (``train_parser``).
+- ``TrainOptions``: tools/train_ddp.py (``train_parser``), in four groups: ``run`` (which run: folder, hypes,
+  what a resume may accept; engine/run_dir.py decides with it), ``batch`` (the batch plan), ``loop`` (how the
+  fit loop trains; the Trainer reads it) and ``launch``.
 - ``EvalOptions``: tools/inference_ddp.py (``eval_parser``), with the task's own typed options in ``task``.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol, Sequence, Union
+from typing import Any, Literal, Optional, Protocol, Sequence, Union
 
-from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS
-from opencood_ddp.engine.step import HALF_MODES
-from opencood_ddp.engine.step_guard import NONFINITE_POLICIES
+from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, LrScaling, Semantics
+from opencood_ddp.engine.step import HALF_MODES, HalfMode
+from opencood_ddp.engine.step_guard import NONFINITE_POLICIES, NonfinitePolicy
 
 
 @dataclass(frozen=True)
@@ -24,33 +28,54 @@ class LaunchOptions:
 
     num_workers: int = 2  # DataLoader workers per process
     dist_timeout: float = 30.0  # minutes a collective waits for a stalled or dead peer
-    dist_backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    dist_backend: Optional[Literal["nccl", "gloo"]] = None  # None: nccl on CUDA, gloo on CPU
     local_rank: Optional[int] = None  # torch.distributed.launch's flag; torchrun sets LOCAL_RANK instead
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Which run: where it lives, where its hypes come from, what its resume may accept."""
+
+    hypes_yaml: Optional[str] = None
+    model_dir: Optional[str] = None  # upstream's flag for the run folder
+    overrides: tuple[str, ...] = ()  # --set KEY.SUB=VALUE, in order
+    log_root: str = "logs"
+    restart: bool = False
+    allow_config_change: bool = False
+
+
+@dataclass(frozen=True)
+class BatchOptions:
+    """How the hypes' batch_size is split over the processes (distributed/batch_plan.py)."""
+
+    per_gpu_batch: Union[int, Literal["auto"], None] = None  # None: no cap
+    per_gpu_mem_gib: Optional[float] = None
+    batch_semantics: Semantics = "global"
+    scale_lr: LrScaling = "none"
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """How the fit loop trains (engine/trainer.py reads these as they are)."""
+
+    half: Optional[HalfMode] = None  # None: float32
+    seed: Optional[int] = None  # None: train_params.seed of the hypes, else 0
+    sync_bn: bool = True  # --no_sync_bn clears it
+    max_steps: Optional[int] = None
+    reverse_batch_order: bool = False
+    on_nonfinite: NonfinitePolicy = "stop"
+    max_skips_in_a_row: int = 10
+    max_skip_share: float = 0.1
+    eval_after_training: bool = False
 
 
 @dataclass(frozen=True)
 class TrainOptions:
     """tools/train_ddp.py's flags; the help texts of `train_parser` say what each does."""
 
-    hypes_yaml: Optional[str] = None
-    model_dir: Optional[str] = None
-    overrides: tuple[str, ...] = ()  # --set KEY.SUB=VALUE, in order
-    per_gpu_batch: Union[int, str, None] = None  # a number, "auto" or None (no cap)
-    per_gpu_mem_gib: Optional[float] = None
-    batch_semantics: str = "global"
-    scale_lr: str = "none"
-    half: Optional[str] = None  # --half [fp16|bf16]: "auto", "fp16" or "bf16"; None: float32
-    seed: Optional[int] = None  # None: train_params.seed of the hypes, else 0
-    sync_bn: bool = True  # --no_sync_bn clears it
-    max_steps: Optional[int] = None
-    reverse_batch_order: bool = False
-    on_nonfinite: str = "stop"
-    max_skips_in_a_row: int = 10
-    max_skip_share: float = 0.1
-    restart: bool = False
-    allow_config_change: bool = False
-    log_root: str = "logs"
-    eval_after_training: bool = False
+    run: RunOptions = field(default_factory=RunOptions)
+    batch: BatchOptions = field(default_factory=BatchOptions)
+    loop: LoopOptions = field(default_factory=LoopOptions)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
 
 
@@ -75,13 +100,18 @@ class TaskOptions(Protocol):
 
 
 def from_flags(cls: type, parsed: argparse.Namespace, **given: Any) -> Any:
-    """An options dataclass from parsed flags: each field from the flag of its name, lists as tuples (the
-    dataclasses are frozen), ``given`` for the nested ones."""
+    """An options dataclass from parsed flags: each field from the flag of its name, a field whose type is an
+    options dataclass from its own fields' flags, lists as tuples (the dataclasses are frozen); ``given`` wins."""
+    hints = typing.get_type_hints(cls)
     values = dict(given)
     for item in dataclasses.fields(cls):
-        if item.name not in values:
-            value = getattr(parsed, item.name)
-            values[item.name] = tuple(value) if isinstance(value, list) else value
+        if item.name in values:
+            continue
+        if dataclasses.is_dataclass(hints.get(item.name)):
+            values[item.name] = from_flags(hints[item.name], parsed)
+            continue
+        value = getattr(parsed, item.name)
+        values[item.name] = tuple(value) if isinstance(value, list) else value
     return cls(**values)
 
 
@@ -110,21 +140,46 @@ def per_gpu_batch_value(text: str) -> Union[int, str]:
 
 def train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Train an OpenCOOD-schema model on 1..N processes (DDP).")
+    add_run_arguments(parser.add_argument_group("run"))
+    add_batch_arguments(parser.add_argument_group("batch"))
+    add_loop_arguments(parser.add_argument_group("training loop"))
+    add_launch_arguments(parser.add_argument_group("launch"))
+    return parser
+
+
+def add_run_arguments(parser: Any) -> None:
+    """The flags of ``RunOptions``."""
     parser.add_argument("--hypes_yaml", help="hypes YAML of a new run (ignored when --model_dir is a run)")
     parser.add_argument("--model_dir", help="existing run folder to resume, or a new folder for this run")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
                         help="override a hypes value (YAML-typed); repeatable")
+    parser.add_argument("--log_root", default=RunOptions.log_root,
+                        help="parent of new run folders without --model_dir")
+    parser.add_argument("--restart", action="store_true",
+                        help="train an existing run folder that has a history but no checkpoint that loads from the "
+                             "start (its train_steps.csv is replaced); refused otherwise")
+    parser.add_argument("--allow_config_change", action="store_true",
+                        help="resume although a model or data section of config.yaml (or a --set) differs from "
+                             "what the checkpoint was trained with (refused otherwise)")
+
+
+def add_batch_arguments(parser: Any) -> None:
+    """The flags of ``BatchOptions``."""
     parser.add_argument("--per_gpu_batch", type=per_gpu_batch_value,
                         help="cap the per-process batch; the rest becomes gradient accumulation. 'auto': measure a "
                              "step's memory at per-process batch 1, 2, 4 on this device and take the largest that "
                              "fits (tools/plan_batch.py's plan); nothing else of the run changes")
     parser.add_argument("--per_gpu_mem_gib", type=float,
-                        help="with --per_gpu_batch auto: memory one process may use, GiB (default: the GPU's, or "
-                             "on the CPU the available memory shared by this node's processes; 10%% kept free)")
-    parser.add_argument("--batch_semantics", choices=SEMANTICS, default=TrainOptions.batch_semantics,
+                        help="with --per_gpu_batch auto: memory one process may use, GiB (default: the GPU's share, "
+                             "or on the CPU the available memory shared by this node's processes; 10%% kept free)")
+    parser.add_argument("--batch_semantics", choices=SEMANTICS, default=BatchOptions.batch_semantics,
                         help="global: batch_size is the effective batch (default); per_gpu: upstream behaviour")
-    parser.add_argument("--scale_lr", choices=LR_SCALINGS, default=TrainOptions.scale_lr,
+    parser.add_argument("--scale_lr", choices=LR_SCALINGS, default=BatchOptions.scale_lr,
                         help="lr scaling with per_gpu semantics")
+
+
+def add_loop_arguments(parser: Any) -> None:
+    """The flags of ``LoopOptions``."""
     parser.add_argument("--half", nargs="?", const="auto", choices=HALF_MODES, metavar="{fp16,bf16}",
                         help="mixed precision: fp16 with a GradScaler, or bf16; a bare --half is fp16 on CUDA and bf16 "
                              "on the CPU")
@@ -136,26 +191,16 @@ def train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reverse_batch_order", action="store_true",
                         help="feed each batch's samples in reverse order: the same training in exact arithmetic, "
                              "another float summation order (the noise floor of tools/parity_check.py)")
-    parser.add_argument("--on_nonfinite", choices=NONFINITE_POLICIES, default=TrainOptions.on_nonfinite,
+    parser.add_argument("--on_nonfinite", choices=NONFINITE_POLICIES, default=LoopOptions.on_nonfinite,
                         help="a non-finite loss or gradient on any rank: stop (save the state before the step, "
                              "exit 3) or skip the step on every rank")
-    parser.add_argument("--max_skips_in_a_row", type=int, default=TrainOptions.max_skips_in_a_row,
+    parser.add_argument("--max_skips_in_a_row", type=int, default=LoopOptions.max_skips_in_a_row,
                         help="with --on_nonfinite skip: stop (as 'stop' does) after more consecutive skipped steps")
-    parser.add_argument("--max_skip_share", type=float, default=TrainOptions.max_skip_share,
+    parser.add_argument("--max_skip_share", type=float, default=LoopOptions.max_skip_share,
                         help="with --on_nonfinite skip: stop when a larger share of an epoch's steps was skipped")
-    parser.add_argument("--restart", action="store_true",
-                        help="train an existing run folder that has a history but no checkpoint that loads from the "
-                             "start (its train_steps.csv is replaced); refused otherwise")
-    parser.add_argument("--allow_config_change", action="store_true",
-                        help="resume although a model or data section of config.yaml (or a --set) differs from "
-                             "what the checkpoint was trained with (refused otherwise)")
-    parser.add_argument("--log_root", default=TrainOptions.log_root,
-                        help="parent of new run folders without --model_dir")
     parser.add_argument("--eval_after_training", action="store_true",
                         help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
                              "ranks; writes eval.yaml into the run folder")
-    add_launch_arguments(parser.add_argument_group("launch"))
-    return parser
 
 
 def eval_parser(task_options: Optional[type] = None) -> argparse.ArgumentParser:
@@ -176,11 +221,10 @@ def eval_parser(task_options: Optional[type] = None) -> argparse.ArgumentParser:
 
 
 def parse_train_options(argv: Optional[Sequence[str]]) -> TrainOptions:
-    parsed = train_parser().parse_args(argv)
-    return from_flags(TrainOptions, parsed, launch=from_flags(LaunchOptions, parsed))
+    return from_flags(TrainOptions, train_parser().parse_args(argv))
 
 
 def parse_eval_options(argv: Optional[Sequence[str]], task_options: Optional[type] = None) -> EvalOptions:
     parsed = eval_parser(task_options).parse_args(argv)
     task = from_flags(task_options, parsed) if task_options is not None else None
-    return from_flags(EvalOptions, parsed, launch=from_flags(LaunchOptions, parsed), task=task)
+    return from_flags(EvalOptions, parsed, task=task)

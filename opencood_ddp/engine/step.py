@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, ContextManager, Optional, Union
+from typing import Any, ContextManager, Literal, Optional, Union, get_args
 
 import torch
 from torch import nn
@@ -21,7 +21,8 @@ from torch import nn
 from opencood_ddp.engine.task import LossOutput, StepFn
 
 
-HALF_MODES = ("auto", "fp16", "bf16")  # --half [fp16|bf16]; a bare --half is "auto"
+HalfMode = Literal["auto", "fp16", "bf16"]  # --half [fp16|bf16]; a bare --half is "auto"
+HALF_MODES: tuple = get_args(HalfMode)
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

@@ -9,12 +9,13 @@ buffers are put back as they were before the step in both cases.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence, get_args
 
 import torch
 from torch import nn
 
-NONFINITE_POLICIES = ("stop", "skip")
+NonfinitePolicy = Literal["stop", "skip"]
+NONFINITE_POLICIES: tuple = get_args(NonfinitePolicy)
 
 
 def gradient_norm(model: nn.Module) -> Optional[torch.Tensor]:

@@ -46,6 +46,7 @@ from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
+from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradient_norm, rank_report
 from opencood_ddp.engine.task import Task
@@ -53,38 +54,23 @@ from opencood_ddp.errors import NonFiniteError, OpencoodDdpError, StopRequested,
 from opencood_ddp.hypes import get_key, section_digests
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSettings:
-    """What the fit loop needs beyond the task and the plan (from hypes and flags)."""
+    """What the fit loop takes from the hypes (train_params; the seed already resolved by the recipe). The flags
+    come as they were parsed: TrainOptions.loop."""
 
     epochs: int
-    seed: int
+    seed: int = 0
     eval_freq: int = 1
     save_freq: int = 1
-    num_workers: int = 0
     find_unused_parameters: bool = False
-    half: Optional[str] = None  # --half: "auto", "fp16" or "bf16" (engine/step.py Precision)
-    sync_bn: bool = True
-    keep_states: int = 2
-    max_steps: Optional[int] = None  # end the run after this many optimizer steps (smoke tests, parity checks)
-    reverse_batch_order: bool = False  # same batches, samples reversed: a rounding-only change (parity noise floor)
-    on_nonfinite: str = "stop"  # a non-finite loss or gradient: "stop" (save, exit 3) or "skip" the step
-    allow_config_change: bool = False  # resume although a model or data section of the hypes changed
-    restart: bool = False  # train a run folder that has a history but no checkpoint from the start (--restart)
-    max_skips_in_a_row: int = 10  # --on_nonfinite skip: more consecutive skipped steps stop the run as "stop" does
-    max_skip_share: float = 0.1  # ... and so does a larger share of an epoch's steps skipped
 
     @classmethod
-    def from_hypes(cls, hypes: dict, options: TrainOptions) -> "TrainSettings":
-        """The hypes' train_params (seed already resolved by the recipe) and the run's flags."""
-        return cls(epochs=hypes["train_params"]["epoches"], seed=hypes["train_params"]["seed"],
+    def from_hypes(cls, hypes: dict) -> "TrainSettings":
+        return cls(epochs=hypes["train_params"]["epoches"], seed=get_key(hypes, "train_params.seed", 0),
                    eval_freq=get_key(hypes, "train_params.eval_freq", 1),
-                   save_freq=get_key(hypes, "train_params.save_freq", 1), num_workers=options.launch.num_workers,
-                   find_unused_parameters=bool(get_key(hypes, "train_params.find_unused_parameters", False)),
-                   half=options.half, sync_bn=options.sync_bn, max_steps=options.max_steps,
-                   reverse_batch_order=options.reverse_batch_order, on_nonfinite=options.on_nonfinite,
-                   allow_config_change=options.allow_config_change, restart=options.restart,
-                   max_skips_in_a_row=options.max_skips_in_a_row, max_skip_share=options.max_skip_share)
+                   save_freq=get_key(hypes, "train_params.save_freq", 1),
+                   find_unused_parameters=bool(get_key(hypes, "train_params.find_unused_parameters", False)))
 
 
 @dataclass
@@ -101,28 +87,33 @@ class Progress:
 
 
 class Trainer:
-    def __init__(self, task: Task, plan: BatchPlan, env: DistEnv, settings: TrainSettings, hypes: dict,
-                 run_dir: Path, hooks: Optional[Hooks] = None, stop_signal: Optional[StopSignal] = None):
-        """Complete once built: `hooks` (what the loop reports to; they write nothing before the first step or a
-        resume) and `stop_signal` (checked at every step boundary; the caller enters it around `fit`)."""
-        self.task, self.plan, self.env, self.settings, self.hypes = task, plan, env, settings, hypes
-        self.run_dir, self.hooks, self.log = Path(run_dir), hooks or Hooks(), get_logger()
+    def __init__(self, task: Task, plan: BatchPlan, env: DistEnv, options: TrainOptions, setup: RunSetup,
+                 hooks: Optional[Hooks] = None, stop_signal: Optional[StopSignal] = None):
+        """The one way a trainer is built, for training and the benchmarks: the run's flags as parsed
+        (`options`) and its set-up (`setup`: folder, resume, hypes). Complete once built: `hooks` (what the loop
+        reports to; they write nothing before the first step or a resume) and `stop_signal` (checked at every
+        step boundary; the caller enters it around `fit`)."""
+        hypes = setup.hypes
+        self.task, self.plan, self.env, self.options, self.setup = task, plan, env, options, setup
+        self.loop, self.settings, self.hypes = options.loop, TrainSettings.from_hypes(hypes), hypes
+        self.run_dir, self.hooks, self.log = Path(setup.run_dir), hooks or Hooks(), get_logger()
         self.stop_signal = stop_signal
-        self.checkpointer = RunCheckpointer(self.run_dir, env.is_main, settings.keep_states, ResumeRules(
-            section_digests(hypes), plan.global_batch, settings.allow_config_change, settings.restart))
+        self.checkpointer = RunCheckpointer(self.run_dir, env.is_main, rules=ResumeRules(
+            section_digests(hypes), plan.global_batch, options.run.allow_config_change, options.run.restart,
+            setup.restarted_job))
         self.device = torch.device(env.device)
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
-            task.model.to(self.device), env.world_size, env.device, enabled=settings.sync_bn)
+            task.model.to(self.device), env.world_size, env.device, enabled=self.loop.sync_bn)
         self.model = self._wrap(self.model_without_ddp)
         # Every parameter, where upstream passes the trainable ones only: a frozen one (backbone_fix) never has a
         # gradient, so torch's optimizers skip it alike, and the saved optimizer state keeps one layout whatever
         # is frozen (a resume that freezes the backbone loads it).
         self.optimizer = build_optimizer(hypes, self.model_without_ddp.parameters(), plan.effective_lr)
-        self.precision = Precision(settings.half, self.device)
+        self.precision = Precision(self.loop.half, self.device)
         self.scaler = self.precision.new_scaler()
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
-                                                      settings.seed, plan.accumulation,
-                                                      reverse=settings.reverse_batch_order)
+                                                      self.settings.seed, plan.accumulation,
+                                                      reverse=self.loop.reverse_batch_order)
         self.steps_per_epoch = steps_per_epoch(self.batch_sampler, plan.accumulation)
         self._new_schedule = lambda: build_scheduler(hypes, self.optimizer, self.steps_per_epoch)
         self.schedule = self._new_schedule()  # None: constant lr
@@ -148,13 +139,13 @@ class Trainer:
         return DistributedDataParallel(model, device_ids=device_ids,
                                        find_unused_parameters=self.settings.find_unused_parameters)
 
-    def open_run(self, resume: bool) -> list[tuple[int, str]]:
+    def open_run(self) -> list[tuple[int, str]]:
         """Make the run folder this run's: for an existing run, continue from its newest checkpoint that loads and
         remove what a killed save left; then write config.yaml (its one write: nothing of an existing run is
         written before its checkpoint loaded). Returns (logging level, message) pairs to log once the log file is
         attached."""
         notes: list[tuple[int, str]] = []
-        if resume:
+        if self.setup.resume:
             saved, rejected = self.resume()
             notes += [(logging.WARNING, f"{reason}: fell back to the checkpoint before it") for reason in rejected]
             removed = self.checkpointer.remove_unfinished_saves()
@@ -265,7 +256,7 @@ class Trainer:
         self._save(epoch + 1, val_means)
 
     def _max_steps_reached(self) -> bool:
-        return self.settings.max_steps is not None and self.progress.global_step >= self.settings.max_steps
+        return self.loop.max_steps is not None and self.progress.global_step >= self.loop.max_steps
 
     def _due(self, epoch: int, freq: int) -> bool:
         # Upstream checks `epoch % freq == 0` on the 0-based epoch; the last epoch is always covered here.
@@ -276,7 +267,7 @@ class Trainer:
         comm.mark_phase(phase)
 
     def _loader_options(self) -> dict:
-        workers = self.settings.num_workers
+        workers = self.options.launch.num_workers
         return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None,
                 "persistent_workers": workers > 0}
 
@@ -364,7 +355,7 @@ class Trainer:
         message = describe_nonfinite(where, self.progress.global_step + 1, reports)
         snapshot.restore()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.settings.on_nonfinite == "stop":
+        if self.loop.on_nonfinite == "stop":
             path = self._save_mid_epoch()
             raise NonFiniteError(f"{message}; saved the state before this step: {path}; fix the data or the lr, "
                                  f"or resume with --model_dir {self.run_dir} --on_nonfinite skip")
@@ -387,19 +378,19 @@ class Trainer:
         with the weights of the few steps it took (lr 1e30: 7 of 8 steps skipped, weights of size 1e30)."""
         skipped, step = self.progress.skipped_steps, self.progress.global_step + 1
         in_a_row = next((n for n in range(len(skipped)) if skipped[-1 - n] != step - n), len(skipped))
-        if in_a_row > self.settings.max_skips_in_a_row:
-            return f"{in_a_row} steps in a row were skipped (--max_skips_in_a_row {self.settings.max_skips_in_a_row})"
+        if in_a_row > self.loop.max_skips_in_a_row:
+            return f"{in_a_row} steps in a row were skipped (--max_skips_in_a_row {self.loop.max_skips_in_a_row})"
         epoch_start = self.progress.global_step - self.progress.step_in_epoch
         in_epoch = sum(1 for s in skipped if s > epoch_start)
-        allowed = max(1, math.floor(self.settings.max_skip_share * self.steps_per_epoch))
+        allowed = max(1, math.floor(self.loop.max_skip_share * self.steps_per_epoch))
         if in_epoch > allowed:
             return (f"{in_epoch} of this epoch's {self.steps_per_epoch} steps were skipped, more than "
-                    f"--max_skip_share {self.settings.max_skip_share:g} allows ({allowed})")
+                    f"--max_skip_share {self.loop.max_skip_share:g} allows ({allowed})")
         return ""
 
     def steps(self, epoch: int, into: Optional[LossSums] = None) -> Iterator[StepRecord]:
         """The optimizer steps of one epoch from progress.step_in_epoch on, one record each; stops early at
-        settings.max_steps. Every rank runs the same steps, so the collectives of each step always match."""
+        --max_steps. Every rank runs the same steps, so the collectives of each step always match."""
         self.model.train()
         # A resumed epoch goes on where its checkpoint left it; any other epoch starts at its first step.
         first = self.progress.step_in_epoch if epoch == self.progress.epoch else 0

@@ -27,7 +27,9 @@ from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
 from opencood_ddp.engine.logging import setup_logging
 from opencood_ddp.engine.train import seed_everything
-from opencood_ddp.engine.trainer import Trainer, TrainSettings
+from opencood_ddp.engine.options import LaunchOptions, LoopOptions, TrainOptions
+from opencood_ddp.engine.run_dir import RunSetup
+from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.models.modules.v2xvit_agents import INFRASTRUCTURE, PRIOR_INFRA
 from opencood_ddp.models.modules.v2xvit_hmsa import HeteroCavAttention
@@ -91,8 +93,9 @@ def run(toy: Path, out: Path, env: DistEnv) -> dict:
     task = build_task(hypes, for_training=True)
     step = RsuOnRankZero(task.step, env.rank, RSU_STEP)
     plan = make_batch_plan(env.world_size, env.world_size, float(hypes["optimizer"]["lr"]))
-    trainer = Trainer(dataclasses.replace(task, step=step), plan, env,
-                      TrainSettings(epochs=1, seed=0, sync_bn=False), hypes, out)
+    options = TrainOptions(loop=LoopOptions(sync_bn=False), launch=LaunchOptions(num_workers=0))
+    setup = RunSetup(Path(out), False, hypes, str(TOY_V2XVIT))
+    trainer = Trainer(dataclasses.replace(task, step=step), plan, env, options, setup)
     step.model = trainer.model_without_ddp
     named = dict(trainer.model_without_ddp.named_parameters())
     infra = infrastructure_names(trainer.model_without_ddp)

@@ -1,0 +1,63 @@
+"""The options are declared once (engine/options.py): every flag is a field of its group's dataclass and every
+field a flag, a fixed choice's flag offers exactly its type's values, and the parsed value reaches the engine
+unchanged (no copy into another settings class)."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from opencood_ddp.engine.options import (BatchOptions, EvalOptions, LaunchOptions, LoopOptions, RunOptions,
+                                         TrainOptions, eval_parser, parse_train_options, train_parser)
+
+GROUPS = {"run": RunOptions, "batch": BatchOptions, "training loop": LoopOptions, "launch": LaunchOptions}
+
+
+def _dests(parser, title=None):
+    groups = [g for g in parser._action_groups if title is None or g.title == title]
+    return {a.dest for g in groups for a in g._group_actions if a.dest != "help"}
+
+
+@pytest.mark.parametrize("title, cls", GROUPS.items())
+def test_every_flag_is_a_field_of_its_group_and_every_field_a_flag(title, cls):
+    assert _dests(train_parser(), title) == {f.name for f in dataclasses.fields(cls)}
+
+
+def test_train_options_hold_the_groups_and_nothing_else():
+    assert {f.name: f.default_factory for f in dataclasses.fields(TrainOptions)} == {
+        "run": RunOptions, "batch": BatchOptions, "loop": LoopOptions, "launch": LaunchOptions}
+
+
+def test_eval_flags_are_eval_options_fields():
+    fields = {f.name for f in dataclasses.fields(EvalOptions)} - {"launch", "task"}
+    assert _dests(eval_parser()) == fields | {f.name for f in dataclasses.fields(LaunchOptions)}
+
+
+def _literal_values(cls, name):
+    hint = typing.get_type_hints(cls)[name]
+    values = set()
+    for arg in (hint,) if typing.get_origin(hint) is typing.Literal else typing.get_args(hint):
+        if typing.get_origin(arg) is typing.Literal:
+            values |= set(typing.get_args(arg))
+    return values
+
+
+@pytest.mark.parametrize("cls, name", [(BatchOptions, "batch_semantics"), (BatchOptions, "scale_lr"),
+                                       (LoopOptions, "half"), (LoopOptions, "on_nonfinite"),
+                                       (LaunchOptions, "dist_backend")])
+def test_a_fixed_choice_is_typed_and_the_flag_offers_its_values(cls, name):
+    action = next(a for a in train_parser()._actions if a.dest == name)
+    assert set(action.choices) == _literal_values(cls, name)
+
+
+def test_flags_reach_their_groups_as_parsed():
+    options = parse_train_options([
+        "--hypes_yaml", "h.yaml", "--set", "a=1", "--set", "b.c=2", "--per_gpu_batch", "auto", "--scale_lr", "sqrt",
+        "--half", "bf16", "--no_sync_bn", "--on_nonfinite", "skip", "--num_workers", "0", "--restart"])
+    assert options.run == RunOptions(hypes_yaml="h.yaml", overrides=("a=1", "b.c=2"), restart=True)
+    assert options.batch == BatchOptions(per_gpu_batch="auto", scale_lr="sqrt")
+    assert options.loop == LoopOptions(half="bf16", sync_bn=False, on_nonfinite="skip")
+    assert options.launch == LaunchOptions(num_workers=0)
+    assert parse_train_options(["--half"]).loop.half == "auto"
+    assert parse_train_options([]) == TrainOptions()
