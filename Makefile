@@ -13,7 +13,7 @@ EXTRAS ?= cpu
 
 venv: $(STAMP)
 
-$(STAMP): setup.py Makefile tools/pins.py
+$(STAMP): setup.py Makefile tools/ci/pins.py
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@# torch first and pinned: an unpinned torch would pull several GB of CUDA packages. With EXTRAS=cuda a torch
 	@# already in the venv (the CUDA build that matches the machine, installed by hand) is kept.
@@ -27,8 +27,8 @@ $(STAMP): setup.py Makefile tools/pins.py
 	  else echo "warning: libusb-1.0-0 is missing; install it (apt-get install libusb-1.0-0) for open3d"; fi; \
 	fi
 	$(PY) -m pip install -q -e ".[$(EXTRAS),test]"
-	@# spconv's CUDA wheel follows torch.version.cuda (tools/pins.py); the cpu extra pins the CPU wheel itself.
-	@if [ "$(EXTRAS)" = cuda ]; then $(PY) -m pip install -q "$$($(PY) tools/pins.py spconv)"; fi
+	@# spconv's CUDA wheel follows torch.version.cuda (tools/ci/pins.py); the cpu extra pins the CPU wheel itself.
+	@if [ "$(EXTRAS)" = cuda ]; then $(PY) -m pip install -q "$$($(PY) tools/ci/pins.py spconv)"; fi
 	@touch $(STAMP)
 
 # tests/test_slurm.py starts a private one-node cluster from Debian's slurm-wlm and munge; install them when
@@ -45,13 +45,13 @@ $(SLURM_STAMP): | $(STAMP)
 	fi
 	@touch $@
 
-# Every pinned requirement (setup.py, the spconv table of tools/pins.py, TORCH_VERSION) must exist for Python 3.11
+# Every pinned requirement (setup.py, the spconv table of tools/ci/pins.py, TORCH_VERSION) must exist for Python 3.11
 # and 3.12 on manylinux x86_64: resolved against the package index without installing anything. pins.py needs only
 # the standard library and pip, so where $(PYTHON) has pip it runs without the venv, beside its install (`make test`).
 PINS_PY := $(shell $(PYTHON) -m pip --version >/dev/null 2>&1 && echo $(PYTHON) || echo $(PY))
 
 check-pins: $(if $(filter $(PY),$(PINS_PY)),venv)
-	$(PINS_PY) tools/pins.py check --torch $(TORCH_VERSION)
+	$(PINS_PY) tools/ci/pins.py check --torch $(TORCH_VERSION)
 
 # The venv's install and the pins check are independent: both at once (-j2), then the tests.
 test:
@@ -71,7 +71,7 @@ demo: venv
 # `make gpu-check` uses .venv; on a GPU machine whose CUDA torch is preinstalled and that reaches no package
 # registry, `make gpu-check WHEELS=<folder>` first makes $(GPU_VENV), which sees that torch
 # (--system-site-packages) and installs everything else from the folder (bring the wheels of setup.py's pins and
-# the spconv wheel `tools/pins.py spconv --cuda <torch.version.cuda> --python <3.x>` names). DEVICE=cpu runs the
+# the spconv wheel `tools/ci/pins.py spconv --cuda <torch.version.cuda> --python <3.x>` names). DEVICE=cpu runs the
 # same checks on the CPU.
 DEVICE ?= cuda
 GPU_CHECK_OUT ?= gpu_check
@@ -84,7 +84,7 @@ gpu-venv:
 	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
 	@$(GPU_VENV)/bin/python -c "import torch; print('using the preinstalled torch', torch.__version__, 'CUDA', torch.version.cuda)"
 	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" --no-build-isolation -e ".[cuda,test]"
-	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" "$$($(GPU_VENV)/bin/python tools/pins.py spconv)"
+	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" "$$($(GPU_VENV)/bin/python tools/ci/pins.py spconv)"
 
 gpu-check: $(if $(WHEELS),gpu-venv,venv)
 	$(GPU_PY) tools/gpu_check.py --device $(DEVICE) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)

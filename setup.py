@@ -29,7 +29,7 @@ setup(
         # CPU stack: spconv's CPU wheel (its point-to-voxel generator is what the data pipeline uses).
         "cpu": ["spconv==2.3.8", "open3d-cpu==0.20.0"],
         # CUDA stack: spconv's CUDA wheel depends on the installed torch's CUDA version, which an extra cannot
-        # know; `make venv EXTRAS=cuda` adds the one `tools/pins.py spconv` names (spconv-cu118 ... cu126).
+        # know; `make venv EXTRAS=cuda` adds the one `tools/ci/pins.py spconv` names (spconv-cu118 ... cu126).
         "cuda": ["open3d-cpu==0.20.0"],
         # pytest-timeout: a test that hangs (a rank waiting on a collective that never comes) fails alone after
         # pytest.ini's timeout instead of stalling the whole CI run.

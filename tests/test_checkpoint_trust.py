@@ -239,7 +239,7 @@ def test_the_checkpoint_tools_refuse_planted_files(tmp_path, toy_small):
     clean = plant(tmp_path / "clean.pth", state)
     export = in_process(REPO / "tools" / "export_upstream.py", "--model_dir", run, "--out", tmp_path / "up")
     _refused(export, marker, "net_epoch1.pth")
-    compare = in_process(REPO / "tools" / "compare_checkpoints.py", run / "net_epoch1.pth", clean)
+    compare = in_process(REPO / "tools" / "analysis" / "compare_checkpoints.py", run / "net_epoch1.pth", clean)
     _refused(compare, marker)
     convert = in_process(REPO / "tools" / "convert_checkpoint.py", run / "net_epoch1.pth", tmp_path / "new.pth")
     assert convert.returncode == 2 and "pass --trust" in convert.stderr and not marker.exists(), explain(convert)

@@ -177,7 +177,7 @@ def test_start_plan_names_what_the_issue_lists(synthetic_runs):
 def test_benchmark_ddp_measures_every_world_size(tmp_path):
     out = tmp_path / "bench.json"
     # 13 steps of a 10-step epoch: the timed steps run on into a second epoch.
-    result = python(REPO / "tools" / "benchmark_ddp.py", "--hypes_yaml", SYNTHETIC, "--world_sizes", "2",
+    result = python(REPO / "tools" / "benchmarks" / "benchmark_ddp.py", "--hypes_yaml", SYNTHETIC, "--world_sizes", "2",
                     "--steps", "12", "--warmup", "1", "--json", out, timeout=300)
     assert result.returncode == 0, explain(result)
     rows = json.loads(out.read_text())["rows"]

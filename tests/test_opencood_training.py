@@ -188,7 +188,7 @@ def test_late_fusion_refuses_batches_of_several_frames(toy_runs, toy_small):
 def test_recall_by_visibility_counts_every_gt_object_once(toy_runs, toy_small, tmp_path):
     copy = copy_run(toy_runs("point_pillar_late_fusion", 0), tmp_path / "late")
     evaluate(copy, 0, "late", toy_small, "--save_npy")
-    result = in_process(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
+    result = in_process(REPO / "tools" / "analysis" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
                     "--runs", copy)
     assert result.returncode == 0, explain(result)
     row = next(line for line in result.stdout.splitlines() if line.startswith("| late |"))
@@ -196,13 +196,13 @@ def test_recall_by_visibility_counts_every_gt_object_once(toy_runs, toy_small, t
     objects = sum(int(cell.split("/")[1].rstrip(")")) for cell in cells if cell != "-")
     assert objects == sum(len(np.load(copy / "npy" / f"{i:04d}_gt.npy")) for i in range(4))
 
-    missing = in_process(REPO / "tools" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
+    missing = in_process(REPO / "tools" / "analysis" / "recall_by_visibility.py", "--dataset_dir", toy_small / "test",
                          "--runs", tmp_path)
     assert missing.returncode == 2 and "--save_npy" in missing.stderr
 
 
 def test_attention_by_visibility_reads_an_attfuse_run(toy_runs, toy_small):
-    script = REPO / "tools" / "attention_by_visibility.py"
+    script = REPO / "tools" / "analysis" / "attention_by_visibility.py"
     result = in_process(script, "--model_dir", toy_runs("point_pillar_intermediate_fusion", 2, "--half"),
                         "--dataset_dir", toy_small / "test")
     assert result.returncode == 0, explain(result)

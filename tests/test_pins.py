@@ -1,4 +1,4 @@
-"""tools/pins.py: the spconv wheel for a torch's CUDA, and `check`, which resolves pins against the package index.
+"""tools/ci/pins.py: the spconv wheel for a torch's CUDA, and `check`, which resolves pins against the package index.
 
 The resolving tests reach the package index (CI does; `make check-pins` resolves every pin of the project);
 they ask pip for metadata only, never a wheel.
@@ -10,10 +10,10 @@ import pytest
 
 from launch import REPO
 
-sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "ci"))
 import pins  # noqa: E402  (a tool, not a package module: it must run before the package is installed)
 
-PINS = REPO / "tools" / "pins.py"
+PINS = REPO / "tools" / "ci" / "pins.py"
 
 
 @pytest.mark.parametrize("cuda, python, expected", [

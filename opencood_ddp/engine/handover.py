@@ -7,7 +7,7 @@ tensors, and all but the voxel or point arrays are a few hundred bytes (``record
 transforms, the box masks and targets of a small batch). Those are cheaper inside the pickled batch itself, so
 a worker sends every CPU tensor of at most ``IN_BAND_BYTES`` as its bytes, and the receiver rebuilds a tensor of
 the same dtype, shape and values. The large arrays still go through shared memory. docs/benchmarks.md has the
-figures (``tools/benchmark_dataset.py`` uses this hand-over, as the engine does).
+figures (``tools/benchmarks/benchmark_dataset.py`` uses this hand-over, as the engine does).
 
 Only the hand-over changes: in the main process (``num_workers=0``) the collate's output is returned as it is.
 """

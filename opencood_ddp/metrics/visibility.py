@@ -1,6 +1,6 @@
 """How well the ego's own LiDAR sees each ground-truth object: cooperative perception pays off on the objects it
-cannot see, which an overall AP hides. tools/recall_by_visibility.py splits recall by these groups and
-tools/attention_by_visibility.py AttFuse's attention.
+cannot see, which an overall AP hides. tools/analysis/recall_by_visibility.py splits recall by these groups and
+tools/analysis/attention_by_visibility.py AttFuse's attention.
 
 An object's group comes from the LiDAR points inside its box: in the ego's own cloud, and in all CAVs' clouds
 together (``data.ego_view.frame_clouds`` gives both in the ego frame).

@@ -10,7 +10,7 @@ threshold overlaps with BEV IoU >= --iou:
   only others see it  fewer from the ego, >= --min_points from all CAVs together
   barely seen         fewer than --min_points from all CAVs together
 
-    python tools/recall_by_visibility.py --dataset_dir data/toy_opv2v/test --runs logs/late logs/attfuse
+    python tools/analysis/recall_by_visibility.py --dataset_dir data/toy_opv2v/test --runs logs/late logs/attfuse
 
 The runs must have been evaluated on the same --dataset_dir. Single process, no GPU.
 """

@@ -6,7 +6,7 @@ point_pillar_intermediate run, takes the attention weights of the first backbone
 AttFusion module, recomputing its weights from its inputs with ``AttFusion.ego_weights``), and averages 1 - weight(ego) over the cells of the GT
 objects in each visibility group of opencood_ddp/metrics/visibility.py:
 
-    python tools/attention_by_visibility.py --model_dir logs/attfuse --dataset_dir data/toy_opv2v/test
+    python tools/analysis/attention_by_visibility.py --model_dir logs/attfuse --dataset_dir data/toy_opv2v/test
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Evaluation shards, contiguous against balanced by CAVs: each rank's work and the wall time the slowest rank sets.
 
-    python tools/benchmark_eval_shards.py [--data DIR] [--worlds 2 3 4 8] [--passes 2]
+    python tools/benchmarks/benchmark_eval_shards.py [--data DIR] [--worlds 2 3 4 8] [--passes 2]
 
 A toy world whose test scenarios hold 2 to 7 CAVs (as OPV2V's and V2XSet's do) is written once. Every test frame
 is read through the toy AttFuse config's dataset (the evaluation's reading: yaml, clouds, projection, voxels) in
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HYPES = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Compare two net_epoch{N}.pth files: max relative difference of learnable parameters and of BN buffers.
 
-    python tools/compare_checkpoints.py RUN_A/net_epoch2.pth RUN_B/net_epoch2.pth [--tolerance 1e-4]
+    python tools/analysis/compare_checkpoints.py RUN_A/net_epoch2.pth RUN_B/net_epoch2.pth [--tolerance 1e-4]
 
 Relative difference of one tensor: max|a - b| / max|b|; the largest over tensors is reported.
 Exit status 1 when a figure exceeds the tolerance (for scripts).

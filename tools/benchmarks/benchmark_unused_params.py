@@ -2,7 +2,7 @@
 """What giving never-used parameters upstream's grad None costs per training step: DDP's find_unused_parameters
 against the engine's used-group flags.
 
-    python tools/benchmark_unused_params.py --hypes_yaml hypes_yaml/toy/point_pillar_v2xvit.yaml --nproc 2 \
+    python tools/benchmarks/benchmark_unused_params.py --hypes_yaml hypes_yaml/toy/point_pillar_v2xvit.yaml --nproc 2 \
         --steps 30 --set root_dir=DATA/train --set validate_dir=DATA/validate --set test_dir=DATA/test
 
 Each rank builds the task once per way and trains the three Trainers side by side, one step of each in turn

@@ -1,6 +1,6 @@
 """Time opencood_ddp.data.pcd.read_pcd against open3d's read_point_cloud on 100k-point clouds.
 
-Usage: python tools/benchmark_pcd.py [--points 100000] [--repeats 15] [--out DIR]
+Usage: python tools/benchmarks/benchmark_pcd.py [--points 100000] [--repeats 15] [--out DIR]
 
 Clouds are written by open3d itself (ascii and binary, colours = [i, i, i] as OPV2V stores intensity), plus the
 old-open3d ascii layout our writer produces (TYPE F colour). The two readers run alternately, ``--repeats`` times

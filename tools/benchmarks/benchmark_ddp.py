@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How training scales with the number of processes, and where the time and memory go.
 
-    python tools/benchmark_ddp.py --hypes_yaml hypes_yaml/toy/point_pillar_intermediate_fusion.yaml \
+    python tools/benchmarks/benchmark_ddp.py --hypes_yaml hypes_yaml/toy/point_pillar_intermediate_fusion.yaml \
         --world_sizes 1,2 --steps 20 [--set train_params.batch_size=4] [--json results.json]
 
 The global batch is the hypes' batch_size at every world size (strong scaling: B/N per rank), trained by the
@@ -36,7 +36,7 @@ from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
 from opencood_ddp.errors import OpencoodDdpError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,11 +2,11 @@
 """The model zoo's figures (docs/model_zoo.md): per model, toy-world AP under one training budget, parameters of the
 opv2v config, and its full-size step time and memory.
 
-    python tools/benchmark_zoo.py --models intermediate where2comm ... [--epochs 8] [--out zoo_runs]
+    python tools/benchmarks/benchmark_zoo.py --models intermediate where2comm ... [--epochs 8] [--out zoo_runs]
 
 For each model: train its hypes_yaml/toy config on the demo toy world (torchrun, 2 processes, global batch 2,
 `--epochs` epochs), evaluate the last checkpoint on the test split (2 processes), count the parameters of its
-hypes_yaml/opv2v config, and time one forward+backward at full size with tools/benchmark_models.py (batch 1).
+hypes_yaml/opv2v config, and time one forward+backward at full size with tools/benchmarks/benchmark_models.py (batch 1).
 "none" is PointPillar on the ego's point cloud alone (the early-fusion config with train_params.max_cav 1): the
 no-fusion baseline that shows what cooperation gains. One JSON line per model goes to --out/results.jsonl as
 soon as it is measured, and a markdown table is printed at the end.
@@ -25,7 +25,7 @@ import yaml
 
 from opencood_ddp.distributed.launch import launcher_prefix
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # model -> (toy and opv2v config name, --fusion_method, fusion kind for the table, extra --set for the toy run)
 MODELS = {
     "none": ("point_pillar_early_fusion", "early", "none (ego only)", ["train_params.max_cav=1"]),
@@ -90,7 +90,7 @@ def train_and_evaluate(model: str, args: argparse.Namespace) -> dict:
 
 def full_size(model: str) -> dict:
     config = MODELS[model][0]
-    out = run([sys.executable, REPO / "tools" / "benchmark_models.py", "--configs", f"opv2v/{config}",
+    out = run([sys.executable, REPO / "tools" / "benchmarks" / "benchmark_models.py", "--configs", f"opv2v/{config}",
                "--batch-size", "1", "--repeats", "3"])
     row = [line for line in out.stdout.splitlines() if line.startswith(f"| opv2v/{config}")][0]
     cells = [cell.strip() for cell in row.strip("|").split("|")]

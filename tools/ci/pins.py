@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """The project's pinned requirements: which spconv wheel fits the installed torch, and whether every pin exists.
 
-    python tools/pins.py spconv            # the spconv requirement for this venv's torch (torch.version.cuda)
-    python tools/pins.py check             # resolve every pin for Python 3.11 and 3.12 on manylinux x86_64
-    python tools/pins.py check --extra 'spconv-cu120==2.3.8'   # ... and one more (a wrong pin fails)
+    python tools/ci/pins.py spconv            # the spconv requirement for this venv's torch (torch.version.cuda)
+    python tools/ci/pins.py check             # resolve every pin for Python 3.11 and 3.12 on manylinux x86_64
+    python tools/ci/pins.py check --extra 'spconv-cu120==2.3.8'   # ... and one more (a wrong pin fails)
 
 spconv publishes one package per CUDA version (spconv-cu118, spconv-cu120, ...), and not every version of each:
 2.3.8 exists for cu118, cu121, cu124 and cu126, while spconv-cu120 stops at 2.3.6. A static `cuda` extra
@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SPCONV_VERSION = "2.3.8"
 PYTHONS = ("3.11", "3.12")
 # torch.version.cuda (major, minor) -> spconv's package, version, the Pythons it has wheels for, and the oldest
@@ -142,7 +142,7 @@ def check(pins: Sequence[tuple[str, Sequence[str]]]) -> int:
             failures += problem is not None
     if failures:
         print(f"error: {failures} pinned requirement(s) do not resolve on manylinux x86_64; fix the pin in "
-              f"setup.py, tools/pins.py (SPCONV_CUDA) or the Makefile (TORCH_VERSION)", file=sys.stderr)
+              f"setup.py, tools/ci/pins.py (SPCONV_CUDA) or the Makefile (TORCH_VERSION)", file=sys.stderr)
         return 1
     print(f"all {len(pins)} pins resolve on manylinux x86_64 for the Pythons each serves")
     return 0

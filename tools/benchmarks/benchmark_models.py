@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Forward+backward time per sample and peak memory of each PointPillar config, on real toy-world batches.
 
-Usage: python tools/benchmark_models.py [--configs toy/point_pillar_intermediate_fusion ...] [--batch-size 2]
+Usage: python tools/benchmarks/benchmark_models.py [--configs toy/point_pillar_intermediate_fusion ...] [--batch-size 2]
                                         [--repeats 3] [--data data/toy_opv2v] [--device cpu|cuda] [--half]
 
 Each config runs in a fresh subprocess (peak memory is a per-process high-water mark). Batches are real
@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIGS = ["toy/point_pillar_early_fusion", "toy/point_pillar_late_fusion",
                    "toy/point_pillar_intermediate_fusion", "toy/point_pillar_fcooper",
                    "opv2v/point_pillar_early_fusion", "opv2v/point_pillar_late_fusion",

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How far float32 training is from float64: batch-norm statistics per layout, and one training step per model.
 
-    python tools/benchmark_numerics.py [--toy DIR] [--models] [--layers]
+    python tools/benchmarks/benchmark_numerics.py [--toy DIR] [--models] [--layers]
 
 --layers: per-channel mean and variance of a (807,264 x 64) input (AttFuse's first PFN layer; mean 20, std 0.5)
 from torch's native kernel, its contiguous (N, C, L) path, a float32 two-pass sum and numerics/batch_norm.py,
@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STEMS = ["point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
          "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt",
          "point_pillar_where2comm", "second_intermediate_fusion"]

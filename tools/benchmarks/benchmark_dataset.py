@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Dataset throughput: samples/s through a DataLoader, and where one process spends its time.
 
-Usage: python tools/benchmark_dataset.py [--data data/toy_opv2v] [--hypes hypes_yaml/toy/...yaml]
+Usage: python tools/benchmarks/benchmark_dataset.py [--data data/toy_opv2v] [--hypes hypes_yaml/toy/...yaml]
                                          [--workers 0 2] [--batch-size 2] [--train] [--torch-threads N]
                                          [--layouts opv2v opv2v_2cav dairv2x v2v4real [--yaml]
                                           [--upstream OPENCOOD_CHECKOUT]]
@@ -48,7 +48,7 @@ from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
 from opencood_ddp.toy.writer import generate_toy_opv2v
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HANDOVERS = {"in_band": ("in_band",), "shared": ("shared",), "both": ("in_band", "shared")}
 DEFAULT_HYPES = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
 

@@ -1,0 +1,48 @@
+"""tools/ by purpose: every command the README, the docs and the Makefile name exists and answers --help, and every
+script is listed in tools/README.md. The --help runs go through the tools' own entry (`python tool.py`, in this
+process: `in_process`)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from launch import REPO, explain, in_process
+
+DOCUMENTS = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md"))]
+# A path that starts at the repository's tools/ (not upstream's opencood/tools/...).
+TOOL_PATH = re.compile(r"(?<![\w/.])tools/[\w/]+\.py")
+SCRIPTS = sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tools").rglob("*.py"))
+
+
+def _documented() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for document in DOCUMENTS:
+        for path in TOOL_PATH.findall(document.read_text()):
+            found.setdefault(path, []).append(document.name)
+    return found
+
+
+def test_every_documented_command_exists():
+    missing = {path: where for path, where in _documented().items() if not (REPO / path).is_file()}
+    assert not missing, f"commands named in the docs that are not in tools/: {missing}"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_tool_answers_help(script):
+    result = in_process(REPO / script, "--help")
+    assert result.returncode == 0 and result.stdout.startswith("usage:"), explain(result)
+
+
+def test_tools_readme_lists_every_script_once_in_its_folder():
+    readme = (REPO / "tools" / "README.md").read_text()
+    sections = dict(re.findall(r"^## (\S+)[^\n]*\n(.*?)(?=^## |\Z)", readme, flags=re.M | re.S))
+    listed = {f"tools/{'' if folder == 'Entry' else folder}{name}"
+              for folder, body in sections.items() for name in re.findall(r"^\| `([\w.]+\.py)` \|", body, re.M)}
+    assert listed == set(SCRIPTS)
+
+
+def test_the_documented_commands_cover_the_entry_points():
+    """The README's and docs' commands name every entry point at the top of tools/."""
+    top = {s for s in SCRIPTS if s.count("/") == 1}
+    assert top <= set(_documented()), top - set(_documented())
