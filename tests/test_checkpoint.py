@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.errors import CheckpointError
 
 

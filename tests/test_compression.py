@@ -366,7 +366,7 @@ def test_backbone_fix_on_resume_freezes_and_stays_frozen_on_two_ranks(toy_small,
     freeze. The optimizer (over all parameters, engine/optim.py) resumes the state of the unfrozen leg."""
     import yaml
 
-    from opencood_ddp.distributed.checkpoint_files import load_file
+    from opencood_ddp.checkpoint_files import load_file
 
     config, run = TOY / "point_pillar_v2xvit.yaml", tmp_path / "run"
     common = ("--hypes_yaml", config, "--model_dir", run, "--num_workers", "0", "--set",

@@ -21,7 +21,7 @@ from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.loss import create_loss
 from opencood_ddp.models import create_model
 from opencood_ddp.postprocess import create_postprocessor, encode
-from opencood_ddp.engine.logging import read_step_log
+from opencood_ddp.engine.logs import read_step_log
 from opencood_ddp.postprocess.direction import DirectionArgs, apply_direction, direction_targets
 from opencood_ddp.tasks.opencood import eval_file_name
 from opencood_ddp.yaml_parsers import run_yaml_parser

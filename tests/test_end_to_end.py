@@ -15,10 +15,10 @@ import yaml
 from launch import REPO, clean_environ, explain, python, split_overrides, train
 from upstream_loop import upstream_step_lrs
 
-from opencood_ddp.distributed.checkpoint_files import load_file
+from opencood_ddp.checkpoint_files import load_file
 from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
-from opencood_ddp.engine.logging import read_step_log
+from opencood_ddp.engine.logs import read_step_log
 from opencood_ddp.toy.manifest import read_toy_manifest
 
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not

@@ -202,10 +202,10 @@ def test_expand_slurm_nodelist(nodelist, hosts):
 @pytest.mark.parametrize("argv", [["--local_rank", "3"], ["--local-rank=3"], ["--local_rank=3"],
                                   ["--local-rank", "3"]])
 def test_parser_accepts_both_local_rank_spellings(argv):
-    launch = parse_train_options(argv).launch
-    assert launch.local_rank == 3
-    assert isinstance(launch.local_rank, int)
+    process = parse_train_options(argv).process
+    assert process.local_rank == 3
+    assert isinstance(process.local_rank, int)
 
 
 def test_parser_local_rank_default_is_none():
-    assert parse_train_options([]).launch.local_rank is None
+    assert parse_train_options([]).process.local_rank is None

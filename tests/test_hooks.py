@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import detect_dist_env
 from opencood_ddp.engine.checkpointer import RunCheckpointer
 from opencood_ddp.engine.hooks import (EpochLineHook, EpochSummary, Hooks, StepCsvHook, StepRecord,
                                        TensorBoardHook, TrainHook, default_hooks)
-from opencood_ddp.engine.logging import read_step_log, setup_logging
-from opencood_ddp.engine.options import LaunchOptions, LoopOptions, TrainOptions
+from opencood_ddp.engine.logs import read_step_log, setup_logging
+from opencood_ddp.engine.options import ProcessOptions, LoopOptions, TrainOptions
 from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.errors import CheckpointError
@@ -72,7 +72,7 @@ def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2, lr_scheduler=Non
     plan = make_batch_plan(hypes["train_params"]["batch_size"], 1, float(hypes["optimizer"]["lr"]),
                            per_gpu_batch=per_rank)
     hypes["train_params"]["seed"] = 0
-    options = TrainOptions(loop=LoopOptions(max_steps=max_steps), launch=LaunchOptions(num_workers=0))
+    options = TrainOptions(loop=LoopOptions(max_steps=max_steps), process=ProcessOptions(num_workers=0))
     return Trainer(task, plan, env, options, RunSetup(Path(run_dir), False, hypes, str(SYNTHETIC)), hooks)
 
 
@@ -237,7 +237,7 @@ def test_checkpointer_write_config_and_unfinished_saves(tmp_path):
 def test_a_piped_stream_gets_plain_progress_lines_not_carriage_returns():
     import io
 
-    from opencood_ddp.engine.logging import PlainProgress, progress
+    from opencood_ddp.engine.logs import PlainProgress, progress
 
     stream = io.StringIO()  # not a terminal, as a cluster job's log
     bar = progress(10, "epoch 1/2", is_main=True, stream=stream)

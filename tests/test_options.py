@@ -8,10 +8,10 @@ import typing
 
 import pytest
 
-from opencood_ddp.engine.options import (BatchOptions, EvalOptions, LaunchOptions, LoopOptions, RunOptions,
+from opencood_ddp.engine.options import (BatchOptions, EvalOptions, ProcessOptions, LoopOptions, RunOptions,
                                          TrainOptions, eval_parser, parse_train_options, train_parser)
 
-GROUPS = {"run": RunOptions, "batch": BatchOptions, "training loop": LoopOptions, "launch": LaunchOptions}
+GROUPS = {"run": RunOptions, "batch": BatchOptions, "training loop": LoopOptions, "process": ProcessOptions}
 
 
 def _dests(parser, title=None):
@@ -26,12 +26,12 @@ def test_every_flag_is_a_field_of_its_group_and_every_field_a_flag(title, cls):
 
 def test_train_options_hold_the_groups_and_nothing_else():
     assert {f.name: f.default_factory for f in dataclasses.fields(TrainOptions)} == {
-        "run": RunOptions, "batch": BatchOptions, "loop": LoopOptions, "launch": LaunchOptions}
+        "run": RunOptions, "batch": BatchOptions, "loop": LoopOptions, "process": ProcessOptions}
 
 
 def test_eval_flags_are_eval_options_fields():
-    fields = {f.name for f in dataclasses.fields(EvalOptions)} - {"launch", "task"}
-    assert _dests(eval_parser()) == fields | {f.name for f in dataclasses.fields(LaunchOptions)}
+    fields = {f.name for f in dataclasses.fields(EvalOptions)} - {"process", "task"}
+    assert _dests(eval_parser()) == fields | {f.name for f in dataclasses.fields(ProcessOptions)}
 
 
 def _literal_values(cls, name):
@@ -45,7 +45,7 @@ def _literal_values(cls, name):
 
 @pytest.mark.parametrize("cls, name", [(BatchOptions, "batch_semantics"), (BatchOptions, "scale_lr"),
                                        (LoopOptions, "half"), (LoopOptions, "on_nonfinite"),
-                                       (LaunchOptions, "dist_backend")])
+                                       (ProcessOptions, "dist_backend")])
 def test_a_fixed_choice_is_typed_and_the_flag_offers_its_values(cls, name):
     action = next(a for a in train_parser()._actions if a.dest == name)
     assert set(action.choices) == _literal_values(cls, name)
@@ -58,6 +58,6 @@ def test_flags_reach_their_groups_as_parsed():
     assert options.run == RunOptions(hypes_yaml="h.yaml", overrides=("a=1", "b.c=2"), restart=True)
     assert options.batch == BatchOptions(per_gpu_batch="auto", scale_lr="sqrt")
     assert options.loop == LoopOptions(half="bf16", sync_bn=False, on_nonfinite="skip")
-    assert options.launch == LaunchOptions(num_workers=0)
+    assert options.process == ProcessOptions(num_workers=0)
     assert parse_train_options(["--half"]).loop.half == "auto"
     assert parse_train_options([]) == TrainOptions()

@@ -34,11 +34,11 @@ def code_block_commands(text: str) -> list[str]:
 
 
 def tool_invocation(command: str) -> tuple[str, list[str]] | None:
-    """(tool file name, its arguments) for a command that runs tools/X.py, else None."""
+    """(the tool's path under tools/, its arguments) for a command that runs tools/[folder/]X.py, else None."""
     words = shlex.split(command)
     for i, word in enumerate(words):
         if word.startswith("tools/") and word.endswith(".py"):
-            return Path(word).name, words[i + 1:]
+            return word[len("tools/"):], words[i + 1:]
     return None
 
 
@@ -47,7 +47,7 @@ def parse_with_tool(tool: str, args: list[str]) -> None:
     if tool in ENGINE_PARSERS:
         module = importlib.import_module(ENGINE_PARSERS[tool])
     else:
-        spec = importlib.util.spec_from_file_location(f"readme_{tool[:-3]}", REPO / "tools" / tool)
+        spec = importlib.util.spec_from_file_location(f"readme_{Path(tool).stem}", REPO / "tools" / tool)
         module = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
         spec.loader.exec_module(module)
@@ -88,4 +88,4 @@ def test_readme_command_parses_with_its_tool(command):
 @pytest.mark.parametrize("tool", sorted({tool_invocation(c)[0] for c in TOOL_COMMANDS}))
 def test_every_readme_tool_is_run_by_a_test(tool):
     tests = "\n".join(p.read_text() for p in (REPO / "tests").glob("*.py") if p.name != "test_readme.py")
-    assert tool in tests, f"tools/{tool} appears in README.md but no test runs it"
+    assert Path(tool).name in tests, f"tools/{tool} appears in README.md but no test runs it"

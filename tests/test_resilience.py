@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from launch import REPO, WORKERS, Background, explain, train, wait_until
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.engine.parity import global_relative_difference
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
-from opencood_ddp.engine.logging import read_step_log
+from opencood_ddp.engine.logs import read_step_log
 
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from launch import REPO, TRAIN, clean_environ, explain
-from opencood_ddp.distributed.checkpoint_files import load_file
+from opencood_ddp.checkpoint_files import load_file
 from opencood_ddp.engine.parity import relative_differences
 from slurm_cluster import ClusterUnavailable, start_cluster
 

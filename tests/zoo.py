@@ -64,7 +64,7 @@ def assert_reference_state_dict(config: Path, core_method: str) -> None:
 
 
 def assert_upstream_checkpoint_loads(config: Path, core_method: str) -> None:
-    from opencood_ddp.distributed.checkpoint_files import load_weights
+    from opencood_ddp.checkpoint_files import load_weights
     from opencood_ddp.models import create_model
 
     model = create_model(hypes_of(config))
@@ -185,7 +185,7 @@ def assert_state_dict_round_trips(config: Path, toy: tuple[object, list]) -> Non
     holds the same tensors and gives the same outputs."""
     import io
 
-    from opencood_ddp.distributed.checkpoint_files import load_weights
+    from opencood_ddp.checkpoint_files import load_weights
     from opencood_ddp.models import create_model
 
     task, samples = toy

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.errors import CheckpointError, ConfigError, run_tool
 
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.errors import CheckpointError, ConfigError, run_tool
 from opencood_ddp.models import create_model
 from opencood_ddp.schema import OWN_KEYS

@@ -264,7 +264,7 @@ class Peak:
 
 def check_training(config: str, precision: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
     """2 steps, a resume to the end of the epoch, the evaluation of its checkpoint; samples/s and peak memory."""
-    from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
+    from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 
     if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
         raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")

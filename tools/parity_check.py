@@ -32,11 +32,11 @@ from pathlib import Path
 from typing import Optional
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
-from opencood_ddp.engine.logging import STEP_LOG_NAME, read_step_log
+from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 from opencood_ddp.yaml_parsers import load_parsed_hypes

@@ -4,7 +4,7 @@ data section refused (or allowed with a warning), another effective batch warned
 
 It writes config.yaml, the epoch checkpoints (`net_epoch{N}.pth` with its training state), the one best-val
 weights file and the mid-epoch checkpoints (stop signal, --max_steps, a non-finite stop), all atomically through
-distributed/checkpoint_files.py's file layer; it removes the temporary files a killed save left. The save methods are
+checkpoint_files.py's file layer; it removes the temporary files a killed save left. The save methods are
 collective: every rank calls them (each rank's RNG state is gathered into the checkpoint), only rank 0 writes, and
 a barrier ends each save, so that no rank starts the next epoch, or exits, while rank 0 still writes.
 """
@@ -18,10 +18,10 @@ from typing import Callable, Optional
 from torch import nn
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
-from opencood_ddp.engine.logging import STEP_LOG_NAME, get_logger
+from opencood_ddp.engine.logs import STEP_LOG_NAME, get_logger
 from opencood_ddp.engine.run_dir import CONFIG_NAME
 from opencood_ddp.errors import CheckpointError, ConfigError, first_line
 from opencood_ddp.hypes import changed_sections

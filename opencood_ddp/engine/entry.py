@@ -18,18 +18,18 @@ from typing import Callable, Iterator, Mapping, Optional
 
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
-from opencood_ddp.engine.logging import setup_logging
-from opencood_ddp.engine.options import LaunchOptions
+from opencood_ddp.engine.logs import setup_logging
+from opencood_ddp.engine.options import ProcessOptions
 from opencood_ddp.errors import CollectiveError, OpencoodDdpError
 
 
-def run_distributed(launch: LaunchOptions, recipe: Callable[[DistEnv], object]) -> int:
-    """``recipe(env)`` inside the process group that ``launch`` describes; returns the exit code."""
+def run_distributed(process: ProcessOptions, recipe: Callable[[DistEnv], object]) -> int:
+    """``recipe(env)`` inside the process group that ``process`` describes; returns the exit code."""
     env: Optional[DistEnv] = None
     try:
-        env = detect_from_process(launch.local_rank, launch.dist_backend)
+        env = detect_from_process(process.local_rank, process.dist_backend)
         setup_logging(env.rank)
-        with distributed_session(env, launch.dist_timeout):
+        with distributed_session(env, process.dist_timeout):
             try:
                 recipe(env)
             except OpencoodDdpError as exc:

@@ -26,7 +26,7 @@ from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.samplers import EvalShardSampler
 from opencood_ddp.engine.handover import InBandSmallTensors
-from opencood_ddp.engine.logging import progress
+from opencood_ddp.engine.logs import progress
 from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
 
 

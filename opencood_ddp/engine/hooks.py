@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from opencood_ddp.engine.logging import StepLog, get_logger, progress, summary_writer
+from opencood_ddp.engine.logs import StepLog, get_logger, progress, summary_writer
 
 
 @dataclass
@@ -183,7 +183,7 @@ class TensorBoardHook(TrainHook):
 
 
 class StepCsvHook(TrainHook):
-    """Rank 0's `train_steps.csv` (engine/logging.StepLog): one row per optimizer step; a resume first drops the
+    """Rank 0's `train_steps.csv` (engine/logs.StepLog): one row per optimizer step; a resume first drops the
     rows of steps past its checkpoint, which are trained again."""
 
     def __init__(self, run_dir: Path, is_main: bool):

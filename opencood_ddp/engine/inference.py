@@ -13,12 +13,12 @@ import torch
 import yaml
 
 from opencood_ddp.atomic import atomic_write
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
 from opencood_ddp.engine.entry import run_distributed
-from opencood_ddp.engine.logging import get_logger
+from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
 from opencood_ddp.errors import CheckpointError, ConfigError
@@ -27,31 +27,31 @@ from opencood_ddp.yaml_parsers import load_parsed_hypes
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
 
 
-def load_run_config(model_dir: Path) -> dict:
-    path = model_dir / CONFIG_NAME
+def load_run_config(run_dir: Path) -> dict:
+    path = run_dir / CONFIG_NAME
     if not path.is_file():
         raise ConfigError(f"{path} does not exist; pass --model_dir of a training run (it holds config.yaml)")
     # The result file and the task's artefacts go into the run: refuse before evaluating.
-    require_writable(model_dir, "write eval.yaml into it (or evaluate a copy of the run)")
+    require_writable(run_dir, "write eval.yaml into it (or evaluate a copy of the run)")
     return load_parsed_hypes(path)
 
 
-def choose_checkpoint(model_dir: Path, epoch: Optional[int], bestval: bool) -> Path:
+def choose_checkpoint(run_dir: Path, epoch: Optional[int], bestval: bool) -> Path:
     """--epoch N, --bestval, or the highest net_epoch{N}.pth (upstream's choice)."""
     if bestval:
-        found = ckpt.epochs_on_disk(model_dir, ckpt.BESTVAL_RE)
+        found = ckpt.epochs_on_disk(run_dir, ckpt.BESTVAL_RE)
         if not found:
-            raise CheckpointError(f"{model_dir}: no net_epoch_bestval_at*.pth; drop --bestval or pass --epoch")
-        return model_dir / ckpt.bestval_name(found[-1])
-    found = ckpt.epochs_on_disk(model_dir)
+            raise CheckpointError(f"{run_dir}: no net_epoch_bestval_at*.pth; drop --bestval or pass --epoch")
+        return run_dir / ckpt.bestval_name(found[-1])
+    found = ckpt.epochs_on_disk(run_dir)
     if epoch is not None:
         if epoch not in found:
-            raise CheckpointError(f"{model_dir}: no {ckpt.weights_name(epoch)} (epochs on disk: "
+            raise CheckpointError(f"{run_dir}: no {ckpt.weights_name(epoch)} (epochs on disk: "
                                   f"{found or 'none'}); pass one of them to --epoch")
-        return model_dir / ckpt.weights_name(epoch)
+        return run_dir / ckpt.weights_name(epoch)
     if not found:
-        raise CheckpointError(f"{model_dir}: no net_epoch*.pth checkpoint; train first or pass another --model_dir")
-    return model_dir / ckpt.weights_name(found[-1])
+        raise CheckpointError(f"{run_dir}: no net_epoch*.pth checkpoint; train first or pass another --model_dir")
+    return run_dir / ckpt.weights_name(found[-1])
 
 
 def write_eval_yaml(path: Path, result: EvalResult, checkpoint: Path) -> None:
@@ -86,20 +86,19 @@ def _pace(result: EvalResult) -> str:
 def load_run(options: EvalOptions) -> Tuple[dict, Path]:
     """The run's parsed config.yaml and the checkpoint to evaluate: read on rank 0, handed to every rank (a
     refusal there is raised on every rank). Shared with the task's recipes that evaluate one run many times."""
-    model_dir = Path(options.model_dir)
+    run_dir = Path(options.model_dir)
     return comm.on_main_then_broadcast(
-        lambda: (load_run_config(model_dir), choose_checkpoint(model_dir, options.epoch, options.bestval)))
+        lambda: (load_run_config(run_dir), choose_checkpoint(run_dir, options.epoch, options.bestval)))
 
 
 def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
-    model_dir = Path(options.model_dir)
     hypes, checkpoint = load_run(options)
-    request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=str(model_dir),
+    request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=options.model_dir,
                           task_options=options.task)
-    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, options.launch.num_workers)
+    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, options.process.num_workers)
 
 
 def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder, task_options: Optional[type] = None) -> int:
     """tools/inference_ddp.py: ``task_options`` is the task's options class (its flags and their typed values)."""
     options = parse_eval_options(argv, task_options)
-    return run_distributed(options.launch, lambda env: run_eval(options, env, build_eval))
+    return run_distributed(options.process, lambda env: run_eval(options, env, build_eval))

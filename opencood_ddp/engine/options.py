@@ -3,10 +3,10 @@ argparse's Namespace, never a copy). A field's name is its flag's ``dest`` and i
 choices, so that adding a flag is two edits: its ``add_argument`` in the group of its dataclass, and its field
 (then its use). Programs that call the engine (benchmarks, checks) build the dataclasses directly.
 
-- ``LaunchOptions``: what every entry point needs to start and to load data (``add_launch_arguments``).
+- ``ProcessOptions``: what every process needs for its group and its data loaders (``add_process_arguments``).
 - ``TrainOptions``: tools/train_ddp.py (``train_parser``), in four groups: ``run`` (which run: folder, hypes,
   what a resume may accept; engine/run_dir.py decides with it), ``batch`` (the batch plan), ``loop`` (how the
-  fit loop trains; the Trainer reads it) and ``launch``.
+  fit loop trains; the Trainer reads it) and ``process`` (the process group and the data loaders).
 - ``EvalOptions``: tools/inference_ddp.py (``eval_parser``), with the task's own typed options in ``task``.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from opencood_ddp.engine.step_guard import NONFINITE_POLICIES, NonfinitePolicy
 
 
 @dataclass(frozen=True)
-class LaunchOptions:
+class ProcessOptions:
     """Process group and data loading, shared by training and evaluation."""
 
     num_workers: int = 2  # DataLoader workers per process
@@ -76,7 +76,7 @@ class TrainOptions:
     run: RunOptions = field(default_factory=RunOptions)
     batch: BatchOptions = field(default_factory=BatchOptions)
     loop: LoopOptions = field(default_factory=LoopOptions)
-    launch: LaunchOptions = field(default_factory=LaunchOptions)
+    process: ProcessOptions = field(default_factory=ProcessOptions)
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class EvalOptions:
     epoch: Optional[int] = None  # None: the last net_epoch{N}.pth
     bestval: bool = False
     batch_size: int = 1  # samples per forward pass on each process
-    launch: LaunchOptions = field(default_factory=LaunchOptions)
+    process: ProcessOptions = field(default_factory=ProcessOptions)
     task: Any = None  # None: the task's defaults
 
 
@@ -116,11 +116,11 @@ def from_flags(cls: type, parsed: argparse.Namespace, **given: Any) -> Any:
 
 
 # ------------------------------------------------------------------------------------------------ parsers
-def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of ``LaunchOptions``, one help text for both entry points."""
-    parser.add_argument("--num_workers", type=int, default=LaunchOptions.num_workers,
+def add_process_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``ProcessOptions``, one help text for both entry points."""
+    parser.add_argument("--num_workers", type=int, default=ProcessOptions.num_workers,
                         help="DataLoader workers per process")
-    parser.add_argument("--dist_timeout", type=float, default=LaunchOptions.dist_timeout,
+    parser.add_argument("--dist_timeout", type=float, default=ProcessOptions.dist_timeout,
                         help="minutes a collective waits for a stalled or dead peer before every waiting rank "
                              "fails with a message naming the ranks behind")
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
@@ -143,7 +143,7 @@ def train_parser() -> argparse.ArgumentParser:
     add_run_arguments(parser.add_argument_group("run"))
     add_batch_arguments(parser.add_argument_group("batch"))
     add_loop_arguments(parser.add_argument_group("training loop"))
-    add_launch_arguments(parser.add_argument_group("launch"))
+    add_process_arguments(parser.add_argument_group("process"))
     return parser
 
 
@@ -214,7 +214,7 @@ def eval_parser(task_options: Optional[type] = None) -> argparse.ArgumentParser:
     which.add_argument("--bestval", action="store_true", help="evaluate net_epoch_bestval_at{N}.pth")
     parser.add_argument("--batch_size", type=int, default=EvalOptions.batch_size,
                         help="samples per forward pass on each process")
-    add_launch_arguments(parser.add_argument_group("launch"))
+    add_process_arguments(parser.add_argument_group("process"))
     if task_options is not None:
         task_options.add_arguments(parser.add_argument_group("task options"))
     return parser

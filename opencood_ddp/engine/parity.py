@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from opencood_ddp.distributed.checkpoint_files import strip_module_prefix
+from opencood_ddp.checkpoint_files import strip_module_prefix
 
 
 def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any]) -> dict:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan, make_batch_plan
 from opencood_ddp.distributed.env import DistEnv
@@ -28,7 +28,7 @@ from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
 from opencood_ddp.engine.inference import EvalBuilder, evaluate_checkpoint
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.engine.hooks import default_hooks
-from opencood_ddp.engine.logging import attach_log_file, get_logger
+from opencood_ddp.engine.logs import attach_log_file, get_logger
 from opencood_ddp.engine.options import BatchOptions, TrainOptions, parse_train_options
 from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import claim_run, decide_run, release_run_dir, remove_if_nothing_saved
@@ -175,9 +175,9 @@ def fit(trainer: Trainer, final: Optional[tuple[EvalRequest, EvalSpec]]) -> None
         request.run_dir = str(setup.run_dir)
         weights = trainer.last_weights or setup.run_dir / ckpt.weights_name(trainer.settings.epochs)
         # The trainer's last save ends with an agreement: the checkpoint is on disk for every rank.
-        evaluate_checkpoint(spec, request, weights, env, trainer.options.launch.num_workers)
+        evaluate_checkpoint(spec, request, weights, env, trainer.options.process.num_workers)
 
 
 def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Optional[EvalBuilder] = None) -> int:
     options = parse_train_options(argv)
-    return run_distributed(options.launch, lambda env: train(options, env, build_task, build_eval))
+    return run_distributed(options.process, lambda env: train(options, env, build_task, build_eval))

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv
@@ -41,7 +41,7 @@ from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
 from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed
-from opencood_ddp.engine.logging import get_logger
+from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.options import TrainOptions
@@ -267,7 +267,7 @@ class Trainer:
         comm.mark_phase(phase)
 
     def _loader_options(self) -> dict:
-        workers = self.options.launch.num_workers
+        workers = self.options.process.num_workers
         return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None,
                 "persistent_workers": workers > 0}
 

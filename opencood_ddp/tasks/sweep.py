@@ -35,8 +35,8 @@ from opencood_ddp.data.wild import RANDOM_STATE_SEEDS, DelaySetting, delay_frame
 from opencood_ddp.engine import inference
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
-from opencood_ddp.engine.logging import get_logger
-from opencood_ddp.engine.options import EvalOptions, LaunchOptions, eval_parser, from_flags
+from opencood_ddp.engine.logs import get_logger
+from opencood_ddp.engine.options import EvalOptions, ProcessOptions, eval_parser, from_flags
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.metrics.conventions import AP_CONVENTIONS
@@ -99,7 +99,7 @@ def sweep_parser():
 
 def parse_sweep_options(argv: Optional[Sequence[str]]) -> SweepOptions:
     parsed = sweep_parser().parse_args(argv)
-    evaluation = from_flags(EvalOptions, parsed, launch=from_flags(LaunchOptions, parsed),
+    evaluation = from_flags(EvalOptions, parsed, process=from_flags(ProcessOptions, parsed),
                             task=from_flags(DetectionEvalOptions, parsed))
     return from_flags(SweepOptions, parsed, eval=evaluation)
 
@@ -246,7 +246,7 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
                 warn_noise_ignored(spec)
                 warned = True
             results.append(inference.evaluate_checkpoint(spec, request, checkpoint, env,
-                                                         options.eval.launch.num_workers))
+                                                         options.eval.process.num_workers))
     split = options.eval.dataset_dir or hypes.get("validate_dir")
     return SweepRun(levels, results, checkpoint, split, seed)
 
@@ -265,7 +265,7 @@ def run_sweep(options: SweepOptions, env: Any, build_eval: inference.EvalBuilder
 
 def main(argv: Optional[Sequence[str]]) -> int:
     options = parse_sweep_options(argv)
-    return run_distributed(options.eval.launch, lambda env: run_sweep(options, env))
+    return run_distributed(options.eval.process, lambda env: run_sweep(options, env))
 
 
 # ------------------------------------------------------------------------------------------------- table

@@ -13,7 +13,7 @@ from opencood_ddp.tasks.opencood import DetectionEvalOptions
 
 def main(argv) -> int:
     options = [parse_eval_options([*argv, "--eval_preset", preset], DetectionEvalOptions) for preset in PRESETS]
-    return run_distributed(options[0].launch, lambda env: [run_eval(option, env, build_eval) for option in options])
+    return run_distributed(options[0].process, lambda env: [run_eval(option, env, build_eval) for option in options])
 
 
 if __name__ == "__main__":

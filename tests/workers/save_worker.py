@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 
 
 def main(run_dir: Path) -> None:

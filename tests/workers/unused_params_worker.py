@@ -25,9 +25,9 @@ import torch
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
-from opencood_ddp.engine.logging import setup_logging
+from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.train import seed_everything
-from opencood_ddp.engine.options import LaunchOptions, LoopOptions, TrainOptions
+from opencood_ddp.engine.options import ProcessOptions, LoopOptions, TrainOptions
 from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.hypes import apply_overrides, load_hypes
@@ -93,7 +93,7 @@ def run(toy: Path, out: Path, env: DistEnv) -> dict:
     task = build_task(hypes, for_training=True)
     step = RsuOnRankZero(task.step, env.rank, RSU_STEP)
     plan = make_batch_plan(env.world_size, env.world_size, float(hypes["optimizer"]["lr"]))
-    options = TrainOptions(loop=LoopOptions(sync_bn=False), launch=LaunchOptions(num_workers=0))
+    options = TrainOptions(loop=LoopOptions(sync_bn=False), process=ProcessOptions(num_workers=0))
     setup = RunSetup(Path(out), False, hypes, str(TOY_V2XVIT))
     trainer = Trainer(dataclasses.replace(task, step=step), plan, env, options, setup)
     step.model = trainer.model_without_ddp

@@ -7,11 +7,11 @@ import json
 from pathlib import Path
 
 from opencood_ddp import hypes as hypes_lib
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import detect_from_process, distributed_session
-from opencood_ddp.engine.logging import setup_logging
-from opencood_ddp.engine.options import LaunchOptions, TrainOptions
+from opencood_ddp.engine.logs import setup_logging
+from opencood_ddp.engine.options import ProcessOptions, TrainOptions
 from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.tasks import build_task
@@ -35,7 +35,7 @@ def validate(args, env):
     task = build_task(hypes, for_training=True)
     ckpt.load_weights(task.model, args.weights)
     plan = make_batch_plan(args.batch_size, env.world_size, 0.0)
-    trainer = Trainer(task, plan, env, TrainOptions(launch=LaunchOptions(num_workers=0)),
+    trainer = Trainer(task, plan, env, TrainOptions(process=ProcessOptions(num_workers=0)),
                       RunSetup(Path("."), False, hypes, args.hypes))
     result = trainer.validate()
     if env.is_main:

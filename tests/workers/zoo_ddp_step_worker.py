@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
-from opencood_ddp.engine.logging import setup_logging
+from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.train import seed_everything
 from opencood_ddp.hypes import apply_overrides, get_key, load_hypes
 from opencood_ddp.tasks import build_task

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from opencood_ddp.data.ego_view import frame_clouds
-from opencood_ddp.distributed import checkpoint_files as ckpt
+from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.engine.evaluator import EvalRequest
 from opencood_ddp.engine.inference import choose_checkpoint, load_run_config
 from opencood_ddp.errors import ConfigError, run_tool

@@ -9,7 +9,7 @@ Exit status 1 when a figure exceeds the tolerance (for scripts).
 import argparse
 import sys
 
-from opencood_ddp.distributed.checkpoint_files import load_file
+from opencood_ddp.checkpoint_files import load_file
 from opencood_ddp.engine.parity import relative_differences
 from opencood_ddp.errors import OpencoodDdpError
 

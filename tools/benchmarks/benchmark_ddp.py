@@ -62,17 +62,17 @@ def worker(args: argparse.Namespace) -> int:
     from opencood_ddp.engine.entry import run_distributed
 
     options = training_options(args)
-    return run_distributed(options.launch, lambda env: measure(options, args, env))
+    return run_distributed(options.process, lambda env: measure(options, args, env))
 
 
 def training_options(args: argparse.Namespace):
     """The engine's options of the run this benchmark times: its defaults but for the flags given here."""
-    from opencood_ddp.engine.options import BatchOptions, LaunchOptions, LoopOptions, RunOptions, TrainOptions
+    from opencood_ddp.engine.options import BatchOptions, ProcessOptions, LoopOptions, RunOptions, TrainOptions
 
     return TrainOptions(run=RunOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides)),
                         batch=BatchOptions(per_gpu_batch=args.per_gpu_batch),
                         loop=LoopOptions(half="auto" if args.half else None, seed=args.seed),
-                        launch=LaunchOptions(num_workers=args.num_workers))
+                        process=ProcessOptions(num_workers=args.num_workers))
 
 
 def measure(options, args: argparse.Namespace, env) -> None:

@@ -52,12 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------- worker side
 def worker(args: argparse.Namespace) -> int:
     from opencood_ddp.engine.entry import run_distributed
-    from opencood_ddp.engine.options import LaunchOptions, RunOptions, TrainOptions
+    from opencood_ddp.engine.options import ProcessOptions, RunOptions, TrainOptions
 
     # The engine's defaults but for the hypes and their overrides; no loader workers: the step is timed.
     options = TrainOptions(run=RunOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides)),
-                           launch=LaunchOptions(num_workers=0))
-    return run_distributed(options.launch, lambda env: measure(options, args, env))
+                           process=ProcessOptions(num_workers=0))
+    return run_distributed(options.process, lambda env: measure(options, args, env))
 
 
 def build_trainer(way: str, options, hypes: dict, plan, env, scratch: Path):
