@@ -248,7 +248,7 @@ def test_adam_steps_leave_frozen_parameters_bit_identical_and_move_the_fusion(to
     """The engine's optimizer over all parameters (engine/optim.py): a frozen parameter never gets a gradient,
     so Adam (with weight decay) skips it. BatchNorm running statistics of the frozen modules still move."""
     from opencood_ddp.engine.optim import build_optimizer
-    from opencood_ddp.engine.step import optimizer_step
+    from opencood_ddp.engine.trainer import optimizer_step
 
     hypes, task = toy_task("point_pillar_v2vnet", toy_small, "model.args.compression=4",
                            "model.args.backbone_fix=true")

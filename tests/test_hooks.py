@@ -394,3 +394,34 @@ def test_gradscaler_skipped_steps_are_not_non_finite_steps(tmp_path):
     assert trainer.progress.global_step == 4 and trainer.progress.skipped_steps == []
     skipped_by_scaler = 127 - int(math.log2(trainer.scaler.get_scale()))  # each skip halves the scale
     assert 1 <= skipped_by_scaler <= 4
+
+
+def test_the_reading_path_to_the_optimizer_step_is_six_frames_in_three_files(tmp_path):
+    """From tools/train_ddp.py to optimizer.step(): the tool, engine/train.py's main, Trainer.fit, Trainer.steps,
+    Trainer._train_step and optimizer_step (docs/architecture.md, README's reading path), seen from a real
+    optimizer step of a real run through the tool's own entry."""
+    import traceback
+
+    from launch import in_process
+
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        if not seen:
+            seen.append(traceback.extract_stack())
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        result = in_process(ROOT / "tools" / "train_ddp.py", "--hypes_yaml", SYNTHETIC, "--model_dir",
+                            tmp_path / "run", "--num_workers", "0", "--max_steps", "1")
+    finally:
+        handle.remove()
+    assert result.returncode == 0, result.stderr
+    stack = seen[0]
+    start = next(i for i, frame in enumerate(stack) if frame.filename.endswith("tools/train_ddp.py"))
+    end = max(i for i, frame in enumerate(stack) if "/opencood_ddp/" in frame.filename)
+    path = [(Path(frame.filename).name, frame.name) for frame in stack[start:end + 1]]
+    assert path == [("train_ddp.py", "<module>"), ("train.py", "main"), ("trainer.py", "fit"),
+                    ("trainer.py", "steps"), ("trainer.py", "_train_step"), ("trainer.py", "optimizer_step")]

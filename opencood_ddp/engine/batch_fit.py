@@ -24,8 +24,9 @@ import torch
 
 from opencood_ddp.engine.memory import PeakMemory
 from opencood_ddp.engine.optim import build_optimizer
-from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
+from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.task import Task
+from opencood_ddp.engine.trainer import optimizer_step
 from opencood_ddp.errors import ConfigError
 
 GIB = 1024 ** 3

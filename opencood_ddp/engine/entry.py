@@ -17,31 +17,59 @@ import time
 from typing import Callable, Iterator, Mapping, Optional
 
 from opencood_ddp.distributed import comm
-from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
+from opencood_ddp.distributed.env import DistEnv, detect_from_process, init_distributed_mode, teardown
 from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.options import ProcessOptions
 from opencood_ddp.errors import CollectiveError, OpencoodDdpError
 
 
+class DistributedRun:
+    """The frame of every entry point: ``with DistributedRun(options.process) as run:`` the recipe, on ``run.env``;
+    then ``return run.exit_code``. The first ``run.env`` detects the launcher, sets the logging up and opens the
+    process group, so that a launcher's bad variable is an error of the body like any other. A project error of
+    the body is told once (rank 0's line), the ranks leave together, the group is torn down, and the exit code is
+    the error's; any other exception goes on up after the teardown. A context manager rather than a function
+    that calls the recipe: the recipe runs in the entry point's own frame (docs/architecture.md, reading path)."""
+
+    def __init__(self, process: ProcessOptions):
+        self.process = process
+        self.exit_code = 0
+        self._env: Optional[DistEnv] = None
+
+    @property
+    def env(self) -> DistEnv:
+        if self._env is None:
+            env = detect_from_process(self.process.local_rank, self.process.dist_backend)
+            setup_logging(env.rank)
+            init_distributed_mode(env, self.process.dist_timeout)
+            self._env = env
+        return self._env
+
+    def __enter__(self) -> "DistributedRun":
+        return self
+
+    def __exit__(self, kind, exc, traceback) -> bool:
+        if exc is None:
+            teardown()
+            return False
+        if isinstance(exc, OpencoodDdpError):
+            # Told before the process group is torn down: after a peer died, torchrun's agent may end this
+            # process with SIGTERM during the teardown, and the reason would be lost.
+            report_error(exc, self._env)
+            if self._env is not None:
+                leave_together(exc)
+        teardown(synchronize=False)  # a peer may be gone: a barrier here could wait for the full timeout
+        if isinstance(exc, OpencoodDdpError):
+            self.exit_code = exc.exit_code
+            return True
+        return False
+
+
 def run_distributed(process: ProcessOptions, recipe: Callable[[DistEnv], object]) -> int:
     """``recipe(env)`` inside the process group that ``process`` describes; returns the exit code."""
-    env: Optional[DistEnv] = None
-    try:
-        env = detect_from_process(process.local_rank, process.dist_backend)
-        setup_logging(env.rank)
-        with distributed_session(env, process.dist_timeout):
-            try:
-                recipe(env)
-            except OpencoodDdpError as exc:
-                # Told before the process group is torn down: after a peer died, torchrun's agent may end
-                # this process with SIGTERM during the teardown, and the reason would be lost.
-                report_error(exc, env)
-                leave_together(exc)
-                raise
-    except OpencoodDdpError as exc:
-        report_error(exc, env)
-        return exc.exit_code
-    return 0
+    with DistributedRun(process) as run:
+        recipe(run.env)
+    return run.exit_code
 
 
 def leave_together(exc: OpencoodDdpError) -> None:

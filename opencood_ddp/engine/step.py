@@ -7,7 +7,8 @@
   computations in float32 under autocast (models/modules/precision.py).
 - `forward_backward` runs the task's step on a micro-batch under that policy and back-propagates its loss
   divided by the number of micro-batches of the step.
-- `optimizer_step` steps the optimizer (through the scaler when there is one) and drops the gradients.
+- The optimizer's step (through the scaler when there is one) is engine/trainer.py's `optimizer_step`, on the
+  fit loop's reading path.
 """
 from __future__ import annotations
 
@@ -62,15 +63,4 @@ def forward_backward(step: StepFn, model: nn.Module, batch: Any, precision: Prec
     return out
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> None:
-    """Step with the accumulated gradients (the scaler skips a step whose float16 gradients overflowed and lowers
-    its scale), then drop them: set to None, so that a parameter the next step does not use stays untouched."""
-    if scaler is not None:
-        scaler.step(optimizer)
-        scaler.update()
-    else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
-__all__ = ["Precision", "forward_backward", "optimizer_step"]
+__all__ = ["Precision", "forward_backward", "HalfMode", "HALF_MODES"]

@@ -1,19 +1,19 @@
-"""The training recipe behind tools/train_ddp.py, top to bottom (`train`).
+"""The training recipe behind tools/train_ddp.py, top to bottom (`main`).
 
 flags (engine/options.py: TrainOptions) -> detect launcher -> process group -> the run's set-up, decided once on
 rank 0 and broadcast (engine/run_dir.py `decide_run`: folder, resume, hypes; after a torchrun restart the first
 attempt's folder) -> seed -> batch plan -> task -> trainer (SyncBN, DDP, optimizer, schedule: a refused value
-fails before anything is on disk) -> claim the folder (create, lock) -> `fit`: resume from the newest checkpoint
+fails before anything is on disk) -> claim the folder (create, lock) -> resume from the newest checkpoint
 that loads, then config.yaml (Trainer.open_run: nothing of an existing run is written before its checkpoint
 loaded) -> log file, TensorBoard -> Trainer.fit, stopping cleanly on SIGTERM/SIGINT -> [evaluation of the last
-checkpoint on the test split, all ranks].
+checkpoint on the test split, all ranks]. From tools/train_ddp.py to optimizer.step() the stack is six frames in
+three files: the tool, `main`, `Trainer.fit`, `Trainer.steps`, `Trainer._train_step`, `optimizer_step`.
 """
 from __future__ import annotations
 
 import os
 import random
 import socket
-from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -23,7 +23,7 @@ from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan, make_batch_plan
 from opencood_ddp.distributed.env import DistEnv
-from opencood_ddp.engine.entry import report_error, run_distributed
+from opencood_ddp.engine.entry import DistributedRun, report_error
 from opencood_ddp.engine.evaluator import EvalRequest, EvalSpec
 from opencood_ddp.engine.inference import EvalBuilder, evaluate_checkpoint
 from opencood_ddp.engine import batch_fit
@@ -121,33 +121,47 @@ def plan_final_evaluation(options: TrainOptions, hypes: dict,
     return request, build_eval(hypes, request)
 
 
-def train(options: TrainOptions, env: DistEnv, build_task: TaskBuilder,
-          build_eval: Optional[EvalBuilder] = None) -> Path:
-    if options.loop.max_steps is not None and options.loop.max_steps < 1:
-        raise ConfigError(f"--max_steps {options.loop.max_steps}: give a positive number of optimizer steps")
-    setup = comm.on_main_then_broadcast(lambda: decide_run(options.run, os.environ))
-    seed = resolve_seed(setup.hypes, options.loop.seed)
-    plan = plan_batches(setup.hypes, options.batch, env.world_size,
-                        choose_per_gpu_batch(options, setup.hypes, env, build_task))
-    seed_everything(seed)
-    task = build_task(setup.hypes, for_training=True)
-    final = plan_final_evaluation(options, setup.hypes, build_eval)
-    # Built before the folder exists: a value torch refuses (optimizer.lr -0.1) fails here and leaves nothing.
-    trainer = Trainer(task, plan, env, options, setup, default_hooks(setup.run_dir, env.is_main), StopSignal())
-    comm.on_main_then_broadcast(lambda: claim_run(setup))
-    try:
-        fit(trainer, final)
-        return setup.run_dir
-    except BaseException:
-        if env.is_main and not setup.resume:
-            remove_if_nothing_saved(setup.run_dir)  # a failed new run that saved nothing leaves no folder
-        raise
-    finally:
-        release_run_dir(setup.run_dir)  # rank 0's lock; the end of the process would release it too
+def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Optional[EvalBuilder] = None) -> int:
+    """tools/train_ddp.py: the recipe, top to bottom (module docstring); the exit code."""
+    options = parse_train_options(argv)
+    with DistributedRun(options.process) as run:
+        env = run.env
+        if options.loop.max_steps is not None and options.loop.max_steps < 1:
+            raise ConfigError(f"--max_steps {options.loop.max_steps}: give a positive number of optimizer steps")
+        setup = comm.on_main_then_broadcast(lambda: decide_run(options.run, os.environ))
+        seed = resolve_seed(setup.hypes, options.loop.seed)
+        plan = plan_batches(setup.hypes, options.batch, env.world_size,
+                            choose_per_gpu_batch(options, setup.hypes, env, build_task))
+        seed_everything(seed)
+        task = build_task(setup.hypes, for_training=True)
+        final = plan_final_evaluation(options, setup.hypes, build_eval)
+        # Built before the folder exists: a value torch refuses (optimizer.lr -0.1) fails here and leaves nothing.
+        trainer = Trainer(task, plan, env, options, setup, default_hooks(setup.run_dir, env.is_main), StopSignal())
+        comm.on_main_then_broadcast(lambda: claim_run(setup))
+        try:
+            open_and_log(trainer)
+            with trainer.stop_signal:
+                try:
+                    trainer.fit()
+                except OpencoodDdpError as exc:
+                    # Told while SIGTERM is still only recorded: when a peer dies, torchrun's agent SIGTERMs this
+                    # process at once, and once StopSignal restored the default handler the reason would be lost.
+                    report_error(exc, env)
+                    raise
+                finally:
+                    trainer.hooks.close()
+            evaluate_last_checkpoint(trainer, final)
+        except BaseException:
+            if env.is_main and not setup.resume:
+                remove_if_nothing_saved(setup.run_dir)  # a failed new run that saved nothing leaves no folder
+            raise
+        finally:
+            release_run_dir(setup.run_dir)  # rank 0's lock; the end of the process would release it too
+    return run.exit_code
 
 
-def fit(trainer: Trainer, final: Optional[tuple[EvalRequest, EvalSpec]]) -> None:
-    """In the run folder this job holds: resume, log, fit, and evaluate the last checkpoint."""
+def open_and_log(trainer: Trainer) -> None:
+    """In the run folder this job holds: resume (Trainer.open_run), then the log file and the start's lines."""
     log, env, setup = get_logger(), trainer.env, trainer.setup
     notes = trainer.open_run()
     attach_log_file(setup.run_dir, env.rank)
@@ -159,25 +173,14 @@ def fit(trainer: Trainer, final: Optional[tuple[EvalRequest, EvalSpec]]) -> None
     devices = comm.gather_objects((socket.gethostname(), env.device))
     if env.is_main:
         log.info(describe_start(env, trainer, devices))
-    try:
-        with trainer.stop_signal:
-            try:
-                trainer.fit()
-            except OpencoodDdpError as exc:
-                # Told while SIGTERM is still only recorded: when a peer dies, torchrun's agent SIGTERMs this
-                # process at once, and once StopSignal restored the default handler the reason would be lost.
-                report_error(exc, env)
-                raise
-    finally:
-        trainer.hooks.close()
-    if final is not None:
-        request, spec = final
-        request.run_dir = str(setup.run_dir)
-        weights = trainer.last_weights or setup.run_dir / ckpt.weights_name(trainer.settings.epochs)
-        # The trainer's last save ends with an agreement: the checkpoint is on disk for every rank.
-        evaluate_checkpoint(spec, request, weights, env, trainer.options.process.num_workers)
 
 
-def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Optional[EvalBuilder] = None) -> int:
-    options = parse_train_options(argv)
-    return run_distributed(options.process, lambda env: train(options, env, build_task, build_eval))
+def evaluate_last_checkpoint(trainer: Trainer, final: Optional[tuple[EvalRequest, EvalSpec]]) -> None:
+    """--eval_after_training: the last checkpoint on the test split, on every rank."""
+    if final is None:
+        return
+    request, spec = final
+    request.run_dir = str(trainer.setup.run_dir)
+    weights = trainer.last_weights or trainer.setup.run_dir / ckpt.weights_name(trainer.settings.epochs)
+    # The trainer's last save ends with an agreement: the checkpoint is on disk for every rank.
+    evaluate_checkpoint(spec, request, weights, trainer.env, trainer.options.process.num_workers)

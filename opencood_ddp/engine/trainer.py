@@ -47,7 +47,7 @@ from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
 from opencood_ddp.engine.run_dir import RunSetup
-from opencood_ddp.engine.step import Precision, forward_backward, optimizer_step
+from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradient_norm, rank_report
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
@@ -222,16 +222,24 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- loop
     def fit(self) -> Progress:
+        """Every epoch from the progress on: its steps (each reported to the hooks), then its end (validation,
+        checkpoint). --max_steps may end an epoch early; a mid-epoch checkpoint then holds the place."""
         if self.progress.epoch >= self.settings.epochs:
             self.log.info(f"nothing to do: {self.progress.epoch} of {self.settings.epochs} epochs already trained")
         first_step = self.progress.global_step
         try:
             with comm.collective_guard(lambda: self.phase):
                 for epoch in range(self.progress.epoch, self.settings.epochs):
-                    trained = self.train_one_epoch(epoch)
-                    if trained is None:  # --max_steps ended the epoch early
+                    sums, records = self._start_epoch(epoch), []
+                    try:
+                        for record in self.steps(epoch, into=sums):
+                            self.hooks.on_step(record, self.plan.global_batch)
+                            records.append(record)
+                    finally:
+                        self.hooks.on_epoch_exit()
+                    if self.progress.step_in_epoch < self.steps_per_epoch:  # --max_steps ended the epoch early
                         break
-                    self._finish_epoch(epoch, *trained)
+                    self._finish_epoch(epoch, sums, records)
                 if self._max_steps_reached() and self.progress.global_step > first_step:
                     path = self._save_mid_epoch()
                     self.log.info(f"stopped after {self.progress.global_step} optimizer steps (--max_steps): "
@@ -241,11 +249,24 @@ class Trainer:
         self.hooks.on_fit_end()
         return self.progress
 
+    def _start_epoch(self, epoch: int) -> LossSums:
+        """The epoch's loss sums (a resumed epoch's carried over on rank 0), and the hooks told."""
+        sums = LossSums.carried(self._epoch_carry, holder=self.env.is_main)
+        self._epoch_carry = None
+        self._epoch_sums = sums
+        self.hooks.on_epoch_start(epoch, self.settings.epochs, self.progress.step_in_epoch, self.steps_per_epoch)
+        return sums
+
     def close_loaders(self) -> None:
         """Let the persistent workers go (their loaders' last reference): the run is over or failing."""
         self._train_loader = self._val_loader = None
 
-    def _finish_epoch(self, epoch: int, train_means: dict, timing: str) -> None:
+    def _finish_epoch(self, epoch: int, sums: LossSums, records: list) -> None:
+        self._mark(f"epoch {epoch + 1}: train loss all-reduce")
+        train_means = sums.reduced_means()
+        skipped = sum(1 for record in records if record.skipped)
+        timing = _timing(records, self.plan.global_batch) + (f", {skipped} step(s) skipped (non-finite)" if skipped
+                                                             else "")
         if self.schedule is not None:
             self.schedule.after_epoch()
         val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
@@ -422,27 +443,6 @@ class Trainer:
             yield StepRecord(self.progress.global_step, epoch, means, self._lr_of_last_step,
                              time.perf_counter() - started, waited, skipped)
 
-    def train_one_epoch(self, epoch: int) -> Optional[tuple[dict, str]]:
-        """(all-reduced mean losses, throughput text) of the epoch; None when --max_steps stopped it early."""
-        epoch_sums = LossSums.carried(self._epoch_carry, holder=self.env.is_main)
-        self._epoch_carry = None
-        self._epoch_sums = epoch_sums
-        self.hooks.on_epoch_start(epoch, self.settings.epochs, self.progress.step_in_epoch, self.steps_per_epoch)
-        records = []
-        try:
-            for record in self.steps(epoch, into=epoch_sums):
-                self.hooks.on_step(record, self.plan.global_batch)
-                records.append(record)
-        finally:
-            self.hooks.on_epoch_exit()
-        if self.progress.step_in_epoch < self.steps_per_epoch:
-            return None
-        self._mark(f"epoch {epoch + 1}: train loss all-reduce")
-        skipped = sum(1 for record in records if record.skipped)
-        timing = _timing(records, self.plan.global_batch) + (f", {skipped} step(s) skipped (non-finite)" if skipped
-                                                             else "")
-        return epoch_sums.reduced_means(), timing
-
     @torch.no_grad()
     def validate(self) -> Optional[dict]:
         """Sample-weighted mean loss over the whole validation split, identical at every world size."""
@@ -524,3 +524,16 @@ def _timing(records: list[StepRecord], global_batch: int) -> str:
     waited = sum(r.data_seconds for r in records)
     return (f"{global_batch * len(records) / seconds:.1f} samples/s, {seconds:.1f} s, "
             f"data wait {100 * waited / seconds:.0f}%")
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> None:
+    """Step with the accumulated gradients (the scaler skips a step whose float16 gradients overflowed and lowers
+    its scale), then drop them: set to None, so that a parameter the next step does not use stays untouched. The
+    fit loop's, and the batch-fit probes' (engine/batch_fit.py), so that a probe measures the step the run takes."""
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
