@@ -3,6 +3,7 @@ function-level ones included. A new import across a layer fails here with the fi
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Iterator, Tuple
 
@@ -84,3 +85,12 @@ def test_the_engine_names_no_detection_word():
     found = [f"{path.relative_to(REPO)}:{number}" for path in sorted((PACKAGE / "engine").rglob("*.py"))
              for number, text in enumerate(path.read_text().splitlines(), 1) if any(w in text for w in words)]
     assert not found, found
+
+
+def test_the_docs_picture_names_every_part_of_the_package():
+    """docs/architecture.md's picture of the layers names every part of the package (tasks/ included), so that a
+    new part cannot be left out of it."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    picture = text.split("## Three layers, one direction of imports", 1)[1].split("\n- ", 1)[0]
+    named = set(re.findall(r"[a-z_]+", picture))
+    assert set(ALLOWED) <= named, set(ALLOWED) - named

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
-from opencood_ddp.data.datasets.base import GT_RANGE, SPLIT_KEYS, OpencoodDataset, PostProcessor
+from opencood_ddp.data.datasets.base import SPLIT_KEYS, OpencoodDataset, PostProcessor
+from opencood_ddp.data.ground_truth import GT_RANGE
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.registry import DATASETS
 

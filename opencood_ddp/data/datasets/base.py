@@ -1,58 +1,10 @@
-"""What the three fusion datasets share: hypes keys, the split index, GT, labels, voxels and the seeded RNG.
+"""What the three fusion datasets share: the split's source, the sample as the ego receives it, its ground truth,
+its labels and voxels, and the seeded RNG. Upstream counterpart: ``opencood/data_utils/datasets/basedataset.py``
+plus the parts of the post-processor the datasets call (``BasePostprocessor.generate_object_center``).
 
-Upstream counterpart: ``opencood/data_utils/datasets/basedataset.py`` plus the parts of the post-processor the
-datasets call (``BasePostprocessor.generate_object_center``).
-
-Reproducibility. Sample ``i`` of epoch ``e`` is a pure function of ``(seed, e, i)``: every random decision
-(point shuffling, the late-fusion CAV choice, augmentation) draws from ``sample_rng(seed, e, i)`` in a fixed
-order, and the robustness settings' draws (``real`` delays, ``per_sample`` pose errors) from generators keyed by
-the same triple plus the CAV and frame (``wild.wild_rng``), so they never shift that order. ``set_epoch(e)`` is
-called by the engine before each epoch; DataLoader workers are not persistent, so each epoch's workers start
-from a copy of the dataset that carries the new epoch. No global RNG, rank or worker id is read, so 1, 2 or N
-ranks with any number of workers load bit-identical samples.
-
-Robustness settings (``data/wild.py``; docs/robustness.md, docs/compatibility.md). Every dataset reads a sample
-as the ego receives it (``received_cavs``): per kept CAV, ``time_delay`` frames of communication delay
-(``wild_setting.async``; 0 for the ego; clamped at the scenario's first frame) and the localisation error of its
-pose (``wild_setting.loc_err`` or HEAL's ``noise_setting``). As upstream, a delayed CAV's LiDAR, pose and speed
-come from the delayed frame and its ground-truth boxes from the current one; the 70 m range test compares its
-delayed true pose with the ego's current one, and ground truth is always placed with true poses. Its cloud goes
-into the ego frame by ``x1_to_x2(sent pose, ego pose)`` with the poses the ego believes: the ego's current pose,
-or with ``fusion.args.cur_ego_pose_flag: false`` (intermediate fusion) the ego's pose at the CAV's delayed
-frame, corrected by ``spatial_correction_matrix``. ``wild_setting.loc_err_mode: upstream`` (the default)
-reproduces upstream's inputs, quirks included: one fixed offset for every non-ego pose (upstream reseeds numpy
-before each draw), which only upstream's intermediate dataset applies (its early and late datasets project
-with the true poses; ``reads_upstream_loc_err``). ``per_sample`` and ``noise_setting`` draw per CAV and frame
-from generators keyed by (seed, epoch, index, CAV slot, frame), in every dataset. Without either block every
-CAV is read at the ego's timestamp with its true pose, bit for bit as before. Road-side units (negative folder
-ids) are read, delayed and perturbed like CAVs and are never the ego.
-
-Ground truth (as upstream). Each CAV's ``vehicles`` (world frame) are projected into the target frame (the
-ego's, or the CAV's own in late fusion) and kept when all 8 corners lie inside the GT range: in training
-``postprocess.anchor_args.cav_lidar_range``; otherwise upstream's fixed ``GT_RANGE`` [-140, -40, -3, 140, 40,
-1] (our optional key ``postprocess.gt_range`` replaces it; absent, upstream's value). Boxes are
-``[x, y, z, h, w, l, yaw]`` for ``order: hwl``. Duplicates (an object seen by several CAVs) are dropped by
-object id, keeping the first CAV's box, in upstream's order ``[ids.index(x) for x in set(ids)]`` (for
-integer ids CPython's set order depends only on the values, so it is the same in every process; other ids
-are taken in sorted order, since string hashes are salted per process). The result is padded to
-``postprocess.max_num`` rows with a 0/1 mask, both float64 as upstream; more objects than ``max_num`` is a
-DataError (upstream fails with a shape error).
-
-Labels. The post-processor (anchors and targets) is passed in; ``None`` leaves ``anchor_box`` and
-``label_dict`` out of samples and batches. The interface called, exactly as upstream's VoxelPostprocessor:
-
-    class PostProcessor(Protocol):
-        def generate_anchor_box(self) -> np.ndarray:
-            '''(H, W, anchor_num, 7) anchors in the GT order; called once per dataset per process and cached.'''
-        def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray,
-                           mask: np.ndarray) -> dict:
-            '''gt_box_center (max_num, 7) float64 padded, anchors as above, mask (max_num,) float64 0/1.
-            Returns numpy arrays (upstream: pos_equal_one (H, W, A), neg_equal_one (H, W, A),
-            targets (H, W, 7A)).'''
-        def collate_batch(self, label_list: list) -> dict:
-            '''The per-sample label dicts -> one dict of tensors with a leading batch dimension.'''
-
-It must be picklable (datasets travel to DataLoader workers) and deterministic (no RNG).
+Each part is told where its code is: reproducibility at `OpencoodDataset`, the received CAVs (delay, pose error,
+range) at `ReceivedCav` and `received_cavs` (the pure functions in data/wild.py), the ground truth at
+`sample_objects` and `pad_objects`, and what the datasets call of a post-processor in `PostProcessor`.
 """
 from __future__ import annotations
 
@@ -67,7 +19,7 @@ import torch
 from torch.utils.data import Dataset
 
 from opencood_ddp.data.augment import WorldAugmentor, WorldTransform, sample_rng, shuffle_points
-from opencood_ddp.data.ground_truth import GT_RANGE, evaluation_gt_range
+from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, mask_ego_points,
                                         mask_points_by_range, x1_to_x2, xy_distance)
 from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame
@@ -143,18 +95,41 @@ def report_non_finite(points: np.ndarray, path: Any) -> int:
 
 
 class PostProcessor(Protocol):
-    """See the module docstring: the three calls the datasets make."""
+    """The three calls the datasets make of a post-processor, exactly as upstream's VoxelPostprocessor; `None` in its
+    place leaves ``anchor_box`` and ``label_dict`` out of samples and batches. It must be picklable (datasets travel
+    to DataLoader workers) and deterministic (no RNG)."""
 
-    def generate_anchor_box(self) -> np.ndarray: ...
+    def generate_anchor_box(self) -> np.ndarray:
+        """(H, W, anchor_num, 7) anchors in the GT order; called once per dataset per process and cached."""
+        ...
 
-    def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> dict: ...
+    def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> dict:
+        """gt_box_center (max_num, 7) float64 padded, anchors as above, mask (max_num,) float64 0/1 -> numpy
+        arrays (upstream's: pos_equal_one (H, W, A), neg_equal_one (H, W, A), targets (H, W, 7A))."""
+        ...
 
-    def collate_batch(self, label_list: List[dict]) -> dict: ...
+    def collate_batch(self, label_list: List[dict]) -> dict:
+        """The per-sample label dicts -> one dict of tensors with a leading batch dimension."""
+        ...
 
 
 @dataclass(frozen=True)
 class ReceivedCav:
-    """One CAV of a sample as the ego receives it (module docstring, robustness settings)."""
+    """One CAV of a sample as the ego receives it (data/wild.py; docs/robustness.md, docs/compatibility.md).
+
+    Per kept CAV: ``time_delay`` frames of communication delay (``wild_setting.async``; 0 for the ego; clamped at
+    the scenario's first frame) and the localisation error of its pose (``wild_setting.loc_err`` or HEAL's
+    ``noise_setting``). As upstream, a delayed CAV's LiDAR, pose and speed come from the delayed frame and its
+    ground-truth boxes from the current one; the 70 m range test compares its delayed true pose with the ego's
+    current one, and ground truth is always placed with true poses. Its cloud goes into the ego frame by
+    ``x1_to_x2(sent pose, ego pose)`` with the poses the ego believes: the ego's current pose, or with
+    ``fusion.args.cur_ego_pose_flag: false`` (intermediate fusion) the ego's pose at the CAV's delayed frame,
+    corrected by ``spatial_correction``. ``wild_setting.loc_err_mode: upstream`` (the default) reproduces
+    upstream's inputs, quirks included: one fixed offset for every non-ego pose, which only upstream's
+    intermediate dataset applies (``reads_upstream_loc_err``). ``per_sample`` and ``noise_setting`` draw per CAV
+    and frame from generators keyed by (seed, epoch, index, CAV slot, frame), in every dataset. Without either
+    block every CAV is read at the ego's timestamp with its true pose. Road-side units (negative folder ids) are
+    read, delayed and perturbed like CAVs and are never the ego."""
 
     slot: int                        # its place among the scenario's kept CAVs; 0 is the ego
     sent: CavFrame                   # the frame it sent, time_delay frames back: LiDAR, pose, speed
@@ -179,7 +154,15 @@ class ReceivedCav:
 
 
 class OpencoodDataset(Dataset):
-    """Base class: subclasses implement ``get_sample(index, rng)`` and their collate functions."""
+    """Base class: subclasses implement ``get_sample(index, rng)`` and their collate functions.
+
+    Reproducibility: sample ``i`` of epoch ``e`` is a pure function of ``(seed, e, i)``. Every random decision
+    (point shuffling, the late-fusion CAV choice, augmentation) draws from ``sample_rng(seed, e, i)`` in a fixed
+    order, and the robustness settings' draws from generators keyed by the same triple plus the CAV and frame
+    (``wild.wild_rng``), so they never shift that order. The epoch is set by ``set_epoch(e)``: the engine's
+    loaders send it with every index (engine/loaders.py), so a DataLoader worker that persists over epochs sets
+    its own copy. No global RNG, rank or worker id is read, so 1, 2 or N ranks with any number of workers load
+    bit-identical samples."""
 
     required_keys: Tuple[Tuple[str, str], ...] = COMMON_KEYS
     optional_keys: Tuple[Tuple[str, str], ...] = COMMON_OPTIONAL_KEYS
@@ -324,7 +307,15 @@ class OpencoodDataset(Dataset):
 
     def sample_objects(self, cavs: Sequence[ReceivedCav]) -> Objects:
         """The sample's ground truth in the ego's current true frame, from the CAVs' current frames; where the
-        source's labels follow the points (V2V4Real's fork), each CAV's current labels mapped with ``to_ego``."""
+        source's labels follow the points (V2V4Real's fork), each CAV's current labels mapped with ``to_ego``.
+
+        As upstream: each CAV's ``vehicles`` (world frame) are projected into the target frame (the ego's, or the
+        CAV's own in late fusion) and kept when all 8 corners lie inside the GT range: in training
+        ``postprocess.anchor_args.cav_lidar_range``; otherwise upstream's fixed ``GT_RANGE`` [-140, -40, -3, 140,
+        40, 1] (our optional ``postprocess.gt_range`` replaces it). Boxes are ``[x, y, z, h, w, l, yaw]`` for
+        ``order: hwl``. An object seen by several CAVs is kept once, by id, the first CAV's box, in upstream's
+        order ``[ids.index(x) for x in set(ids)]`` (for integer ids CPython's set order depends only on the values,
+        so it is the same in every process; other ids are taken in sorted order, string hashes being salted)."""
         if self.source.labels_follow_points:
             return self.merge_objects(self.source.objects_through(cav.current, cav.to_ego, self.gt_range)
                                       for cav in cavs)
@@ -332,7 +323,8 @@ class OpencoodDataset(Dataset):
         return self.merge_objects(self.cav_objects(cav.current, ego_pose) for cav in cavs)
 
     def pad_objects(self, boxes: np.ndarray, where: Any) -> Tuple[np.ndarray, np.ndarray]:
-        """(max_num, 7) float64 boxes and (max_num,) float64 mask, as upstream."""
+        """(max_num, 7) float64 boxes and (max_num,) float64 mask, as upstream; more objects than
+        ``postprocess.max_num`` is a DataError (upstream fails with a shape error)."""
         if len(boxes) > self.max_num:
             raise DataError(f"{where}: {len(boxes)} ground-truth objects exceed postprocess.max_num "
                             f"{self.max_num}; raise postprocess.max_num in the hypes")

@@ -1,6 +1,6 @@
 """DAIR-V2X-C: a vehicle and a road-side unit at Beijing intersections, as HEAL and CoAlign read it.
 
-Facts: ../shared/reference/DATASET_FACTS.md section 1; the departures from the anchors are rows of
+Facts: tests/reference/DATASET_FACTS.md section 1; the departures from the anchors are rows of
 docs/compatibility.md. Hypes (the anchors' keys): ``data_dir`` (the ``cooperative-vehicle-infrastructure``
 folder), ``root_dir`` / ``validate_dir`` / ``test_dir`` (split files: JSON lists of vehicle frame ids),
 ``fusion.dataset: dairv2x``; optional ``label_type`` (``lidar``: CoAlign's complemented labels, the default;

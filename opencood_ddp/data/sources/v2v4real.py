@@ -2,7 +2,7 @@
 
 Layout (``{train,validate,test}/testoutput_CAV_data_<date>_<k>/<cav>/<timestamp>.{yaml,pcd}``, CAVs ``0`` and ``1``)
 is scanned by ``data/opv2v.py``: scenes, CAVs and timestamps sorted as strings, the first CAV the ego. The rules
-below are V2V4Real's own OpenCOOD fork's (ucla-mobility/V2V4Real; facts: ../shared/reference/DATASET_FACTS.md
+below are V2V4Real's own OpenCOOD fork's (ucla-mobility/V2V4Real; facts: tests/reference/DATASET_FACTS.md
 section 2), with the departures named in docs/compatibility.md:
 
 - ``lidar_pose`` is a (4, 4) LiDAR-to-world matrix. The fork's files hold it as a numpy array (and other values,
