@@ -22,6 +22,7 @@ digest in its sidecar: `CorruptCheckpointError`, and resume falls back to the pr
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import pickle
@@ -115,7 +116,8 @@ def read_bytes(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def _old_sidecar_globals() -> list:
+@functools.cache
+def _old_sidecar_globals() -> tuple:
     """What a format-1 sidecar needs beyond tensors: numpy's array reconstruction, under numpy 2's module name and
     numpy 1's (the same function). It builds an array from a shape, a dtype and raw bytes, and any object the
     array holds still passes through the safe unpickler."""
@@ -124,8 +126,8 @@ def _old_sidecar_globals() -> list:
     except ImportError:  # numpy 1
         from numpy.core.multiarray import _reconstruct
     # numpy 2 sets a dtype's state on an instance of its own class: MT19937's key is uint32
-    return [_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"),
-            (_reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    return (_reconstruct, (_reconstruct, "numpy.core.multiarray._reconstruct"),
+            (_reconstruct, "numpy._core.multiarray._reconstruct"), np.ndarray, np.dtype, type(np.dtype(np.uint32)))
 
 
 def load_file(path: Path, data: Optional[bytes] = None) -> Any:
@@ -133,7 +135,7 @@ def load_file(path: Path, data: Optional[bytes] = None) -> Any:
     or truncated file is one CheckpointError naming it, a file that would run code an UnsafeCheckpointError."""
     data = read_bytes(path) if data is None else data
     try:
-        with torch.serialization.safe_globals(_old_sidecar_globals()):
+        with torch.serialization.safe_globals(list(_old_sidecar_globals())):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         names = _refused_globals(data)

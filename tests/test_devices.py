@@ -101,7 +101,8 @@ def test_cpu_ranks_share_the_node(environ, expected):
     assert (env.device, env.processes_on_device) == ("cpu", expected)
 
 
-@pytest.mark.parametrize("text,counts", [("4", [4]), ("4(x2)", [4, 4]), ("4(x2),3", [4, 4, 3]), ("2,1(x3)", [2, 1, 1, 1]),
+@pytest.mark.parametrize("text,counts", [("4", [4]), ("4(x2)", [4, 4]), ("4(x2),3", [4, 4, 3]),
+                                         ("2,1(x3)", [2, 1, 1, 1]),
                                          ("", []), ("4(x)", []), ("a", [])])
 def test_expand_tasks_per_node(text, counts):
     assert expand_tasks_per_node(text) == counts

@@ -5,8 +5,8 @@ statistics in float32 on row and channels-last layouts, which put a step's outpu
 float32 allows 4e-6 (upstream's own classes on their layouts reach 4e-6 in the outputs and 1.3e-3 in the
 gradients). Each row runs one training-mode forward, loss and backward of a real 2-sample toy batch, in float32
 and in float64 from the same weights, with the samples in both orders, and compares the model's outputs and
-the whole gradient vector by relative L2 (the helpers are tools/benchmarks/benchmark_numerics.py's, whose table also shows
-the native kernel's figures).
+the whole gradient vector by relative L2 (the helpers are tools/benchmarks/benchmark_numerics.py's, whose table
+also shows the native kernel's figures).
 
 Each model is built from seed 0. The gradient's error depends on the initial weights, since float32 rounds the
 backward chain of a badly conditioned start more: over 60 initial seeds of the toy AttFuse, 59 gave at most

@@ -24,7 +24,6 @@ from typing import Mapping, Optional
 from opencood_ddp.errors import ConfigError
 
 SHARE_GPUS_VARIABLE = "OPENCOOD_DDP_SHARE_GPUS"
-SLURM_BINDING_VARIABLES = ("SLURM_GPUS_PER_TASK", "SLURM_GPU_BIND")
 
 
 @dataclass(frozen=True)

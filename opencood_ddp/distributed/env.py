@@ -1,8 +1,8 @@
 """Who am I in the job: detection of the launcher from an environ mapping, and process-group set-up.
 
 `detect_dist_env` is a pure function of (environ, --local_rank argument, CUDA availability, visible GPU count) so
-that every launcher and GPU layout can be tested from a table of environments. `init_distributed_mode` is the only place that touches
-torch.distributed's initialisation, and `distributed_session` pairs it with the teardown.
+that every launcher and GPU layout can be tested from a table of environments. `init_distributed_mode` is the only
+place that touches torch.distributed's initialisation, and `distributed_session` pairs it with the teardown.
 """
 from __future__ import annotations
 
