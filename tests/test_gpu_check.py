@@ -19,12 +19,12 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     out = tmp_path / "report"
     result = python(REPO / "tools" / "gpu_check.py", "--device", "cpu", "--out", out, "--data", toy_small,
                     "--configs", TOY, "--full_size", "--precisions", "fp32", "fp16", "bf16",
-                    "--planner_config", TOY, timeout=1200)
+                    "--parity_kernels", "strict", "--planner_config", TOY, timeout=1200)
     assert result.returncode == 0, explain(result)
     report = json.loads((out / "gpu_check.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
     assert all(c["status"] == "ok" for c in checks.values()), checks
-    assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY}",
+    assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
             f"planner {TOY}"} <= set(checks)
     for precision in ("fp32", "fp16", "bf16"):
         figures = checks[f"train {TOY} {precision}"]["figures"]

@@ -4,6 +4,7 @@ unchanged (no copy into another settings class)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 
 import pytest
@@ -61,3 +62,25 @@ def test_flags_reach_their_groups_as_parsed():
     assert options.process == ProcessOptions(num_workers=0)
     assert parse_train_options(["--half"]).loop.half == "auto"
     assert parse_train_options([]) == TrainOptions()
+
+
+def test_kernel_flags_hold_for_the_run_and_are_restored_after_it(monkeypatch):
+    """--deterministic and --no_tf32 change torch's process-wide settings for one run only: gpu_check trains many
+    runs in one process, and a later run with neither flag must get torch's defaults back, also after a failure."""
+    import torch
+
+    from opencood_ddp.engine.train import IEEE_FLAGS, kernel_settings, tf32_flags
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (torch.are_deterministic_algorithms_enabled(), tf32_flags())
+    loop = parse_train_options(["--hypes_yaml", "x.yaml", "--deterministic", "--no_tf32"]).loop
+    assert loop.deterministic and not loop.tf32
+    with pytest.raises(RuntimeError, match="inside"):
+        with kernel_settings(loop):
+            assert torch.are_deterministic_algorithms_enabled()
+            assert tf32_flags() in (IEEE_FLAGS, (False, False))  # torch >= 2.9 per operator, else the old flags
+            assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"  # before cuBLAS's first handle
+            raise RuntimeError("inside")
+    assert (torch.are_deterministic_algorithms_enabled(), tf32_flags()) == before
+    with kernel_settings(LoopOptions()):
+        assert (torch.are_deterministic_algorithms_enabled(), tf32_flags()) == before

@@ -19,7 +19,8 @@ Checks, each ok / failed / skipped with the reason:
 - cpu_weights: a weights file written on the device opened by `torch.load` without map_location (as upstream's
   loader does) in a process that sees no GPU;
 - parity: 2 processes sharing the device over gloo (OPENCOOD_DDP_SHARE_GPUS=1) against 1 process, by
-  tools/parity_check.py (its measured noise floor);
+  tools/parity_check.py (its measured noise floor), with torch's default kernels and with
+  `--deterministic --no_tf32`;
 - planner: engine/batch_fit's prediction for per-GPU batch 4, fitted on batches 1 and 2, beside the measured
   peak at 4 (reserved and allocated), on the full-size AttFuse.
 """
@@ -76,6 +77,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--precisions", nargs="+", choices=sorted(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--parity_config", default="toy/point_pillar_intermediate_fusion",
                         help="config of the 2-process parity check ('none': leave it out)")
+    parser.add_argument("--parity_kernels", nargs="+", choices=("default", "strict"), default=["default", "strict"],
+                        help="parity with torch's default kernels, and with --deterministic --no_tf32 (strict)")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--scale", choices=("small", "demo"), default="small",
                         help="toy world of the synthetic frames (small: 8 training, 4 test frames)")
@@ -316,8 +319,14 @@ def check_cpu_weights(weights: Path) -> tuple[str, dict]:
     return f"{weights.name} opens without map_location on a process without GPU: {result.stdout.strip()}", {}
 
 
-def check_parity(config: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
-    """tools/parity_check.py: 2 processes on the one device (gloo) against 1, judged by its measured noise floor."""
+PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}
+
+
+def check_parity(config: str, device: torch.device, data: Path, work: Path, kernels: str) -> tuple[str, dict]:
+    """tools/parity_check.py: 2 processes on the one device (gloo) against 1, judged by its measured noise floor;
+    with the kernels users train with, then with deterministic IEEE-float32 ones. On an H200 the default kernels
+    put the floor of 4 toy steps at 7.1e-3 (loss) and 8.9e-3 (weights), the CPU's at 2e-7, and --deterministic
+    alone left it unchanged; the strict run says how much of the floor TF32 convolutions make."""
     from opencood_ddp.distributed.devices import SHARE_GPUS_VARIABLE
     from opencood_ddp.distributed.env import environ_without_launcher
 
@@ -327,7 +336,8 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path) -> t
         environ["CUDA_VISIBLE_DEVICES"] = ""
     command = [sys.executable, REPO / "tools" / "parity_check.py", "--hypes_yaml",
                REPO / "hypes_yaml" / f"{config}.yaml", "--world_sizes", "2", "--steps", "4",
-               "--train_args", "--dist_backend gloo", "--work_dir", work / "parity", "--timeout", "600"]
+               "--train_args", f"--dist_backend gloo {PARITY_KERNELS[kernels]}", "--work_dir",
+               work / f"parity_{kernels}", "--timeout", "600"]
     for override in _splits(data)[1::2]:
         command += ["--set", override]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=environ, cwd=REPO,
@@ -335,9 +345,9 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path) -> t
     if result.returncode != 0:
         raise RuntimeError(f"parity_check exit {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}")
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
-    world2 = next((line for line in lines if line.startswith("world2 ")), "")
-    return (f"2 processes sharing {device} follow 1: {' '.join(world2.split())} (loss gap, weight gap, verdict)",
-            {"report": lines[-8:]})
+    rows = [" ".join(line.split()) for line in lines if line.startswith(("world2 ", "world1_reversed "))]
+    return (f"2 processes sharing {device} follow 1 ({kernels} kernels): {'; '.join(rows)} (samples/s, loss gap, "
+            f"weight gap, verdict)", {"report": lines[-8:]})
 
 
 def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, dict]:
@@ -415,28 +425,35 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         device = with_index(device, torch.cuda.current_device())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    machine = environment(device)
+    checks: list[Check] = []
+
+    def record(check: Check) -> None:
+        # The report is rewritten after every check, so a run cut short by a time limit keeps what it measured.
+        checks.append(check)
+        write_report(out, machine, checks)
+
     data = ensure_data(args, out)
-    checks = [timed("device", lambda: check_device(device)),
-              timed("process_group", lambda: check_process_group(device)),
-              timed("sync_batchnorm", lambda: check_sync_batchnorm(device)),
-              timed("spconv", lambda: check_spconv(device))]
+    record(timed("device", lambda: check_device(device)))
+    record(timed("process_group", lambda: check_process_group(device)))
+    record(timed("sync_batchnorm", lambda: check_sync_batchnorm(device)))
+    record(timed("spconv", lambda: check_spconv(device)))
     with tempfile.TemporaryDirectory(dir=out) as folder:
         work = Path(folder)
         for config in [*args.configs, *args.full_size]:
             for precision in args.precisions:
-                checks.append(timed(f"train {config} {precision}", lambda c=config, p=precision: check_training(
+                record(timed(f"train {config} {precision}", lambda c=config, p=precision: check_training(
                     c, p, device, data, work)))
         trained = [c for c in checks if c.name.startswith("train ") and c.status == "ok"]
         if trained:
             weights = Path(trained[0].figures["weights"])
-            checks.append(timed("cpu_weights", lambda: check_cpu_weights(weights)))
+            record(timed("cpu_weights", lambda: check_cpu_weights(weights)))
         if args.parity_config != "none":
-            checks.append(timed(f"parity {args.parity_config}", lambda: check_parity(
-                args.parity_config, device, data, work)))
+            for kernels in args.parity_kernels:
+                record(timed(f"parity {args.parity_config} {kernels}", lambda k=kernels: check_parity(
+                    args.parity_config, device, data, work, k)))
     if args.planner_config != "none":
-        checks.append(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device,
-                                                                                     data)))
-    write_report(out, environment(device), checks)
+        record(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device, data)))
     return checks
 
 

@@ -63,6 +63,8 @@ class LoopOptions:
     sync_bn: bool = True  # --no_sync_bn clears it
     max_steps: Optional[int] = None
     reverse_batch_order: bool = False
+    deterministic: bool = False
+    tf32: bool = True  # torch's default: cuDNN's float32 convolutions may use TF32 on Ampere and later; --no_tf32
     on_nonfinite: NonfinitePolicy = "stop"
     max_skips_in_a_row: int = 10
     max_skip_share: float = 0.1
@@ -191,6 +193,13 @@ def add_loop_arguments(parser: Any) -> None:
     parser.add_argument("--reverse_batch_order", action="store_true",
                         help="feed each batch's samples in reverse order: the same training in exact arithmetic, "
                              "another float summation order (the noise floor of tools/parity_check.py)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms: CUDA kernels without atomics, so that a GPU run "
+                             "repeats bit for bit (slower; an op with no such kernel stops the run and names it). "
+                             "with --no_tf32, a GPU run's noise floor is the float32 one (tools/parity_check.py)")
+    parser.add_argument("--no_tf32", dest="tf32", action="store_false",
+                        help="float32 convolutions and matrix products in IEEE float32 on Ampere and later GPUs: "
+                             "torch lets cuDNN's convolutions round to TF32 (10-bit mantissa) by default")
     parser.add_argument("--on_nonfinite", choices=NONFINITE_POLICIES, default=LoopOptions.on_nonfinite,
                         help="a non-finite loss or gradient on any rank: stop (save the state before the step, "
                              "exit 3) or skip the step on every rank")

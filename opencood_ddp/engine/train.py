@@ -11,10 +11,11 @@ three files: the tool, `main`, `Trainer.fit`, `Trainer.steps`, `Trainer._train_s
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ from opencood_ddp.engine.inference import EvalBuilder, evaluate_checkpoint
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.engine.hooks import default_hooks
 from opencood_ddp.engine.logs import attach_log_file, get_logger
-from opencood_ddp.engine.options import BatchOptions, TrainOptions, parse_train_options
+from opencood_ddp.engine.options import BatchOptions, LoopOptions, TrainOptions, parse_train_options
 from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import claim_run, decide_run, release_run_dir, remove_if_nothing_saved
 from opencood_ddp.engine.task import TaskBuilder
@@ -81,6 +82,44 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
+def kernel_settings(loop: LoopOptions) -> Iterator[None]:
+    """--deterministic and --no_tf32, for the run and restored after it (gpu_check runs several trainings in one
+    process). cuBLAS reads its workspace setting when it makes its first handle: set before the model is built."""
+    deterministic, tf32 = torch.are_deterministic_algorithms_enabled(), tf32_flags()
+    if loop.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    if not loop.tf32:
+        set_tf32_flags(IEEE_FLAGS if _PER_OPERATOR_TF32 else (False, False))
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        set_tf32_flags(tf32)
+
+
+# torch 2.9 and later set TF32 per operator ('tf32' / 'ieee') and refuse to mix that with the old global flags
+# (allow_tf32), so the old flags serve only where the new ones do not exist. torch's default lets cuDNN's float32
+# convolutions round to TF32 and keeps matrix products in IEEE float32.
+_PER_OPERATOR_TF32 = hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
+IEEE_FLAGS = ("ieee", "ieee")
+
+
+def tf32_flags() -> tuple:
+    """(cuDNN convolutions, matrix products): their fp32_precision, or on older torch their allow_tf32."""
+    if _PER_OPERATOR_TF32:
+        return torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision
+    return torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+
+
+def set_tf32_flags(flags: tuple) -> None:
+    if _PER_OPERATOR_TF32:
+        torch.backends.cudnn.conv.fp32_precision, torch.backends.cuda.matmul.fp32_precision = flags
+    else:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = flags
+
+
 def describe_devices(entries: Sequence[tuple[str, str]]) -> str:
     """Every rank's (host, device), grouped by host: 'node1 [cuda:0 cuda:1], node2 [cuda:0 cuda:1]'."""
     hosts: dict[str, list[str]] = {}
@@ -124,7 +163,7 @@ def plan_final_evaluation(options: TrainOptions, hypes: dict,
 def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Optional[EvalBuilder] = None) -> int:
     """tools/train_ddp.py: the recipe, top to bottom (module docstring); the exit code."""
     options = parse_train_options(argv)
-    with DistributedRun(options.process) as run:
+    with DistributedRun(options.process) as run, kernel_settings(options.loop):
         env = run.env
         if options.loop.max_steps is not None and options.loop.max_steps < 1:
             raise ConfigError(f"--max_steps {options.loop.max_steps}: give a positive number of optimizer steps")
