@@ -27,13 +27,17 @@ PINS = REPO / "tools" / "ci" / "pins.py"
     ("12.4", "3.12", "spconv-cu124==2.3.8"),
     ("12.6", "3.11", "spconv-cu126==2.3.8"),
     ("12.8", "3.12", "spconv-cu126==2.3.8"),
-    ("13.0", "3.12", "spconv==2.3.8"),  # no CUDA 13 build: the CPU wheel, and the note says what that costs
+    ("13.0", "3.12", "spconv-cu126==2.3.8"),  # no CUDA 13 build: a CUDA 13 driver runs cu126 (run on an H200)
+    ("13.0", "3.11", "spconv-cu126==2.3.8"),
+    ("11.7", "3.11", "spconv==2.3.8"),  # older than every CUDA build: the CPU wheel, and the note says what it costs
 ])
 def test_spconv_wheel_follows_torch_cuda_and_python(cuda, python, expected):
     requirement, note = pins.spconv_requirement(cuda, python)
     assert requirement == expected
     if cuda == "13.0":
-        assert "SECOND" in note and "cannot run on the GPU" in note
+        assert "no CUDA 13 build" in note, note
+    if cuda == "11.7":
+        assert "SECOND" in note and "cannot run on the GPU" in note, note
 
 
 def test_every_table_entry_is_checked_for_the_pythons_it_serves():
@@ -51,6 +55,7 @@ def test_every_table_entry_is_checked_for_the_pythons_it_serves():
     ("12.4", (2, 17), "spconv-cu121==2.3.8"),
     ("12.1", (2, 17), "spconv-cu121==2.3.8"),  # cu118, cu120, cu121 and the CPU wheel are manylinux2014
     ("11.8", (2, 17), "spconv-cu118==2.3.8"),
+    ("13.0", (2, 17), "spconv-cu121==2.3.8"),
 ])
 def test_spconv_wheel_installs_on_the_machines_glibc(cuda, glibc, expected):
     requirement, note = pins.spconv_requirement(cuda, "3.11", glibc)

@@ -58,6 +58,8 @@ def spconv_requirement(cuda: Optional[str], python: str = PYTHONS[0],
                 f"the PointPillar models work, SECOND (sparse 3-D convolutions) cannot run on the GPU")
     name, version, _, _ = SPCONV_CUDA[build]
     note = f"CUDA {cuda}, Python {python}: {name} {version} (a CUDA {build[0]}.{build[1]} build)"
+    if build[0] < major:
+        note += f"; spconv publishes no CUDA {major} build, and a CUDA {major} driver runs this one"
     preferred = _newest_build(major, minor, python, None)
     if preferred != build:
         wanted, _, _, needs = SPCONV_CUDA[preferred]
@@ -70,9 +72,11 @@ def _newest_build(major: int, minor: int, python: str, glibc: Optional[Tuple[int
     """The SPCONV_CUDA key to use for a torch of CUDA major.minor, or None when no CUDA build fits."""
     usable = [key for key, (_, _, pythons, needs) in SPCONV_CUDA.items()
               if python in pythons and key <= (major, minor) and (glibc is None or glibc >= needs)]
-    same_major = [key for key in usable if key[0] == major]
-    # Only CUDA 12.0 on Python 3.12 has no build of its own major: a CUDA 12 driver runs the 11.8 build.
-    return max(same_major) if same_major else (max(usable) if major == 12 and usable else None)
+    # The newest build at or below torch's CUDA, also of an older major: a driver runs the kernels of every older
+    # CUDA. CUDA 12.0 on Python 3.12 takes the 11.8 build; CUDA 13, for which spconv publishes no build, takes
+    # cu126, which gpu_check ran on an H200 beside torch 2.11+cu130 (SECOND trained, resumed and evaluated in
+    # fp32, fp16 and bf16; docs/benchmarks.md).
+    return max(usable) if usable else None
 
 
 def machine_glibc() -> Optional[Tuple[int, int]]:
