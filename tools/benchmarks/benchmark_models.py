@@ -88,7 +88,9 @@ def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
     memory = PeakMemory(device)
     memory.start()
     times = [step() for _ in range(args.repeats)]
-    peak = memory.growth()
+    # CUDA: the high-water mark of tensors (weights, batch, activations, gradients); the growth of the reserved
+    # bytes is 0 once the warm-up step has filled the caching allocator. CPU: the resident set's growth.
+    peak = memory.peak_allocated() if device.type == "cuda" else memory.growth()
     scatter = getattr(task.model, "scatter", None)  # the pillar models' BEV grid; SECOND has none
     return {"config": config, "device": str(device), "half": args.half, "batch_size": args.batch_size,
             "grid": f"{scatter.nx} x {scatter.ny}" if scatter is not None else "-",
