@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import io
 import json
 import os
@@ -254,6 +255,11 @@ class Peak:
         self.meter = PeakMemory(device)
 
     def __enter__(self):
+        if self.meter.device.type == "cuda":
+            # The caching allocator keeps what the previous check's run reserved: without this, the reserved peak
+            # of each check included its predecessors' (the first H200 run's column only ever grew).
+            gc.collect()
+            torch.cuda.empty_cache()
         self.meter.start()
         return self
 
