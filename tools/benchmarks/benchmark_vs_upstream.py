@@ -1,0 +1,387 @@
+#!/usr/bin/env python
+"""One training step of our model against upstream OpenCOOD's class, on the same batch and the same weights.
+
+Usage: python tools/benchmarks/benchmark_vs_upstream.py --upstream OPENCOOD_CHECKOUT
+                                        [--configs point_pillar_v2vnet ...] [--threads 1 2] [--repeats 3]
+                                        [--batch-size 2] [--data data/toy_opv2v_small] [--profile]
+
+For each full-size OPV2V config (hypes_yaml/opv2v/NAME.yaml) and each thread count, a fresh subprocess builds
+our task as tools/benchmarks/benchmark_models.py does (a real collated training batch read from the toy world)
+and upstream's model and loss classes from the checkout DIR (its ``opencood/models/<model.core_method>.py`` and
+``opencood/loss/<loss.core_method>.py``, built from the same hypes' args; its own dependencies installed:
+einops, spconv for SECOND). Our weights are loaded into upstream's model with ``strict=True``, and upstream's
+back into ours, so both hold the same parameters and buffers; a name that differs is reported.
+
+Before timing, both models run the batch in eval mode and the largest absolute difference of each head they
+share (psm, rm) is printed: the timings compare the same computation only where that is small. Then one
+training step per side: zero_grad, forward, loss, backward, ``optimizer.step`` (the hypes' optimizer, built for
+each side alike). One warm-up step each, then ``--repeats`` steps of ours and upstream's taking turns (who goes
+first alternates, so a change in the machine's load falls on both); the medians are reported.
+
+``--profile`` adds torch.profiler (CPU) on one more step of each side: the top entries by self CPU time, and the
+forward time of each top-level submodule (the two models share their submodule names) and of the step's phases.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import importlib
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ["point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
+           "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt",
+           "point_pillar_where2comm", "second_intermediate_fusion"]
+HEADS = ("psm", "rm")  # the detection heads every model returns; the loss reads only these
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--upstream", metavar="DIR", help="a checkout of upstream OpenCOOD (required to run)")
+    parser.add_argument("--configs", nargs="+", default=CONFIGS, help="names under hypes_yaml/opv2v/, no .yaml")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="torch.set_num_threads values")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per side; the median is reported")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--data", default="data/toy_opv2v_small", help="toy OPV2V root (small scale, generated "
+                                                                       "when absent)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one step per side: top ops by self CPU time, forward per submodule")
+    parser.add_argument("--profile-rows", type=int, default=12, help="ops listed per side with --profile")
+    parser.add_argument("--json", metavar="PATH", help="also write every result (steps, agreement, profile) here")
+    parser.add_argument("--one", nargs=2, metavar=("CONFIG", "THREADS"), help=argparse.SUPPRESS)  # internal
+    return parser.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------- the two sides
+def load_ours(config: str, data: Path, batch_size: int):
+    """Our hypes, task and one collated training batch: the reading of benchmark_models.py."""
+    from opencood_ddp.tasks.opencood import build_task
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
+
+    overrides = [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / "opv2v" / f"{config}.yaml", overrides)
+    hypes["train_params"]["seed"] = 0
+    task = build_task(hypes, for_training=True)
+    batch = task.collate_train([task.train_set[i] for i in range(batch_size)])
+    return hypes, task, batch
+
+
+def upstream_class(checkout: str, package: str, core_method: str) -> type:
+    """The class upstream's train_utils would pick for ``core_method``: in module ``package.core_method``, the
+    one whose lower-cased name is the method's without underscores (point_pillar_v2vnet -> PointPillarV2VNet)."""
+    root = str(Path(checkout).resolve())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    try:
+        module = importlib.import_module(f"opencood.{package}.{core_method}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "opencood":
+            raise SystemExit(f"error: {checkout} has no opencood/{package}/{core_method}.py") from None
+        raise SystemExit(f"error: upstream's opencood.{package}.{core_method} needs the package {exc.name!r}; "
+                         f"install it into this venv (pip install {exc.name}==VERSION)") from None
+    wanted = core_method.replace("_", "").lower()
+    for name, obj in vars(module).items():
+        if isinstance(obj, type) and name.lower() == wanted:
+            return obj
+    raise SystemExit(f"error: upstream's opencood/{package}/{core_method}.py has no class named like {wanted}")
+
+
+def upstream_model_args(args: Any) -> Any:
+    """A copy of model.args in the form upstream's yaml parsers leave them: ``grid_size`` (ours: a list) is a
+    numpy int64 array there, and SECOND's sparse backbone relies on it (``grid_size[::-1] + [1, 0, 0]`` adds
+    element-wise; on a list it would concatenate). The copy also keeps constructors that edit their args off
+    our hypes."""
+    if isinstance(args, dict):
+        return {key: np.asarray(value, dtype=np.int64) if key == "grid_size" else upstream_model_args(value)
+                for key, value in args.items()}
+    return copy.deepcopy(args)
+
+
+def build_upstream(checkout: str, hypes: Mapping) -> Tuple[torch.nn.Module, torch.nn.Module]:
+    """Upstream's model and loss, built from the hypes' model.args and loss.args."""
+    model_cls = upstream_class(checkout, "models", hypes["model"]["core_method"])
+    loss_cls = upstream_class(checkout, "loss", hypes["loss"]["core_method"])
+    return model_cls(upstream_model_args(hypes["model"]["args"])), loss_cls(copy.deepcopy(hypes["loss"]["args"]))
+
+
+def share_weights(ours: torch.nn.Module, theirs: torch.nn.Module) -> str:
+    """Our state dict into upstream's model, then upstream's back into ours, both strict: "same" when every
+    name and shape matches, else what differs (upstream's model then keeps the weights that did load)."""
+    state = ours.state_dict()
+    result = theirs.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        return (f"names differ: upstream lacks {list(result.unexpected_keys)[:6]}, "
+                f"ours lacks {list(result.missing_keys)[:6]}")
+    theirs.load_state_dict(state, strict=True)  # shapes too: raises on a mismatch
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    return "same"
+
+
+def upstream_input(ego: Mapping[str, Any]) -> Dict[str, Any]:
+    """Upstream's ``batch['ego']`` from ours. Our collate writes upstream's keys, shapes and dtypes for every
+    key its models read (processed_lidar, record_len, pairwise_t_matrix, spatial_correction_matrix,
+    prior_encoding, label_dict), so the dict is passed as is; a shallow copy keeps upstream's models, some of
+    which add keys to the dict they are given, from touching ours."""
+    return dict(ego)
+
+
+# ------------------------------------------------------------------------------------------- agreement
+def forward_agreement(ours, theirs, ego, upstream_ego) -> Dict[str, float]:
+    """Max |ours - upstream's| of each head, eval mode (running statistics, no dropout): the same function."""
+    ours.eval(), theirs.eval()
+    with torch.no_grad():
+        a, b = ours(ego), theirs(upstream_ego)
+    ours.train(), theirs.train()
+    diffs = {}
+    for head in HEADS:
+        if head in a and head in b and a[head].shape == b[head].shape:
+            diffs[head] = float((a[head].double() - b[head].double()).abs().max())
+            diffs[f"{head}_scale"] = float(a[head].double().abs().max())
+        else:
+            diffs[head] = float("nan")
+    return diffs
+
+
+# ------------------------------------------------------------------------------------------- timing
+def training_step(model, optimizer, forward_loss: Callable[[], torch.Tensor]) -> Tuple[float, float]:
+    """(seconds, loss) of zero_grad, forward, loss, backward and optimizer step, as upstream's train.py does."""
+    start = time.perf_counter()
+    model.zero_grad(set_to_none=True)
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_loss()
+    loss.backward()
+    optimizer.step()
+    return time.perf_counter() - start, float(loss.detach())
+
+
+def make_sides(hypes, task, batch, theirs, their_loss) -> Dict[str, Tuple[torch.nn.Module, Any, Callable]]:
+    """name -> (model, optimizer, forward+loss): each side's optimizer is the hypes' one over its trainable
+    parameters (upstream's setup_optimizer filters on requires_grad)."""
+    from opencood_ddp.engine.optim import build_optimizer
+
+    ours, ego = task.model, batch["ego"]
+    upstream_ego = upstream_input(ego)
+    lr = float(hypes["optimizer"]["lr"])
+
+    def optimizer(model):
+        return build_optimizer(hypes, [p for p in model.parameters() if p.requires_grad], lr)
+
+    return {"ours": (ours, optimizer(ours), lambda: task.step(ours, batch).total),
+            "upstream": (theirs, optimizer(theirs),
+                         lambda: their_loss(theirs(upstream_ego), upstream_ego["label_dict"]))}
+
+
+def time_sides(sides, repeats: int) -> Dict[str, Any]:
+    """One warm-up step each (allocator, spconv's first call), then the sides in turns, who goes first
+    alternating from round to round. Returns the median seconds and the warm-up step's loss of each."""
+    warm = {}
+    for name, side in sides.items():
+        # The same seeds before each side's first step: the losses of a model that draws random numbers in
+        # training (dropout; Where2comm's share of cells sent, from Python's random) can then agree where the
+        # two sides draw in the same order.
+        random.seed(0), torch.manual_seed(0)
+        warm[name] = training_step(*side)[1]
+    times: Dict[str, List[float]] = {name: [] for name in sides}
+    order = list(sides)
+    for round_ in range(repeats):
+        for name in (order if round_ % 2 == 0 else order[::-1]):
+            times[name].append(training_step(*sides[name])[0])
+    return {"seconds": {name: statistics.median(t) for name, t in times.items()}, "all": times,
+            "first_loss": warm}
+
+
+# ------------------------------------------------------------------------------------------- profile
+@contextlib.contextmanager
+def submodule_ranges(model: torch.nn.Module):
+    """Profiler ranges named ``module::NAME`` around each top-level submodule's forward, so that the forward
+    time of pillar_vfe, backbone, fusion_net, ... (names both sides share) is read off the profile."""
+    from torch.autograd.profiler import record_function
+
+    open_ranges: Dict[str, Any] = {}
+
+    def enter(name):
+        def hook(_module, _inputs):
+            open_ranges[name] = record_function(f"module::{name}")
+            open_ranges[name].__enter__()
+        return hook
+
+    def leave(name):
+        def hook(_module, _inputs, _output):
+            open_ranges.pop(name).__exit__(None, None, None)
+        return hook
+
+    handles = []
+    for name, child in model.named_children():
+        handles += [child.register_forward_pre_hook(enter(name)), child.register_forward_hook(leave(name))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def profiled_step(model, optimizer, forward_loss) -> Any:
+    """One training step under the CPU profiler, its phases marked (``step::forward+loss``, ``step::backward``,
+    ``step::optimizer``); returns the profiler's key averages."""
+    from torch.autograd.profiler import record_function
+    from torch.profiler import ProfilerActivity, profile
+
+    with submodule_ranges(model), profile(activities=[ProfilerActivity.CPU]) as prof:
+        model.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
+        with record_function("step::forward+loss"):
+            loss = forward_loss()
+        with record_function("step::backward"):
+            loss.backward()
+        with record_function("step::optimizer"):
+            optimizer.step()
+    return prof.key_averages()
+
+
+def profile_report(averages, rows: int) -> Dict[str, Any]:
+    """The top ``rows`` ops by self CPU time (ms, calls) and the ms of each marked range (total CPU time)."""
+    ops = [event for event in averages if not event.key.startswith(("module::", "step::"))]
+    ops.sort(key=lambda event: event.self_cpu_time_total, reverse=True)
+    total = sum(event.self_cpu_time_total for event in ops)
+    top = [(event.key, event.self_cpu_time_total / 1e3, event.count) for event in ops[:rows]]
+    ranges = {event.key: event.cpu_time_total / 1e3 for event in averages
+              if event.key.startswith(("module::", "step::"))}
+    return {"top": top, "self_total_ms": total / 1e3, "ranges": ranges}
+
+
+# ------------------------------------------------------------------------------------------- one config
+def run_one(config: str, threads: int, args: argparse.Namespace) -> Dict[str, Any]:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    hypes, task, batch = load_ours(config, Path(args.data), args.batch_size)
+    theirs, their_loss = build_upstream(args.upstream, hypes)
+    weights = share_weights(task.model, theirs)
+    ego = batch["ego"]
+    agreement = forward_agreement(task.model, theirs, ego, upstream_input(ego))
+    sides = make_sides(hypes, task, batch, theirs, their_loss)
+    timing = time_sides(sides, args.repeats)
+    result = {"config": config, "threads": torch.get_num_threads(), "weights": weights, "agreement": agreement,
+              "cavs": int(ego["record_len"].sum()) if "record_len" in ego else args.batch_size,
+              "parameters": sum(p.numel() for p in task.model.parameters()), **timing}
+    if args.profile:
+        result["profile"] = {name: profile_report(profiled_step(*side), args.profile_rows)
+                             for name, side in sides.items()}
+    return result
+
+
+# ------------------------------------------------------------------------------------------- driver
+def ensure_data(data: Path) -> None:
+    if not (data / "toy_manifest.yaml").is_file():
+        from opencood_ddp.toy.writer import generate_toy_opv2v
+
+        print(f"generating the small toy world in {data} ...", flush=True)
+        generate_toy_opv2v(data, seed=0, scale="small")
+
+
+def run_subprocess(config: str, threads: int, argv: Sequence[str]) -> Optional[Dict[str, Any]]:
+    """One config at one thread count in a fresh process: torch's thread pool is set once, before any op, and
+    one model's allocations and caches do not carry into the next's."""
+    command = [sys.executable, __file__, "--one", config, str(threads)] + list(argv)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        print(f"{config} ({threads} threads): failed\n{done.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def passthrough(argv: Sequence[str], args: argparse.Namespace) -> List[str]:
+    """The command line less --configs and --threads with their values (the subprocess gets one of each)."""
+    kept, skip = [], False
+    for arg in argv:
+        if arg in ("--configs", "--threads"):
+            skip = True
+        elif arg.startswith("--"):
+            skip = False
+        if not skip:
+            kept.append(arg)
+    return kept
+
+
+def format_row(r: Mapping[str, Any]) -> str:
+    ours, theirs = r["seconds"]["ours"], r["seconds"]["upstream"]
+    return f"| {r['config']} | {r['threads']} | {ours:.3f} | {theirs:.3f} | {theirs / ours:.2f} |"
+
+
+def steps_row(r: Mapping[str, Any]) -> str:
+    cells = [", ".join(f"{t:.3f}" for t in r["all"][side]) for side in ("ours", "upstream")]
+    return f"| {r['config']} | {r['threads']} | {cells[0]} | {cells[1]} |"
+
+
+def agreement_row(r: Mapping[str, Any]) -> str:
+    a, loss = r["agreement"], r["first_loss"]
+    heads = " | ".join(f"{a[h]:.2e} (of {a.get(h + '_scale', float('nan')):.2e})" for h in HEADS)
+    return (f"| {r['config']} | {r['weights']} | {heads} | {loss['ours']:.6f} | {loss['upstream']:.6f} |")
+
+
+def print_profile(r: Mapping[str, Any]) -> None:
+    print(f"\n### {r['config']}, {r['threads']} thread(s): one training step under torch.profiler (CPU)")
+    for name in ("ours", "upstream"):
+        p = r["profile"][name]
+        print(f"\n{name}: self CPU total {p['self_total_ms']:.0f} ms; top ops by self CPU time")
+        print("| op | self CPU ms | calls |\n|---|---:|---:|")
+        for key, ms, count in p["top"]:
+            print(f"| {key} | {ms:.1f} | {count} |")
+    names = sorted(set(r["profile"]["ours"]["ranges"]) | set(r["profile"]["upstream"]["ranges"]),
+                   key=lambda key: (not key.startswith("step::"), key))
+    print("\nranges (total CPU ms; module:: is the forward of a top-level submodule)")
+    print("| range | ours | upstream |\n|---|---:|---:|")
+    for key in names:
+        cells = [r["profile"][side]["ranges"].get(key) for side in ("ours", "upstream")]
+        print(f"| {key} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells) + " |")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if not args.upstream:
+        raise SystemExit("error: --upstream DIR (a checkout of upstream OpenCOOD) is required")
+    if args.one:
+        print(json.dumps(run_one(args.one[0], int(args.one[1]), args)))
+        return 0
+    ensure_data(Path(args.data))
+    print(f"# {platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}, batch {args.batch_size}, "
+          f"median of {args.repeats} training steps per side, the sides in turns")
+    print("| config | threads | ours s | upstream s | upstream ÷ ours |\n|---|---:|---:|---:|---:|")
+    results = []
+    for config in args.configs:
+        for threads in args.threads:
+            result = run_subprocess(config, threads, passthrough(argv, args))
+            if result is not None:
+                results.append(result)
+                print(format_row(result), flush=True)
+    print("\nevery timed step, in the order run (s): the spread says how far the machine's load moved the medians")
+    print("| config | threads | ours | upstream |\n|---|---:|---|---|")
+    for result in results:
+        print(steps_row(result))
+    print("\nforward agreement, eval mode, same weights: max |ours - upstream| (of max |ours|), and the loss of "
+          "the first training step")
+    print("| config | weights | psm | rm | loss ours | loss upstream |\n|---|---|---:|---:|---:|---:|")
+    for result in [r for r in results if r["threads"] == min(args.threads)]:
+        print(agreement_row(result))
+    for result in [r for r in results if "profile" in r]:
+        print_profile(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
