@@ -297,7 +297,9 @@ def run_subprocess(config: str, threads: int, argv: Sequence[str]) -> Optional[D
     command = [sys.executable, __file__, "--one", config, str(threads)] + list(argv)
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
-        print(f"{config} ({threads} threads): failed\n{done.stderr[-3000:]}", file=sys.stderr, flush=True)
+        # A negative code is a signal: -9 is most often the kernel's out-of-memory killer (two models train here).
+        print(f"{config} ({threads} threads): failed, exit code {done.returncode}\n{done.stderr[-3000:]}",
+              file=sys.stderr, flush=True)
         return None
     return json.loads(done.stdout.strip().splitlines()[-1])
 
