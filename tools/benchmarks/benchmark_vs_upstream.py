@@ -3,7 +3,7 @@
 
 Usage: python tools/benchmarks/benchmark_vs_upstream.py --upstream OPENCOOD_CHECKOUT
                                         [--configs point_pillar_v2vnet ...] [--threads 1 2] [--repeats 3]
-                                        [--batch-size 2] [--data data/toy_opv2v_small] [--profile]
+                                        [--batch-size 2] [--data data/toy_opv2v_small] [--profile] [--json PATH]
 
 For each full-size OPV2V config (hypes_yaml/opv2v/NAME.yaml) and each thread count, a fresh subprocess builds
 our task as tools/benchmarks/benchmark_models.py does (a real collated training batch read from the toy world)
@@ -17,6 +17,11 @@ share (psm, rm) is printed: the timings compare the same computation only where 
 training step per side: zero_grad, forward, loss, backward, ``optimizer.step`` (the hypes' optimizer, built for
 each side alike). One warm-up step each, then ``--repeats`` steps of ours and upstream's taking turns (who goes
 first alternates, so a change in the machine's load falls on both); the medians are reported.
+
+SECOND: our model patches spconv's CPU ops when it loads spconv (models/modules/spconv_compat.py: the backward's
+CUDA-stream query, the racy scatter-add), and the patch is process-wide, so upstream's class runs on the patched
+spconv too: the comparison is of the two models, not of the two spconv paths. Its process holds both full-size
+models' training state, about 20 GB resident here.
 
 ``--profile`` adds torch.profiler (CPU) on one more step of each side: the top entries by self CPU time, and the
 forward time of each top-level submodule (the two models share their submodule names) and of the step's phases.
