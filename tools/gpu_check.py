@@ -52,6 +52,7 @@ TOY_CONFIGS = [f"toy/{name}" for name in (
     "point_pillar_where2comm", "second_intermediate_fusion")]
 FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
 PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
+PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}  # training flags of each parity run
 SPARSE_CONFIGS = ("second",)  # configs that need spconv's kernels on the device
 
 
@@ -78,7 +79,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--precisions", nargs="+", choices=sorted(PRECISIONS), default=list(PRECISIONS))
     parser.add_argument("--parity_config", default="toy/point_pillar_intermediate_fusion",
                         help="config of the 2-process parity check ('none': leave it out)")
-    parser.add_argument("--parity_kernels", nargs="+", choices=("default", "strict"), default=["default", "strict"],
+    parser.add_argument("--parity_kernels", nargs="+", choices=list(PARITY_KERNELS), default=list(PARITY_KERNELS),
                         help="parity with torch's default kernels, and with --deterministic --no_tf32 (strict)")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--scale", choices=("small", "demo"), default="small",
@@ -323,9 +324,6 @@ def check_cpu_weights(weights: Path) -> tuple[str, dict]:
     if result.returncode != 0:
         raise RuntimeError(f"{weights} does not open without a GPU:\n{result.stderr[-1500:]}")
     return f"{weights.name} opens without map_location on a process without GPU: {result.stdout.strip()}", {}
-
-
-PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}
 
 
 def check_parity(config: str, device: torch.device, data: Path, work: Path, kernels: str) -> tuple[str, dict]:

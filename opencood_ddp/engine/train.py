@@ -91,7 +91,7 @@ def kernel_settings(loop: LoopOptions) -> Iterator[None]:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
     if not loop.tf32:
-        set_tf32_flags(IEEE_FLAGS if _PER_OPERATOR_TF32 else (False, False))
+        set_tf32_flags(IEEE_FLAGS)
     try:
         yield
     finally:
@@ -103,7 +103,7 @@ def kernel_settings(loop: LoopOptions) -> Iterator[None]:
 # (allow_tf32), so the old flags serve only where the new ones do not exist. torch's default lets cuDNN's float32
 # convolutions round to TF32 and keeps matrix products in IEEE float32.
 _PER_OPERATOR_TF32 = hasattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision")
-IEEE_FLAGS = ("ieee", "ieee")
+IEEE_FLAGS = ("ieee", "ieee") if _PER_OPERATOR_TF32 else (False, False)  # tf32_flags()'s value under --no_tf32
 
 
 def tf32_flags() -> tuple:

@@ -59,7 +59,9 @@ def spconv_requirement(cuda: Optional[str], python: str = PYTHONS[0],
     name, version, _, _ = SPCONV_CUDA[build]
     note = f"CUDA {cuda}, Python {python}: {name} {version} (a CUDA {build[0]}.{build[1]} build)"
     if build[0] < major:
-        note += f"; spconv publishes no CUDA {major} build, and a CUDA {major} driver runs this one"
+        # CUDA 13 (no build at all), CUDA 12.0 on Python 3.12 (cu120 has no 3.12 wheel; cu121 needs a 12.1 driver)
+        note += (f"; spconv publishes no CUDA {major} build at or below {cuda} for Python {python}, and a CUDA "
+                 f"{major} driver runs this one")
     preferred = _newest_build(major, minor, python, None)
     if preferred != build:
         wanted, _, _, needs = SPCONV_CUDA[preferred]
