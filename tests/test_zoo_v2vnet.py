@@ -16,7 +16,7 @@ from zoo import (REPO, assert_forward_backward, assert_key_error, hypes_of, lone
                  toy_batch)
 
 from opencood_ddp.models import create_model
-from opencood_ddp.models.modules.v2vnet import V2VNetFusion, pairwise_affines, warp_all_pairs
+from opencood_ddp.models.modules.v2vnet import V2VNetFusion, field_of_view, pairwise_affines, warp_all_pairs
 
 CORE = "point_pillar_v2vnet"
 OPV2V = REPO / "hypes_yaml" / "opv2v" / "point_pillar_v2vnet.yaml"
@@ -143,3 +143,83 @@ def test_with_temporal_encoding_a_cavs_delay_changes_the_ego_output_and_every_pa
     out = task.step(model, batch)
     out.total.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+# ------------------------------------------------------------------- the rearranged arithmetic, in float64
+def plain_fusion(fusion: V2VNetFusion, x: torch.Tensor, record_len: torch.Tensor,
+                 pairwise: torch.Tensor) -> torch.Tensor:
+    """The message passing as the docstring states it: every pair's [warped j, own i] through msg_cnn, masked by
+    j's coverage (a warped map of ones), averaged or max-ed over j, and the full ConvGRU cell from a zero state."""
+    h, w = x.shape[-2:]
+    thetas = pairwise_affines(pairwise, fusion.lidar_range)
+    egos = []
+    for b, nodes in enumerate(torch.split(x, record_len.tolist())):
+        n, c = nodes.shape[:2]
+        theta = thetas[b, :n, :n]
+        mask = field_of_view(theta, h, w)
+        for _ in range(fusion.num_iteration):
+            warped = warp_all_pairs(nodes, theta)
+            pairs = torch.cat([warped, nodes.unsqueeze(1).expand(n, n, c, h, w)], dim=2)
+            messages = fusion.msg_cnn(pairs.reshape(n * n, 2 * c, h, w)).view(n, n, c, h, w) * mask
+            aggregate = messages.mean(dim=1) if fusion.aggregation == "avg" else messages.max(dim=1).values
+            state = torch.cat([nodes, aggregate], dim=1)
+            for cell in fusion.conv_gru.cell_list:
+                state = cell(state, state.new_zeros(n, cell.hidden_dim, h, w))
+            nodes = state
+        egos.append(nodes[0])
+    fused = torch.stack(egos)
+    return fusion.mlp(fused.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def turned(count: int, angles, shifts) -> torch.Tensor:
+    """(1, count, count, 4, 4): CAV k at yaw angles[k] and x offset shifts[k]; [i, j] takes i's frame to j's."""
+    poses = []
+    for angle, shift in zip(angles, shifts):
+        pose = torch.eye(4, dtype=torch.float64)
+        pose[0, 0] = pose[1, 1] = math.cos(angle)
+        pose[0, 1], pose[1, 0] = -math.sin(angle), math.sin(angle)
+        pose[0, 3] = shift
+        poses.append(pose)
+    return torch.stack([torch.stack([torch.linalg.inv(poses[j]) @ poses[i] for j in range(count)])
+                        for i in range(count)]).unsqueeze(0)
+
+
+@pytest.mark.parametrize("aggregation", ["avg", "max"])
+@pytest.mark.parametrize("transforms", ["identity", "turned", "mixed"])
+def test_fusion_equals_the_plain_message_passing_in_float64(aggregation, transforms):
+    """Outputs, the input's gradient and every parameter's gradient equal the plain form's to float64 rounding,
+    on the identity path (proj_first), the warped path, and a batch holding one of each."""
+    torch.manual_seed(0)
+    fusion = V2VNetFusion(4, 2, aggregation, [[3, 3], [1, 3]], [-8, -4, -3, 8, 4, 1]).double()
+    eye = torch.eye(4, dtype=torch.float64).repeat(1, 3, 3, 1, 1)
+    rotated = turned(3, [0.0, 0.3, -0.5], [0.0, 2.5, -1.0])
+    pairwise = {"identity": torch.cat([eye, eye]), "turned": torch.cat([rotated, rotated]),
+                "mixed": torch.cat([eye, rotated])}[transforms]
+    record_len = torch.tensor([3, 2])
+    x = torch.randn(5, 4, 6, 10, dtype=torch.float64)
+    results = []
+    for forward in (fusion, lambda *a: plain_fusion(fusion, *a)):
+        fusion.zero_grad(set_to_none=True)
+        inputs = x.clone().requires_grad_()
+        out = forward(inputs, record_len, pairwise)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), inputs.grad, {k: p.grad.clone() for k, p in fusion.named_parameters()}))
+    (out, grad, params), (plain_out, plain_grad, plain_params) = results
+    assert torch.allclose(out, plain_out, rtol=0, atol=1e-12)
+    assert torch.allclose(grad, plain_grad, rtol=0, atol=1e-12)
+    for name, value in plain_params.items():
+        assert torch.allclose(params[name], value, rtol=0, atol=1e-12), name
+    if transforms != "identity":
+        assert not torch.allclose(out[1], plain_fusion(fusion, x, record_len, torch.cat([eye, eye]))[1])
+
+
+def test_the_gru_weights_that_meet_the_zero_state_get_an_exact_zero_gradient():
+    """As upstream's: Adam's weight decay moves a parameter with a zero gradient, and not one without."""
+    fusion = V2VNetFusion(4, 1, "avg", [[3, 3]], [-8, -4, -3, 8, 4, 1])
+    fusion(torch.randn(3, 4, 6, 10), torch.tensor([3]), torch.eye(4).repeat(1, 3, 3, 1, 1)).sum().backward()
+    cell = fusion.conv_gru.cell_list[0]
+    assert torch.count_nonzero(cell.conv_gates.weight.grad[:4]) == 0  # the reset gate's rows
+    assert torch.count_nonzero(cell.conv_gates.bias.grad[:4]) == 0
+    assert torch.count_nonzero(cell.conv_gates.weight.grad[:, 8:]) == 0  # the hidden state's columns
+    assert torch.count_nonzero(cell.conv_can.weight.grad[:, 8:]) == 0
+    assert torch.count_nonzero(cell.conv_gates.weight.grad[4:, :8]) > 0

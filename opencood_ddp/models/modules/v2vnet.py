@@ -15,7 +15,13 @@ Departures from upstream (docs/compatibility.md):
   ``conv_gru.H``/``W`` and fails on any other map size (another range or stride).
 - The warp is normalised by ``lidar_range`` (the map covers the whole range), so it is right for any
   stride; with proj_first (upstream's setting) every transform is the identity and so is the warp.
-- The rounds run per sample with every receiver batched, instead of one receiver at a time: the same sums.
+- The arithmetic is rearranged, not changed (tests/test_zoo_v2vnet.py checks it against the plain form in
+  float64). ``msg_cnn`` is linear in [warped j, own i], so the receiver's half is convolved once per receiver
+  and the sender's half once per pair, where upstream convolves the 2C-wide pair n^2 times. When every
+  transform of a sample is the identity (proj_first, upstream's setting), the warp and the coverage mask are
+  the identity and the sender's half is convolved once per CAV. The ConvGRU starts from a zero hidden state, so
+  the hidden half of each convolution's input and the reset gate multiply zeros and are left out; their
+  weights still get their (zero) gradient, as upstream's do.
 """
 from __future__ import annotations
 
@@ -48,6 +54,15 @@ class ConvGRUCell(nn.Module):
         candidate = torch.tanh(self.conv_can(torch.cat([x, reset * hidden], dim=1)))
         return (1 - update) * hidden + update * candidate
 
+    def from_zero(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x, 0)`` without the terms that multiply the zero state: update * candidate, each from the
+        input's columns of its weight only (the gates' reset rows, [0, hidden_dim), are not needed)."""
+        inputs, hidden = x.shape[1], self.hidden_dim
+        update = torch.sigmoid(conv_part(self.conv_gates, x, self.conv_gates.weight[hidden:, :inputs],
+                                         self.conv_gates.bias[hidden:]))
+        candidate = torch.tanh(conv_part(self.conv_can, x, self.conv_can.weight[:, :inputs], self.conv_can.bias))
+        return update * candidate
+
 
 class ConvGRU(nn.Module):
     """Stacked ConvGRU cells run for one time step from a zero hidden state (all V2VNet asks of it)."""
@@ -61,9 +76,14 @@ class ConvGRU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C_in, H, W) -> (N, hidden, H, W): the last layer's state."""
         for cell in self.cell_list:
-            hidden = x.new_zeros(x.shape[0], cell.hidden_dim, x.shape[2], x.shape[3])
-            x = cell(x, hidden)
+            x = cell.from_zero(x)
         return x
+
+
+def conv_part(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor,
+              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``conv`` with a slice of its weight (some input columns, some output rows): its stride and padding."""
+    return F.conv2d(x, weight, bias, conv.stride, conv.padding, conv.dilation, conv.groups)
 
 
 def pairwise_affines(pairwise_t_matrix: torch.Tensor, lidar_range: Sequence[float]) -> torch.Tensor:
@@ -114,6 +134,14 @@ def field_of_view(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return in_full_precision(cover, theta)
 
 
+def identity_samples(thetas: torch.Tensor, counts: Sequence[int]) -> List[bool]:
+    """(B, L, L, 2, 3) affines, each sample's CAV count -> whether all of sample b's n x n are the identity
+    (one host read for the batch)."""
+    identity = torch.eye(2, 3, dtype=thetas.dtype, device=thetas.device)
+    flags = [(thetas[b, :n, :n] == identity).all() for b, n in enumerate(counts)]
+    return torch.stack(flags).tolist() if flags else []
+
+
 class V2VNetFusion(nn.Module):
     """Message passing among each sample's CAVs; returns the ego's updated map per sample."""
 
@@ -131,14 +159,25 @@ class V2VNetFusion(nn.Module):
         self.conv_gru = ConvGRU(2 * channels, channels, kernel_sizes)
         self.mlp = nn.Linear(channels, channels)
 
-    def update(self, nodes: torch.Tensor, theta: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """One round for one sample: (N, C, H, W) nodes -> their new states."""
+    def update(self, nodes: torch.Tensor, theta: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """One round for one sample: (N, C, H, W) nodes -> their new states. ``mask`` None: every transform is
+        the identity (so is the warp, and every cell is covered).
+
+        The message j -> i is msg_cnn([warped j, own i]) = sender half of warped j + (receiver half of i +
+        bias), masked by j's coverage of i's cells, then averaged (or max-ed) over j.
+        """
         n, c, h, w = nodes.shape
-        warped = warp_all_pairs(nodes, theta)
-        receiver = nodes.unsqueeze(1).expand(n, n, c, h, w)
-        pairs = torch.cat([warped, receiver], dim=2).reshape(n * n, 2 * c, h, w)
-        messages = self.msg_cnn(pairs).view(n, n, c, h, w) * mask.to(nodes.dtype)
-        aggregate = messages.mean(dim=1) if self.aggregation == "avg" else messages.max(dim=1).values
+        sender_weight, receiver_weight = self.msg_cnn.weight.split(c, dim=1)
+        own = conv_part(self.msg_cnn, nodes, receiver_weight, self.msg_cnn.bias)
+        if mask is None:
+            sent = conv_part(self.msg_cnn, nodes, sender_weight)
+            spread = sent.mean(dim=0) if self.aggregation == "avg" else sent.max(dim=0).values
+            aggregate = own + spread
+        else:
+            warped = warp_all_pairs(nodes, theta).reshape(n * n, c, h, w)
+            sent = conv_part(self.msg_cnn, warped, sender_weight).view(n, n, c, h, w)
+            messages = (sent + own.unsqueeze(1)) * mask.to(nodes.dtype)
+            aggregate = messages.mean(dim=1) if self.aggregation == "avg" else messages.max(dim=1).values
         return self.conv_gru(torch.cat([nodes, aggregate], dim=1))
 
     def encode_delays(self, x: torch.Tensor, delays: torch.Tensor) -> torch.Tensor:
@@ -155,11 +194,13 @@ class V2VNetFusion(nn.Module):
             x = self.encode_delays(x, delays)
         h, w = x.shape[-2:]
         thetas = pairwise_affines(pairwise_t_matrix.to(x.device), self.lidar_range)
+        groups = regroup(x, record_len)
+        identities = identity_samples(thetas, [nodes.shape[0] for nodes in groups])
         egos: List[torch.Tensor] = []
-        for b, nodes in enumerate(regroup(x, record_len)):
+        for b, nodes in enumerate(groups):
             n = nodes.shape[0]
             theta = thetas[b, :n, :n]
-            mask = field_of_view(theta, h, w)
+            mask = None if identities[b] else field_of_view(theta, h, w)
             for _ in range(self.num_iteration):
                 nodes = self.update(nodes, theta, mask)
             egos.append(nodes[0])
