@@ -32,7 +32,8 @@ setup(
         # know; `make venv EXTRAS=cuda` adds the one `tools/ci/pins.py spconv` names (spconv-cu118 ... cu126).
         "cuda": ["open3d-cpu==0.20.0"],
         # pytest-timeout: a test that hangs (a rank waiting on a collective that never comes) fails alone after
-        # pytest.ini's timeout instead of stalling the whole CI run.
-        "test": ["pytest>=7", "pytest-timeout==2.3.1"],
+        # pytest.ini's timeout instead of stalling the whole CI run. pytest-xdist: `make test` runs two test
+        # processes (the Makefile says why).
+        "test": ["pytest>=7", "pytest-timeout==2.3.1", "pytest-xdist==3.8.0"],
     },
 )
