@@ -8,8 +8,8 @@ import torch
 import zoo
 from launch import REPO
 from opencood_ddp.models import create_model
-from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, from_windows, relative_position_index,
-                                                     to_windows)
+from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, cells_from_tokens, relative_position_index,
+                                                     window_tokens)
 from opencood_ddp.models.point_pillar_cobevt import to_slots
 
 CORE = "point_pillar_cobevt"
@@ -48,15 +48,16 @@ def keep_first_cav(ego: dict) -> dict:
 # ------------------------------------------------------------------------------------------ the fusion parts
 @pytest.mark.parametrize("dilated", [False, True])
 def test_windows_round_trip(dilated):
-    x = torch.randn(2, 3, 4, 6, 10)
-    assert torch.equal(from_windows(to_windows(x, 2, dilated), dilated), x)
+    cells = torch.randn(2, 3, 6, 10, 4)
+    assert torch.equal(cells_from_tokens(window_tokens(cells, 2, dilated), cells.shape, 2, dilated), cells)
 
 
 def test_local_windows_are_neighbours_and_grid_windows_span_the_map():
-    x = torch.randn(1, 1, 4, 6, 10)
-    local, grid = to_windows(x, 2, False), to_windows(x, 2, True)  # (B, L, X, Y, w, w, C)
-    assert torch.equal(local[0, 0, 1, 2, 1, 0], x[0, 0, :, 1 * 2 + 1, 2 * 2 + 0])  # window (1, 2), cell (1, 0)
-    assert torch.equal(grid[0, 0, 1, 2, 1, 0], x[0, 0, :, 1 * 3 + 1, 0 * 5 + 2])  # rows 3 apart, columns 5
+    cells = torch.randn(1, 2, 6, 10, 4)  # (B, L, H, W, C): 3 x 5 windows of 2 x 2
+    local, grid = window_tokens(cells, 2, False), window_tokens(cells, 2, True)  # (X Y, L w w, C)
+    window, token = 1 * 5 + 2, 1 * 4 + 1 * 2 + 0  # window (1, 2); agent 1, cell (1, 0)
+    assert torch.equal(local[window, token], cells[0, 1, 1 * 2 + 1, 2 * 2 + 0])
+    assert torch.equal(grid[window, token], cells[0, 1, 1 * 3 + 1, 0 * 5 + 2])  # rows 3 apart, columns 5
 
 
 def test_relative_position_index_covers_the_table():
@@ -69,13 +70,56 @@ def test_relative_position_index_covers_the_table():
 def test_absent_slots_do_not_reach_present_ones():
     torch.manual_seed(0)
     block = SwapFusionBlockMask(8, 16, 4, 2, 3, 0.0).eval()
-    x = torch.randn(2, 3, 8, 4, 6)
+    x = torch.randn(2, 3, 4, 6, 8)  # (B, L, H, W, C)
     present = torch.tensor([[True, True, False], [True, False, False]])
     changed = x.clone()
     changed[0, 2], changed[1, 1:] = 5.0, -3.0
     with torch.no_grad():
         a, b = block(x, present), block(changed, present)
     assert torch.allclose(a[0, :2], b[0, :2], atol=1e-6) and torch.allclose(a[1, :1], b[1, :1], atol=1e-6)
+
+
+def plain_block(block: SwapFusionBlockMask, cells: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """The block as CoBEVT states it, one window at a time: the window's cells gathered by their row and column,
+    each head's softmax of q k^T / sqrt(d) + the relative bias with absent agents' keys at -inf, the output and
+    feed-forward residuals, the cells written back; local windows first, then grid windows."""
+    b, agents, height, width, dim = cells.shape
+    w = block.window_size
+    nx, ny = height // w, width // w
+    for dilated, attention, ffd in ((False, block.window_attention, block.window_ffd),
+                                    (True, block.grid_attention, block.grid_ffd)):
+        att, out = attention.fn, cells.clone()
+        for s, x, y in ((s, x, y) for s in range(b) for x in range(nx) for y in range(ny)):
+            rows = [i * nx + x if dilated else x * w + i for i in range(w)]
+            cols = [j * ny + y if dilated else y * w + j for j in range(w)]
+            index = [(a, r, c) for a in range(agents) for r in rows for c in cols]
+            tokens = torch.stack([cells[s, a, r, c] for a, r, c in index])
+            keys = torch.tensor([bool(present[s, a]) for a, _, _ in index])
+            q, k, v = att.to_qkv(attention.norm(tokens)).chunk(3, dim=-1)
+            heads = []
+            for h, part in enumerate(range(0, dim, dim // att.heads)):
+                cut = slice(part, part + dim // att.heads)
+                logits = q[:, cut] @ k[:, cut].T * att.scale
+                logits = logits + att.relative_position_bias_table.weight[att.relative_position_index, h]
+                heads.append(logits.masked_fill(~keys, float("-inf")).softmax(dim=-1) @ v[:, cut])
+            tokens = att.to_out(torch.cat(heads, dim=-1)) + tokens
+            tokens = ffd.fn(ffd.norm(tokens)) + tokens
+            for t, (a, r, c) in enumerate(index):
+                out[s, a, r, c] = tokens[t]
+        cells = out
+    return cells
+
+
+def test_the_block_equals_one_window_at_a_time_in_float64():
+    torch.manual_seed(0)
+    block = SwapFusionBlockMask(8, 16, 4, 2, 3, 0.0).double().eval()
+    with torch.no_grad():
+        block.window_attention.fn.relative_position_bias_table.weight.normal_()
+        block.grid_attention.fn.relative_position_bias_table.weight.normal_()
+    cells = torch.randn(2, 3, 4, 6, 8, dtype=torch.float64)
+    present = torch.tensor([[True, True, False], [True, False, False]])
+    with torch.no_grad():
+        assert torch.allclose(block(cells, present), plain_block(block, cells, present), rtol=0, atol=1e-12)
 
 
 def test_to_slots_pads_and_masks():

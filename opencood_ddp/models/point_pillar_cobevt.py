@@ -89,17 +89,21 @@ def check_cobevt_args(hypes: Mapping, source: str) -> None:
 
 # ------------------------------------------------------------------------------------------ the model
 def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(N, C, H, W) CAV maps -> ((B, slots, C, H, W) zero-padded, (B, slots) bool: the slot holds a CAV)."""
+    """(N, C, H, W) CAV maps -> ((B, slots, C, H, W) zero-padded, (B, slots) bool: the slot holds a CAV).
+
+    The slots are laid out channels-last (each cell's C values together), the layout the fusion works in."""
     counts = record_len.to(device=x.device, dtype=torch.long)
     if int(counts.max()) > slots:
         raise ValueError(f"a sample has {int(counts.max())} CAVs, more than max_cav = {slots}")
     sample = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)
     local = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[sample]
     index = sample * slots + local
-    padded = x.new_zeros((len(counts) * slots,) + tuple(x.shape[1:])).index_copy(0, index, x)
+    channels, height, width = x.shape[1:]
+    cells = x.new_zeros(len(counts) * slots, height, width, channels).index_copy(0, index, x.permute(0, 2, 3, 1))
     present = torch.zeros(len(counts) * slots, dtype=torch.bool, device=x.device)
     present[index] = True
-    return padded.view(len(counts), slots, *x.shape[1:]), present.view(len(counts), slots)
+    return cells.view(len(counts), slots, height, width, channels).permute(0, 1, 4, 2, 3), \
+        present.view(len(counts), slots)
 
 
 @MODELS.register("point_pillar_cobevt", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,

@@ -34,7 +34,7 @@ def relative_position_index(agents: int, window: int) -> torch.Tensor:
 class WindowAttention(nn.Module):
     """Multi-head attention over the agents x w x w tokens of each window, with a learned relative bias.
 
-    Input (B, L, X, Y, w, w, C): X x Y windows per map; output the same shape.
+    Input (B X Y, n, C): each sample's X x Y windows of n = L w w tokens (``window_tokens``); output the same.
     """
 
     def __init__(self, dim: int, dim_head: int, dropout: float, agents: int, window: int):
@@ -48,23 +48,25 @@ class WindowAttention(nn.Module):
         self.relative_position_bias_table = nn.Embedding(
             (2 * agents - 1) * (2 * window - 1) * (2 * window - 1), self.heads)
 
-    def forward(self, x: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, X, Y, w, w, C); present: (B, L) bool, False for a padded slot."""
-        b, agents, nx, ny, w1, w2, dim = x.shape
-        tokens = x.permute(0, 2, 3, 1, 4, 5, 6).reshape(b * nx * ny, agents * w1 * w2, dim)
-        q, k, v = self.to_qkv(tokens).chunk(3, dim=-1)
-        q, k, v = (t.reshape(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2) for t in (q, k, v))
+    def forward(self, tokens: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """tokens: (B X Y, n, C), the windows of each sample in turn; present: (B, L) bool, False for a padded
+        slot."""
+        windows, n, dim = tokens.shape
+        q, k, v = self.to_qkv(tokens).view(windows, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         sim = in_full_precision(lambda q, k: (q * self.scale) @ k.transpose(-2, -1), q, k)  # (B X Y, heads, n, n)
-        bias = self.relative_position_bias_table(self.relative_position_index)  # (n, n, heads)
-        sim = sim + bias.permute(2, 0, 1)
-        # A key of an absent agent gets no weight; every window holds the ego, so no row is all masked.
-        keys = present.repeat_interleave(w1 * w2, dim=1)  # (B, n)
-        keys = keys[:, None, :].expand(b, nx * ny, -1).reshape(b * nx * ny, 1, 1, -1)
-        sim = sim.masked_fill(~keys, torch.finfo(sim.dtype).min)
-        out = sim.softmax(dim=-1) @ v  # (B X Y, heads, n, d)
-        out = out.transpose(1, 2).reshape(b * nx * ny, agents * w1 * w2, dim)
-        out = self.to_out(out)
-        return out.reshape(b, nx, ny, agents, w1, w2, dim).permute(0, 3, 1, 2, 4, 5, 6)
+        samples = present.shape[0]
+        sim = sim.view(samples, windows // samples, self.heads, n, n) + self.bias_and_mask(present, sim.dtype)
+        out = sim.softmax(dim=-1).view(windows, self.heads, n, n) @ v  # (B X Y, heads, n, d)
+        return self.to_out(out.transpose(1, 2).reshape(windows, n, dim))
+
+    def bias_and_mask(self, present: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(B, 1, heads, n, n): the relative bias of every token pair, and the dtype's lowest value where the key
+        is an absent agent's, which gives it no weight (every window holds the ego, so no row is all masked).
+        Added once to the logits: the same values as adding the bias and then filling the masked keys."""
+        bias = self.relative_position_bias_table(self.relative_position_index).permute(2, 0, 1)  # (heads, n, n)
+        keys = present.repeat_interleave(bias.shape[-1] // present.shape[1], dim=1)  # (B, n)
+        masked = torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill(~keys, torch.finfo(dtype).min)
+        return (bias.to(dtype) + masked[:, None, None, :]).unsqueeze(1)
 
 
 class FeedForward(nn.Module):
@@ -91,30 +93,36 @@ class PreNormResidual(nn.Module):
         return self.fn(self.norm(x), *args) + x
 
 
-def to_windows(x: torch.Tensor, window: int, dilated: bool) -> torch.Tensor:
-    """(B, L, C, H, W) -> (B, L, X, Y, w, w, C).
+def window_tokens(cells: torch.Tensor, window: int, dilated: bool) -> torch.Tensor:
+    """(B, L, H, W, C) cells -> (B X Y, L w w, C) tokens, contiguous: X x Y windows per sample, each holding its
+    tokens in (agent, row, column) order.
 
-    Local windows (``dilated`` False) hold w x w neighbouring cells; grid windows (True) hold w x w cells
-    H/w and W/w apart, so one grid window spans the whole map.
+    Local windows (``dilated`` False) hold w x w neighbouring cells (row h = x w + i); grid windows (True) hold
+    w x w cells H/w and W/w apart (h = i X + x), so one grid window spans the whole map.
     """
-    b, agents, dim, height, width = x.shape
+    b, agents, height, width, dim = cells.shape
+    nx, ny = height // window, width // window
     if dilated:
-        x = x.reshape(b, agents, dim, window, height // window, window, width // window)
-        return x.permute(0, 1, 4, 6, 3, 5, 2)
-    x = x.reshape(b, agents, dim, height // window, window, width // window, window)
-    return x.permute(0, 1, 3, 5, 4, 6, 2)
+        view = cells.view(b, agents, window, nx, window, ny, dim).permute(0, 3, 5, 1, 2, 4, 6)
+    else:
+        view = cells.view(b, agents, nx, window, ny, window, dim).permute(0, 2, 4, 1, 3, 5, 6)
+    return view.reshape(b * nx * ny, agents * window * window, dim)
 
 
-def from_windows(x: torch.Tensor, dilated: bool) -> torch.Tensor:
-    """The inverse of ``to_windows``."""
-    b, agents, nx, ny, w1, w2, dim = x.shape
-    if dilated:
-        return x.permute(0, 1, 6, 4, 2, 5, 3).reshape(b, agents, dim, w1 * nx, w2 * ny)
-    return x.permute(0, 1, 6, 2, 4, 3, 5).reshape(b, agents, dim, nx * w1, ny * w2)
+def cells_from_tokens(tokens: torch.Tensor, shape: torch.Size, window: int, dilated: bool) -> torch.Tensor:
+    """The inverse of ``window_tokens``: (B X Y, L w w, C) -> (B, L, H, W, C) of the given shape."""
+    b, agents, height, width, dim = shape
+    windows = tokens.view(b, height // window, width // window, agents, window, window, dim)
+    order = (0, 3, 4, 1, 5, 2, 6) if dilated else (0, 3, 1, 4, 2, 5, 6)
+    return windows.permute(*order).reshape(shape)
 
 
 class SwapFusionBlockMask(nn.Module):
-    """Window attention + feed-forward, then grid attention + feed-forward, absent agents masked."""
+    """Window attention + feed-forward, then grid attention + feed-forward, absent agents masked.
+
+    Works on (B, L, H, W, C) cells: each half gathers its windows' tokens once, runs both of its residual blocks
+    on them (per-token operations but the attention, which stays inside a window), and scatters them back.
+    """
 
     def __init__(self, input_dim: int, mlp_dim: int, dim_head: int, window_size: int, agent_size: int,
                  drop_out: float):
@@ -126,16 +134,17 @@ class SwapFusionBlockMask(nn.Module):
         self.grid_attention = PreNormResidual(input_dim, attention())
         self.grid_ffd = PreNormResidual(input_dim, FeedForward(input_dim, mlp_dim, drop_out))
 
-    def forward(self, x: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    def forward(self, cells: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """cells: (B, L, H, W, C); present: (B, L) bool."""
         for dilated, attention, ffd in ((False, self.window_attention, self.window_ffd),
                                         (True, self.grid_attention, self.grid_ffd)):
-            windows = to_windows(x, self.window_size, dilated)
-            x = from_windows(ffd(attention(windows, present)), dilated)
-        return x
+            tokens = window_tokens(cells, self.window_size, dilated)
+            cells = cells_from_tokens(ffd(attention(tokens, present)), cells.shape, self.window_size, dilated)
+        return cells
 
 
 class SlotMeanHead(nn.Module):
-    """(B, L, C, H, W) -> (B, C, H, W): mean over the L slots, then LayerNorm and Linear per cell.
+    """(B, L, H, W, C) cells -> (B, C, H, W): mean over the L slots, then LayerNorm and Linear per cell.
 
     Upstream's ``mlp_head`` is an ``nn.Sequential`` whose weights sit at indices 2 and 3 (0 and 1 are its
     parameter-free reshapes), so the two modules are registered under the names "2" and "3".
@@ -147,7 +156,7 @@ class SlotMeanHead(nn.Module):
         self.add_module("3", nn.Linear(dim, dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cells = x.mean(dim=1).permute(0, 2, 3, 1)  # (B, H, W, C)
+        cells = x.mean(dim=1)  # (B, H, W, C)
         norm, linear = self._modules["2"], self._modules["3"]
         return linear(norm(cells)).permute(0, 3, 1, 2)
 
@@ -165,7 +174,9 @@ class SwapFusionEncoder(nn.Module):
         self.mlp_head = SlotMeanHead(input_dim)
 
     def forward(self, x: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, C, H, W); present: (B, L) bool."""
+        """x: (B, L, C, H, W); present: (B, L) bool. The layers work on (B, L, H, W, C) cells, each cell's
+        channels contiguous, as their tokens are (free when x is channels-last, as ``to_slots`` makes it)."""
+        cells = x.permute(0, 1, 3, 4, 2).contiguous()
         for layer in self.layers:
-            x = layer(x, present)
-        return self.mlp_head(x)
+            cells = layer(cells, present)
+        return self.mlp_head(cells)
