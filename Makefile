@@ -55,9 +55,10 @@ check-pins: $(if $(filter $(PY),$(PINS_PY)),venv)
 
 # The venv's install and the pins check are independent: both at once (-j2), then the tests.
 # The tests run in TEST_WORKERS pytest processes (pytest-xdist; each test whole in one of them, and a process that
-# runs out of tests takes some of the other's). Much of a test's time is a new interpreter importing torch or a
-# torchrun rendezvous, which leaves a core idle: two processes on 2 cores took the suite from 17 min 04 s to
-# 13 min 27 s (docs/benchmarks.md, "Test-suite time").
+# runs out of tests takes some of the other's), each with its share of the cores for torch's threads
+# (tests/conftest.py). Much of a test's time is a new interpreter importing torch or a torchrun rendezvous, which
+# leaves a core idle: two processes on 2 cores took the suite from 17 min 04 s to 13 min 27 s (docs/benchmarks.md,
+# "Test-suite time").
 TEST_WORKERS ?= 2
 test:
 	@$(MAKE) --no-print-directory -j2 venv check-pins

@@ -1,9 +1,24 @@
 """Session-wide fixtures: expensive runs are made once and shared by the tests that read them."""
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from launch import REPO, explain, train
+
+# Under pytest-xdist (`make test`: two pytest processes) each process gets its share of the cores for torch's
+# intra-op threads: two processes of 2 threads each on 2 cores ran the in-process tests 1.5x slower than one.
+# The workers a test starts set their own (tests/launch.py: one thread each).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """The tests marked slow first, each group in its usual order. `make test` runs two pytest processes
+    (pytest-xdist), and a long test near the end of the list can leave one of them waiting for the other; with the
+    long ones first, the last tests either process runs are short."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 

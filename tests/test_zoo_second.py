@@ -225,9 +225,19 @@ def test_spconv_cpu_backward_fails_without_the_stream_fix(monkeypatch):
         out.features.sum().backward()
 
 
+@pytest.fixture
+def two_threads():
+    """Two OpenMP threads, which spconv's CPU kernels share with torch's pool, for a test whose point is their race
+    (under `make test`'s two pytest processes each process runs with one: tests/conftest.py)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or os.environ.get("OMP_NUM_THREADS") == "1",
                     reason="the race needs two OpenMP threads")
-def test_spconv_cpu_scatter_add_races_and_the_fix_does_not():
+def test_spconv_cpu_scatter_add_races_and_the_fix_does_not(two_threads):
     """The second problem: spconv's scatter_add_cpu shares its row pointers between OpenMP threads, so rows
     land in the wrong voxel now and then (most calls of this size, here); the replacement is exact every time."""
     load_spconv()
@@ -255,7 +265,7 @@ def test_spconv_cpu_scatter_add_races_and_the_fix_does_not():
 
 @pytest.mark.parametrize("kind", ["submanifold", "strided", "conv_out"])
 @pytest.mark.parametrize("count", [60, 3000])
-def test_sparse_conv_outputs_and_gradients_equal_dense_conv3d(kind, count):
+def test_sparse_conv_outputs_and_gradients_equal_dense_conv3d(kind, count, two_threads):
     """With the fixes, every convolution of the backbone trains on CPU with a dense conv3d's outputs and
     gradients (3000 voxels: enough rows for spconv's threads to have raced)."""
     spconv = load_spconv()
