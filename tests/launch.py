@@ -12,6 +12,7 @@ import torch
 
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix
+from opencood_ddp.toy.config import split_overrides as toy_splits
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
@@ -49,8 +50,7 @@ def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedP
 
 def split_overrides(toy_root: Path) -> list[str]:
     """--set flags that point a toy hypes at the splits of the toy world in `toy_root`."""
-    return ["--set", f"root_dir={toy_root / 'train'}", "--set", f"validate_dir={toy_root / 'validate'}",
-            "--set", f"test_dir={toy_root / 'test'}"]
+    return [word for override in toy_splits(toy_root) for word in ("--set", override)]
 
 
 def dairv2x_overrides(data_dir: Path) -> list[str]:

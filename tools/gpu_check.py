@@ -217,8 +217,9 @@ def sparse_conv_runs(device: torch.device) -> str:
 
 # ------------------------------------------------------------------------------------------ the trainings
 def _splits(data: Path) -> list[str]:
-    return ["--set", f"root_dir={data / 'train'}", "--set", f"validate_dir={data / 'validate'}",
-            "--set", f"test_dir={data / 'test'}"]
+    from opencood_ddp.toy.config import split_overrides
+
+    return [word for override in split_overrides(data) for word in ("--set", override)]
 
 
 @contextlib.contextmanager

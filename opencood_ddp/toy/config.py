@@ -3,11 +3,19 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import List, Optional, Tuple
 
 from opencood_ddp.errors import ConfigError
 
 SPLITS: Tuple[str, ...] = ("train", "validate", "test")
+_SPLIT_KEYS = {"train": "root_dir", "validate": "validate_dir", "test": "test_dir"}  # the hypes key of each split
+
+
+def split_overrides(root) -> List[str]:
+    """The hypes overrides (``key=value``, as ``--set`` takes them) that point a config at the splits of the toy
+    world, or of its V2V4Real-layout copy, in the folder ``root``."""
+    return [f"{_SPLIT_KEYS[split]}={Path(root) / split}" for split in SPLITS]
 # The flat ground plane of the map and world frames: vehicles stand on it, rays that miss every box end on it.
 GROUND_Z = 0.0
 

@@ -43,6 +43,7 @@ from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_yaml_bytes
 from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
 from opencood_ddp.engine.handover import InBandSmallTensors
+from opencood_ddp.toy.config import split_overrides
 from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
 from opencood_ddp.toy.writer import generate_toy_opv2v
@@ -154,12 +155,11 @@ def layout_overrides(layout: str, data: Path) -> List[str]:
     """The hypes overrides that read the layout's copy of the toy world in ``data`` (writing the copy first)."""
     if layout in ("opv2v", "opv2v_2cav"):
         cut = ["train_params.max_cav=2"] if layout == "opv2v_2cav" else []
-        return cut + [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
+        return cut + split_overrides(data)
     copy = data.with_name(f"{data.name}_{layout}")
     if layout == "v2v4real":
         write_v2v4real_copy(data, copy, seed=0)
-        return [f"fusion.dataset={layout}", f"root_dir={copy / 'train'}", f"validate_dir={copy / 'validate'}",
-                f"test_dir={copy / 'test'}"]
+        return [f"fusion.dataset={layout}", *split_overrides(copy)]
     world = data.with_name(f"{data.name}_rsu")
     generate_toy_opv2v(world, seed=0, scale="demo", rsu=True)
     write_dairv2x_copy(world, copy, seed=0)

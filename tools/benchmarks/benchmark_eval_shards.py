@@ -53,13 +53,13 @@ def frame_seconds(dataset, passes: int) -> list[float]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from opencood_ddp.data.datasets import build_dataset
     from opencood_ddp.distributed.samplers import EvalShardSampler
+    from opencood_ddp.toy.config import split_overrides
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     args = parse_args(argv)
     data = Path(args.data)
     write_world(data)
-    overrides = [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}",
-                 "train_params.max_cav=7"]
+    overrides = [*split_overrides(data), "train_params.max_cav=7"]
     dataset = build_dataset(load_parsed_hypes(HYPES, overrides), "test", False, seed=0)
     costs = [dataset.sample_cost(index) for index in range(len(dataset))]
     seconds = frame_seconds(dataset, args.passes)

@@ -49,10 +49,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def _load_batch(config: str, data: Path, batch_size: int):
     from opencood_ddp.yaml_parsers import load_parsed_hypes
     from opencood_ddp.tasks.opencood import build_task
+    from opencood_ddp.toy.config import split_overrides
 
-    path = REPO / "hypes_yaml" / f"{config}.yaml"
-    overrides = [f"root_dir={data / 'train'}", f"validate_dir={data / 'validate'}", f"test_dir={data / 'test'}"]
-    hypes = load_parsed_hypes(path, overrides)
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
     hypes["train_params"]["seed"] = 0
     task = build_task(hypes, for_training=True)
     batch = task.collate_train([task.train_set[i] for i in range(batch_size)])

@@ -111,12 +111,12 @@ def step_errors(task, model32: torch.nn.Module, batch: dict) -> tuple[float, flo
 
 def toy_task(stem: str, toy: Path):
     from opencood_ddp.tasks.opencood import build_task
+    from opencood_ddp.toy.config import split_overrides
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     path = REPO / "hypes_yaml" / "toy" / f"{stem}.yaml"
-    overrides = [f"root_dir={toy / 'train'}", f"validate_dir={toy / 'validate'}", f"test_dir={toy / 'test'}"]
     torch.manual_seed(0)
-    return build_task(load_parsed_hypes(path, overrides), for_training=True)
+    return build_task(load_parsed_hypes(path, split_overrides(toy)), for_training=True)
 
 
 def model_table(toy: Path) -> None:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import yaml
 
 from opencood_ddp.distributed.launch import launcher_prefix
+from opencood_ddp.toy.config import split_overrides
 
 REPO = Path(__file__).resolve().parents[2]
 # model -> (toy and opv2v config name, --fusion_method, fusion kind for the table, extra --set for the toy run)
@@ -63,8 +64,7 @@ def torchrun(script: str, *args) -> list:
 
 
 def splits(data: Path) -> list:
-    return ["--set", f"root_dir={data / 'train'}", "--set", f"validate_dir={data / 'validate'}",
-            "--set", f"test_dir={data / 'test'}"]
+    return [word for override in split_overrides(data) for word in ("--set", override)]
 
 
 def train_and_evaluate(model: str, args: argparse.Namespace) -> dict:
