@@ -3,11 +3,14 @@ BatchNorm's semantics (running statistics, momentum, empty and one-value inputs,
 from __future__ import annotations
 
 import copy
+import multiprocessing
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
+from opencood_ddp.numerics import batch_norm, parallel
 from opencood_ddp.numerics.batch_norm import (AccurateBatchNorm1d, AccurateBatchNorm2d, row_view,
                                               use_accurate_batch_norm)
 
@@ -73,20 +76,71 @@ def test_the_native_cpu_kernel_drifts_on_rows_which_is_why_this_module_exists():
     assert _relative(native["output"], exact["output"]) > 5e-6
 
 
-def test_rows_statistics_do_not_depend_on_the_thread_count():
-    generator = torch.Generator().manual_seed(1)
-    x, grad = _layout("rows", generator), torch.randn(120_000, CHANNELS, generator=generator)
-    norm = _norm_for(x)
+def _step_on_threads(norm: nn.Module, x: torch.Tensor, grad: torch.Tensor, count: int) -> dict:
     threads = torch.get_num_threads()
+    torch.set_num_threads(count)
     try:
-        runs = []
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            runs.append(_step(use_accurate_batch_norm(copy.deepcopy(norm)), x, grad))
+        return _step(use_accurate_batch_norm(copy.deepcopy(norm)), x, grad)
     finally:
         torch.set_num_threads(threads)
-    for key in runs[0]:
-        assert torch.equal(runs[0][key], runs[1][key]), key
+
+
+@pytest.mark.parametrize("layout", ["rows", "channels_last"])
+def test_statistics_and_gradients_do_not_depend_on_the_thread_count(layout):
+    """The kernels split rows over torch's threads (numerics/parallel.py): every value must be the same bits on 1,
+    2 and 3 threads, as a DataLoader worker's or a 1-thread rank's run is."""
+    generator = torch.Generator().manual_seed(1)
+    x = _layout(layout, generator)
+    grad = torch.randn(x.shape, generator=generator).contiguous(memory_format=torch.channels_last if x.dim() == 4
+                                                                else torch.contiguous_format)
+    assert x.numel() >= 3 * parallel.MIN_ELEMENTS_PER_PART  # so that 3 threads do take 3 parts
+    norm = _norm_for(x)
+    runs = [_step_on_threads(norm, x, grad, count) for count in (1, 2, 3)]
+    for run in runs[1:]:
+        for key in runs[0]:
+            assert torch.equal(runs[0][key], run[key]), key
+
+
+def _kernel_results(rows: np.ndarray, grad_rows: np.ndarray) -> dict:
+    """The two threaded row kernels at 2 threads, as a training step calls them, without torch's own ops."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        mean, invstd = rows.mean(0, dtype=np.float64), 1 / rows.std(0, dtype=np.float64)
+        out, grad_in = np.empty_like(rows), np.empty_like(rows)
+        batch_norm.row_normalise(rows, mean, invstd, np.zeros_like(mean), out)
+        batch_norm.row_input_gradient(grad_rows, rows, mean, invstd, invstd, mean / 3, invstd / 5, grad_in)
+        return {"output": out, "input_grad": grad_in}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _child_results(rows, grad_rows, queue) -> None:
+    queue.put(_kernel_results(rows, grad_rows))
+
+
+def test_a_forked_child_runs_the_threaded_kernels_after_its_parent_did():
+    """A training process forks DataLoader workers after its first steps, when the kernels' thread pool exists.
+    The child has none of the pool's threads: the kernels must neither hang there nor compute other values.
+    (torch's own multi-threaded ops do hang in such a child, GNU OpenMP not being fork-safe, which is why
+    DataLoader workers run one torch thread; the child here calls the compiled kernels alone.)"""
+    generator = torch.Generator().manual_seed(2)
+    rows = _layout("rows", generator).numpy()
+    grad_rows = torch.randn(rows.shape, generator=generator).numpy()
+    parent = _kernel_results(rows, grad_rows)  # starts the pool in this process
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_results, args=(rows, grad_rows, queue))
+    child.start()
+    try:
+        in_child = queue.get(timeout=60)
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    for key in parent:
+        assert np.array_equal(parent[key], in_child[key]), key
 
 
 def test_running_statistics_follow_batch_norm_semantics():

@@ -13,7 +13,8 @@ What we do instead, on CPU in training mode: the per-channel moments of the forw
 per-channel sums of the backward pass are accumulated in float64 by compiled loops over the rows (one pass,
 shifted by the first row so that no cancellation is left; 12x faster than the native float32 kernel on the
 PFN layer above, single-threaded, and deterministic at any thread count). On those row layouts the
-normalisation and the input gradient are compiled float64 loops too, rounded once to the input's type.
+normalisation and the input gradient are compiled float64 loops too, rounded once to the input's type, with
+the rows split over torch's threads.
 Contiguous (N, C, L) inputs keep the native kernels, which are exact on them (statistics), with the native
 eval-mode kernel and one addcmul for the elementwise parts.
 
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.numerics.jit import jit
+from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
 
 
 # ------------------------------------------------------------------------------------------- compiled loops
@@ -88,6 +90,26 @@ def _row_input_gradient(grad_rows, rows, mean, invstd, scale, mean_dy, mean_dy_x
         for c in range(channels):
             xhat = (rows[r, c] - mean[c]) * invstd[c]
             out[r, c] = scale[c] * (grad_rows[r, c] - mean_dy[c] - xhat * mean_dy_xhat[c])
+
+
+# The elementwise kernels split their rows over torch's threads (numerics/parallel.py): each element's value does
+# not depend on which thread computes it. The per-column sums stay in one thread, one pass over the rows in order:
+# summing row blocks in parallel and adding the blocks' sums changed the last bit of about 2e-5 of a layer's
+# outputs (196 of 10.3 million on AttFuse's PFN layer), and splitting the columns between two threads (each still
+# summing its columns in row order) ran 2x slower than one thread here. docs/benchmarks.md has the figures.
+def _row_parts(inputs: tuple, per_column: tuple, out: np.ndarray) -> list:
+    """Row slices of the (R, C) ``inputs`` and of ``out`` (C-contiguous views still), the (C,) arrays whole: the
+    elementwise kernels give every element the same value whichever thread computes it."""
+    return [tuple(a[start:stop] for a in inputs) + per_column + (out[start:stop],)
+            for start, stop in even_ranges(out.shape[0], part_count(out.size))]
+
+
+def row_normalise(rows, mean, scale, shift, out) -> None:
+    run_parts(_row_normalise, _row_parts((rows,), (mean, scale, shift), out))
+
+
+def row_input_gradient(grad_rows, rows, mean, invstd, scale, mean_dy, mean_dy_xhat, out) -> None:
+    run_parts(_row_input_gradient, _row_parts((grad_rows, rows), (mean, invstd, scale, mean_dy, mean_dy_xhat), out))
 
 
 # ---------------------------------------------------------------------------------------- layout helpers
@@ -232,7 +254,7 @@ class BatchNormFunction(torch.autograd.Function):
             dtype = _stat_dtype(x)
             return _affine(x, scale.to(dtype), (shift - mean * scale).to(dtype))
         out = torch.empty_like(x)
-        _row_normalise(rows, mean.numpy(), scale.numpy(), shift.numpy(), row_view(out).numpy())
+        row_normalise(rows, mean.numpy(), scale.numpy(), shift.numpy(), row_view(out).numpy())
         return out
 
     @staticmethod
@@ -253,8 +275,8 @@ class BatchNormFunction(torch.autograd.Function):
         mean_dy, mean_dy_xhat = sums[0] / count, sums[1] / count
         if rows is not None:
             grad_in = torch.empty_like(x)
-            _row_input_gradient(grad_rows, rows, mean.numpy(), invstd.numpy(), scale.numpy(), mean_dy.numpy(),
-                                mean_dy_xhat.numpy(), row_view(grad_in).numpy())
+            row_input_gradient(grad_rows, rows, mean.numpy(), invstd.numpy(), scale.numpy(), mean_dy.numpy(),
+                               mean_dy_xhat.numpy(), row_view(grad_in).numpy())
             return grad_in, grad_weight, grad_bias, None, None, None, None, None
         # dx = (dy - mean(dy) - xhat * mean(dy xhat)) * invstd * w, regrouped as k1 * dy + k2 * x + k3.
         k2 = -scale * mean_dy_xhat * invstd

@@ -6,11 +6,13 @@
 --layers: per-channel mean and variance of a (807,264 x 64) input (AttFuse's first PFN layer; mean 20, std 0.5)
 from torch's native kernel, its contiguous (N, C, L) path, a float32 two-pass sum and numerics/batch_norm.py,
 against float64, with the time of each (median of 5).
+--timing: one BatchNorm layer's forward and backward, the accurate module against torch's, on the inputs of
+full-size AttFuse's batch norms (LAYER_INPUTS), at torch's thread count (set OMP_NUM_THREADS), median of 5.
 --models: for each of the nine toy configs, one training step (forward, loss, backward) on its first 2 training
 samples of the small toy world, initial weights from seed 0, in float32 with torch's native batch norm and with
 ours, each against the same step in float64: relative L2 of the output maps and of the gradient vector, samples
 in order and swapped. tests/test_training_numerics.py asserts the "accurate" half of this table.
-Both when neither flag is given. Figures in docs/benchmarks.md.
+--layers and --models when no flag is given. Figures in docs/benchmarks.md.
 """
 from __future__ import annotations
 
@@ -68,6 +70,38 @@ def layer_table() -> None:
         mean_error = float(((mean.double() - exact_mean).abs() / exact_var.sqrt()).max())
         var_error = float(((var.double() - exact_var).abs() / exact_var).max())
         print(f"| {name} | {mean_error:.1e} | {var_error:.1e} | {_timed(way):.0f} |", flush=True)
+
+
+# The input of every batch norm in one full-size AttFuse training step on the toy world's first 2 samples (4
+# CAVs): (shape, channels-last, how many layers take it). The (2, 128, 100, 352) deblock outputs are contiguous
+# (N, C, H, W), where the accurate module hands over to torch's kernel.
+LAYER_INPUTS = [((160_416, 64), False, 1), ((4, 64, 100, 352), True, 4), ((2, 128, 100, 352), False, 3),
+                ((4, 128, 50, 176), True, 6), ((4, 256, 25, 88), True, 9)]
+
+
+def timing_table() -> None:
+    from opencood_ddp.numerics.batch_norm import use_accurate_batch_norm
+
+    print(f"# {torch.get_num_threads()} thread(s); forward + backward of one layer, ms")
+    print("| input | layers | accurate | torch's |\n|---|---:|---:|---:|")
+    totals = [0.0, 0.0]
+    for shape, channels_last, layers in LAYER_INPUTS:
+        memory_format = torch.channels_last if channels_last else torch.contiguous_format
+        x = torch.randn(shape).mul_(0.5).add_(20).contiguous(memory_format=memory_format).requires_grad_()
+        grad = torch.randn(shape).contiguous(memory_format=memory_format)
+        times = []
+        for convert in (use_accurate_batch_norm, lambda norm: norm):
+            norm = convert((torch.nn.BatchNorm1d if len(shape) == 2 else torch.nn.BatchNorm2d)(shape[1]).train())
+
+            def step():
+                x.grad = None
+                norm(x).backward(grad)
+
+            times.append(_timed(step))
+        totals = [total + layers * t for total, t in zip(totals, times)]
+        layout = "channels-last" if channels_last else ("rows" if len(shape) == 2 else "contiguous")
+        print(f"| {tuple(shape)} {layout} | {layers} | {times[0]:.1f} | {times[1]:.1f} |", flush=True)
+    print(f"| all layers of the step | {sum(n for _, _, n in LAYER_INPUTS)} | {totals[0]:.0f} | {totals[1]:.0f} |")
 
 
 # ------------------------------------------------------------------------------------------------- models
@@ -140,8 +174,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--toy", default="data/toy_small", help="small toy world (generated when absent)")
     parser.add_argument("--models", action="store_true")
     parser.add_argument("--layers", action="store_true")
+    parser.add_argument("--timing", action="store_true")
     args = parser.parse_args(argv)
-    both = not (args.models or args.layers)
+    if args.timing:
+        timing_table()
+    both = not (args.models or args.layers or args.timing)
     if args.layers or both:
         layer_table()
     if args.models or both:
