@@ -19,19 +19,26 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     out = tmp_path / "report"
     result = python(REPO / "tools" / "gpu_check.py", "--device", "cpu", "--out", out, "--data", toy_small,
                     "--configs", TOY, "--full_size", "--precisions", "fp32", "fp16", "bf16",
-                    "--parity_kernels", "strict", "--planner_config", TOY, timeout=1200)
+                    "--parity_kernels", "strict", "--planner_config", TOY, "--loader_config", TOY,
+                    timeout=1200)
     assert result.returncode == 0, explain(result)
     report = json.loads((out / "gpu_check.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
     assert all(c["status"] == "ok" for c in checks.values()), checks
     assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
-            f"planner {TOY}"} <= set(checks)
+            f"planner {TOY}", f"loader {TOY}"} <= set(checks)
     for precision in ("fp32", "fp16", "bf16"):
         figures = checks[f"train {TOY} {precision}"]["figures"]
         assert figures["steps"] == 4 and figures["frames"] == 4  # 2 steps, 2 more after the resume; 4 test frames
         assert figures["samples_per_s"] > 0 and figures["peak_reserved_mib"] > 0
     planner = checks[f"planner {TOY}"]["figures"]
     assert set(planner["probes"]) == {"1", "2", "4"} and planner["ratio"] > 0
+    loader = checks[f"loader {TOY}"]["figures"]
+    tried = [w for w in (0, 1, 2, 4, 8) if w <= loader["cores"]]
+    assert list(loader["loader_samples_per_s"]) == [str(w) for w in tried]
+    assert loader["step_samples_per_s"] > 0 and all(rate > 0 for rate in loader["loader_samples_per_s"].values())
+    fed = [w for w in tried if loader["loader_samples_per_s"][str(w)] >= loader["step_samples_per_s"]]
+    assert loader["workers_to_feed"] == (fed[0] if fed else None)
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table

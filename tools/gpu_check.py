@@ -22,7 +22,11 @@ Checks, each ok / failed / skipped with the reason:
   tools/parity_check.py (its measured noise floor), with torch's default kernels and with
   `--deterministic --no_tf32`;
 - planner: engine/batch_fit's prediction for per-GPU batch 4, fitted on batches 1 and 2, beside the measured
-  peak at 4 (reserved and allocated), on the full-size AttFuse.
+  peak at 4 (reserved and allocated), on the full-size AttFuse;
+- loader: how many DataLoader workers one rank needs to keep its device busy, on the full-size AttFuse: the
+  training step's samples/s on a batch already on the device, beside the training loader's samples/s (the
+  trainer's own loader: persistent workers, pinned memory on CUDA) at 0, 1, 2, 4 and 8 workers, as many as
+  this process has cores. The toy world's clouds are smaller than OPV2V's, so a real split needs more.
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ TOY_CONFIGS = [f"toy/{name}" for name in (
     "point_pillar_where2comm", "second_intermediate_fusion")]
 FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
 PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
+LOADER_WORKERS = (0, 1, 2, 4, 8)  # the worker counts the loader check tries, up to the process's cores
 PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}  # training flags of each parity run
 SPARSE_CONFIGS = ("second",)  # configs that need spconv's kernels on the device
 
@@ -82,6 +87,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--parity_kernels", nargs="+", choices=list(PARITY_KERNELS), default=list(PARITY_KERNELS),
                         help="parity with torch's default kernels, and with --deterministic --no_tf32 (strict)")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
+    parser.add_argument("--loader_config", default=FULL_SIZE, help="config of the loader check ('none': leave out)")
     parser.add_argument("--scale", choices=("small", "demo"), default="small",
                         help="toy world of the synthetic frames (small: 8 training, 4 test frames)")
     parser.add_argument("--data", help="toy world folder (default: one under --out, generated)")
@@ -376,6 +382,73 @@ def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, d
             f"{figures['ratio']}"), figures
 
 
+def _steps_per_second(task, device: torch.device, batch_size: int) -> float:
+    """Training samples/s of the model alone: forward, loss, backward and Adam on one batch already on the device
+    (median of 3 steps after a warm-up)."""
+    from opencood_ddp.engine.task import move_tensors
+
+    model = task.model.to(device).train()
+    batch = move_tensors(task.collate_train([task.train_set[i % len(task.train_set)] for i in range(batch_size)]),
+                         device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    times = []
+    for _ in range(4):
+        optimizer.zero_grad(set_to_none=True)
+        started = time.perf_counter()
+        task.step(model, batch).total.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - started)
+    return batch_size / sorted(times[1:])[1]
+
+
+def _loader_samples_per_second(task, device: torch.device, workers: int, batch_size: int) -> float:
+    """samples/s of the trainer's training loader at `workers`, once every worker has delivered a batch (a run's
+    persistent workers start once), over 4 batches per worker (4 in the main process)."""
+    from torch.utils.data import DataLoader
+
+    from opencood_ddp.engine.handover import InBandSmallTensors
+    from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed
+
+    warm, timed_batches = max(workers, 1), 4 * max(workers, 1)
+    indices = [i % len(task.train_set) for i in range((warm + timed_batches) * batch_size)]
+    loader = DataLoader(EpochKeyed(task.train_set), batch_sampler=EpochBatches(),
+                        collate_fn=InBandSmallTensors(task.collate_train), num_workers=workers,
+                        pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    loader.batch_sampler.use(0, [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)])
+    batches = iter(loader)
+    for _ in range(warm):
+        next(batches)
+    started = time.perf_counter()
+    for _ in range(timed_batches):
+        next(batches)
+    elapsed = time.perf_counter() - started
+    del batches, loader  # stops the workers
+    return timed_batches * batch_size / elapsed
+
+
+def check_loader(config: str, device: torch.device, data: Path, batch_size: int = 2) -> tuple[str, dict]:
+    """The fewest DataLoader workers whose samples/s reach the training step's (LOADER_WORKERS, up to the cores)."""
+    from opencood_ddp.tasks import build_task
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
+
+    task = build_task(load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", _splits(data)[1::2]),
+                      for_training=True)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    step_rate = _steps_per_second(task, device, batch_size)
+    rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
+             for workers in LOADER_WORKERS if workers <= cores}
+    enough = [workers for workers, rate in rates.items() if rate >= step_rate]
+    figures = {"cores": cores, "step_samples_per_s": round(step_rate, 2), "batch_size": batch_size,
+               "loader_samples_per_s": {str(w): round(r, 2) for w, r in rates.items()},
+               "workers_to_feed": enough[0] if enough else None}
+    loader = f"{'/'.join(map(str, rates))} workers: {'/'.join(f'{r:.1f}' for r in rates.values())}"
+    verdict = (f"{enough[0]} worker(s) keep it fed" if enough else
+               f"no worker count up to {max(rates)} keeps it fed on {cores} cores")
+    return f"step {step_rate:.1f} samples/s; loader at {loader} samples/s: {verdict}", figures
+
+
 # ------------------------------------------------------------------------------------------ report
 def environment(device: torch.device) -> dict:
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
@@ -459,6 +532,8 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
                     args.parity_config, device, data, work, k)))
     if args.planner_config != "none":
         record(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device, data)))
+    if args.loader_config != "none":
+        record(timed(f"loader {args.loader_config}", lambda: check_loader(args.loader_config, device, data)))
     return checks
 
 
