@@ -13,7 +13,6 @@ from zoo import (assert_reference_state_dict, assert_upstream_checkpoint_loads,
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
-from opencood_ddp.models.modules.padding import padded_strided_conv
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
 from opencood_ddp.models.modules.scatter import PointPillarScatter
 
@@ -126,26 +125,6 @@ def _att_reference(x: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
         attn = torch.softmax(tokens @ tokens.transpose(1, 2) / math.sqrt(c), dim=-1) @ tokens
         out.append(attn.permute(1, 2, 0).reshape(n, c, h, w)[:1])
     return torch.cat(out)
-
-
-@pytest.mark.parametrize("stride", [1, 2])
-def test_padding_inside_the_strided_convolution_is_upstreams_zero_pad_then_convolution(stride):
-    """padding.padded_strided_conv against upstream's reading, ZeroPad2d(1) then a 3x3 convolution without
-    padding, in float64 with the same weights: output, input gradient and weight gradient."""
-    generator = torch.Generator().manual_seed(0)
-    ours = torch.nn.Sequential(*padded_strided_conv(6, 8, stride)).double()
-    upstream = torch.nn.Sequential(torch.nn.ZeroPad2d(1), torch.nn.Conv2d(6, 8, 3, stride=stride, padding=0,
-                                                                            bias=False)).double()
-    upstream.load_state_dict(ours.state_dict())  # the same names: "1.weight"
-    x = torch.randn(2, 6, 11, 14, generator=generator, dtype=torch.float64)
-    results = []
-    for net in (ours, upstream):
-        inp = x.clone().requires_grad_(True)
-        out = net(inp)
-        out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).view_as(out))
-        results.append((out.detach(), inp.grad, net[1].weight.grad))
-    for a, b in zip(*results):
-        assert a.shape == b.shape and torch.allclose(a, b, rtol=0, atol=1e-12)
 
 
 def test_att_fusion_equals_full_self_attention_ego_row():

@@ -1,8 +1,7 @@
 """The 2D BEV backbone: strided conv levels, each upsampled to a common stride and concatenated.
 
 Upstream ``sub_modules/base_bev_backbone.py`` (and ``att_bev_backbone.py`` for AttFuse). Module indices are
-upstream's: ``blocks.{level}`` = [ZeroPad2d, Conv(stride), BN, ReLU, (Conv, BN, ReLU) x layer_nums], the ZeroPad2d
-an Identity here and its padding inside the convolution (``padded_strided_conv``),
+upstream's: ``blocks.{level}`` = [ZeroPad2d, Conv(stride), BN, ReLU, (Conv, BN, ReLU) x layer_nums],
 ``deblocks.{level}`` = [ConvTranspose2d (or Conv2d for an upsample stride < 1), BN, ReLU]; BatchNorm eps 1e-3,
 momentum 0.01. With a ``fusion`` module per level (AttFuse), each level's output is fused across CAVs before
 its deblock (warped into the ego's frame first when the batch dict holds an ``ego_warp``), while the next level
@@ -21,7 +20,6 @@ import torch
 from torch import nn
 
 from opencood_ddp.models.modules.compressor import AutoEncoder
-from opencood_ddp.models.modules.padding import padded_strided_conv
 
 
 def _bn(channels: int) -> nn.BatchNorm2d:
@@ -29,7 +27,8 @@ def _bn(channels: int) -> nn.BatchNorm2d:
 
 
 def _level(c_in: int, c_out: int, stride: int, extra_layers: int) -> nn.Sequential:
-    layers: List[nn.Module] = [*padded_strided_conv(c_in, c_out, stride), _bn(c_out), nn.ReLU()]
+    layers: List[nn.Module] = [nn.ZeroPad2d(1), nn.Conv2d(c_in, c_out, 3, stride=stride, padding=0, bias=False),
+                               _bn(c_out), nn.ReLU()]
     for _ in range(extra_layers):
         layers += [nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), _bn(c_out), nn.ReLU()]
     return nn.Sequential(*layers)

@@ -10,8 +10,7 @@ load strictly both ways):
 - ``AutoEncoder`` (upstream ``sub_modules/auto_encoder.py``; AttFuse's ``base_bev_backbone.compression``): each
   of ``layers`` encoder steps halves the map's sides (a stride-2 3x3 convolution) and then its channels; the
   decoder undoes them in reverse order with stride-2 transposed convolutions. Convolutions without bias.
-  ``encoder.{i}`` = [ZeroPad2d, Conv(stride 2), BN, ReLU, Conv(C -> C/2), BN, ReLU] (the ZeroPad2d an Identity, its
-  padding inside the convolution: ``padding.padded_strided_conv``);
+  ``encoder.{i}`` = [ZeroPad2d, Conv(stride 2), BN, ReLU, Conv(C -> C/2), BN, ReLU];
   ``decoder.{i}`` = [[ConvTranspose(C/2 -> C), BN, ReLU], [Conv(C -> C), BN, ReLU]], C = channels / 2^i.
 
 Both run on every CAV's map, the ego's included, in training and evaluation: the model learns with the
@@ -23,8 +22,6 @@ from typing import List, Mapping, Optional
 
 import torch
 from torch import nn
-
-from opencood_ddp.models.modules.padding import padded_strided_conv
 
 
 def _bn(channels: int) -> nn.BatchNorm2d:
@@ -66,8 +63,8 @@ def naive_compressor(args: Mapping, channels: int) -> Optional[NaiveCompressor]:
 
 
 def _encoder_step(channels: int) -> nn.Sequential:
-    return nn.Sequential(*padded_strided_conv(channels, channels, 2), _bn(channels), nn.ReLU(),
-                         *_conv_bn_relu(channels, channels // 2, bias=False))
+    return nn.Sequential(nn.ZeroPad2d(1), nn.Conv2d(channels, channels, 3, stride=2, padding=0, bias=False),
+                         _bn(channels), nn.ReLU(), *_conv_bn_relu(channels, channels // 2, bias=False))
 
 
 def _decoder_step(channels: int) -> nn.Sequential:
