@@ -7,8 +7,8 @@ a training process forks DataLoader workers after its first steps. Here each par
 threads wait on a queue while idle; a forked child forgets the pool (it has none of its threads) and starts
 its own if it ever needs one.
 
-The callers split work so that the result does not depend on the number of parts: elementwise kernels by
-rows, sums by fixed blocks that are added in one order afterwards (numerics/batch_norm.py).
+Callers split only work whose result does not depend on the number of parts: numerics/batch_norm.py hands
+over its elementwise kernels, by rows, and keeps its per-column sums in one thread.
 """
 from __future__ import annotations
 

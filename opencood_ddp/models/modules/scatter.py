@@ -27,7 +27,8 @@ class PointPillarScatter(nn.Module):
         canvas = pillars.new_zeros(num_images, self.ny * self.nx, self.num_bev_features)
         cell = coords[:, 1] * self.ny * self.nx + coords[:, 2] * self.nx + coords[:, 3]
         # In place on the fresh zeros: the out-of-place index_put copied the whole canvas first (67 ms of a
-        # full-size AttFuse step). The canvas needs no gradient, so autograd only routes the cells' to the pillars.
+        # full-size AttFuse step). The canvas needs no gradient, so autograd routes the cells' gradients to the
+        # pillars alone, as before.
         canvas.index_put_((coords[:, 0], cell), pillars)
         batch_dict["spatial_features"] = canvas.permute(0, 2, 1).reshape(
             num_images, self.num_bev_features, self.ny, self.nx)
