@@ -12,7 +12,7 @@ import torch
 
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix
-from opencood_ddp.toy.config import split_overrides as toy_splits
+from opencood_ddp.toy.config import split_set_flags as toy_split_set_flags
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
@@ -50,7 +50,7 @@ def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedP
 
 def split_overrides(toy_root: Path) -> list[str]:
     """--set flags that point a toy hypes at the splits of the toy world in `toy_root`."""
-    return [word for override in toy_splits(toy_root) for word in ("--set", override)]
+    return toy_split_set_flags(toy_root)
 
 
 def dairv2x_overrides(data_dir: Path) -> list[str]:

@@ -49,6 +49,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from opencood_ddp.toy.config import split_overrides, split_set_flags
+
 REPO = Path(__file__).resolve().parents[1]
 TOY_CONFIGS = [f"toy/{name}" for name in (
     "point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
@@ -222,12 +224,6 @@ def sparse_conv_runs(device: torch.device) -> str:
 
 
 # ------------------------------------------------------------------------------------------ the trainings
-def _splits(data: Path) -> list[str]:
-    from opencood_ddp.toy.config import split_overrides
-
-    return [word for override in split_overrides(data) for word in ("--set", override)]
-
-
 @contextlib.contextmanager
 def _entry_sandbox(device: torch.device):
     """A tool's main in this process (engine/entry.py's sandbox): the launcher variables out of its environment,
@@ -286,7 +282,7 @@ def check_training(config: str, precision: str, device: torch.device, data: Path
     if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
         raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
     run_dir = work / f"{config.replace('/', '_')}_{precision}"
-    common = ["--num_workers", "0", *PRECISIONS[precision], *_splits(data)]
+    common = ["--num_workers", "0", *PRECISIONS[precision], *split_set_flags(data)]
     hypes = REPO / "hypes_yaml" / f"{config}.yaml"
     started = time.perf_counter()
     with Peak(device) as peak:
@@ -349,7 +345,7 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path, kern
                REPO / "hypes_yaml" / f"{config}.yaml", "--world_sizes", "2", "--steps", "4",
                "--train_args", f"--dist_backend gloo {PARITY_KERNELS[kernels]}", "--work_dir",
                work / f"parity_{kernels}", "--timeout", "600"]
-    for override in _splits(data)[1::2]:
+    for override in split_overrides(data):
         command += ["--set", override]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=environ, cwd=REPO,
                             timeout=1200)
@@ -368,7 +364,7 @@ def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, d
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     path = REPO / "hypes_yaml" / f"{config}.yaml"
-    hypes = load_parsed_hypes(path, _splits(data)[1::2])
+    hypes = load_parsed_hypes(path, split_overrides(data))
     probes = batch_fit.measure(hypes, build_task, [1, 2, 4], device)
     model = batch_fit.fit(probes[:2])
     predicted, measured = model.fixed + model.per_sample * 4, probes[2]
@@ -382,21 +378,23 @@ def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, d
             f"{figures['ratio']}"), figures
 
 
-def _steps_per_second(task, device: torch.device, batch_size: int) -> float:
-    """Training samples/s of the model alone: forward, loss, backward and Adam on one batch already on the device
-    (median of 3 steps after a warm-up)."""
-    from opencood_ddp.engine.task import move_tensors
+def _steps_per_second(task, hypes: dict, device: torch.device, batch_size: int) -> float:
+    """Training samples/s of the model alone, the step as the trainer takes it (forward_backward, the hypes'
+    optimizer, optimizer_step) on one batch already on the device: median of 3 steps after a warm-up."""
+    from opencood_ddp.engine.optim import build_optimizer
+    from opencood_ddp.engine.step import Precision, forward_backward
+    from opencood_ddp.engine.trainer import optimizer_step
 
     model = task.model.to(device).train()
-    batch = move_tensors(task.collate_train([task.train_set[i % len(task.train_set)] for i in range(batch_size)]),
+    batch = task.move_to(task.collate_train([task.train_set[i % len(task.train_set)] for i in range(batch_size)]),
                          device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]))
+    precision = Precision(False, device)
     times = []
     for _ in range(4):
-        optimizer.zero_grad(set_to_none=True)
         started = time.perf_counter()
-        task.step(model, batch).total.backward()
-        optimizer.step()
+        forward_backward(task.step, model, batch, precision, None)
+        optimizer_step(optimizer, None)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - started)
@@ -406,16 +404,11 @@ def _steps_per_second(task, device: torch.device, batch_size: int) -> float:
 def _loader_samples_per_second(task, device: torch.device, workers: int, batch_size: int) -> float:
     """samples/s of the trainer's training loader at `workers`, once every worker has delivered a batch (a run's
     persistent workers start once), over 4 batches per worker (4 in the main process)."""
-    from torch.utils.data import DataLoader
-
-    from opencood_ddp.engine.handover import InBandSmallTensors
-    from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed
+    from opencood_ddp.engine.loaders import training_loader
 
     warm, timed_batches = max(workers, 1), 4 * max(workers, 1)
     indices = [i % len(task.train_set) for i in range((warm + timed_batches) * batch_size)]
-    loader = DataLoader(EpochKeyed(task.train_set), batch_sampler=EpochBatches(),
-                        collate_fn=InBandSmallTensors(task.collate_train), num_workers=workers,
-                        pin_memory=device.type == "cuda", persistent_workers=workers > 0)
+    loader = training_loader(task.train_set, task.collate_train, workers, pin_memory=device.type == "cuda")
     loader.batch_sampler.use(0, [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)])
     batches = iter(loader)
     for _ in range(warm):
@@ -433,10 +426,10 @@ def check_loader(config: str, device: torch.device, data: Path, batch_size: int 
     from opencood_ddp.tasks import build_task
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-    task = build_task(load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", _splits(data)[1::2]),
-                      for_training=True)
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
+    task = build_task(hypes, for_training=True)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    step_rate = _steps_per_second(task, device, batch_size)
+    step_rate = _steps_per_second(task, hypes, device, batch_size)
     rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
              for workers in LOADER_WORKERS if workers <= cores}
     enough = [workers for workers, rate in rates.items() if rate >= step_rate]

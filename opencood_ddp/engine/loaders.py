@@ -9,9 +9,12 @@ those of a loader forked for the epoch, bit for bit, and the workers are forked 
 """
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+
+from opencood_ddp.engine.handover import InBandSmallTensors
+from opencood_ddp.engine.preemption import ignore_interrupts_in_worker
 
 
 class EpochKeyed(Dataset):
@@ -53,4 +56,18 @@ class EpochBatches:
         return len(self.batches)
 
 
-__all__ = ["EpochKeyed", "EpochBatches"]
+def worker_options(workers: int) -> dict:
+    """DataLoader options of every loader a run keeps: `workers` processes that persist over the epochs and
+    leave Ctrl-C to the main process."""
+    return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None,
+            "persistent_workers": workers > 0}
+
+
+def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: int, pin_memory: bool) -> DataLoader:
+    """The trainer's training loader over `dataset`, with no batches yet: ``loader.batch_sampler.use(epoch,
+    batches)`` sets each epoch's (gpu_check's loader check measures this same loader)."""
+    return DataLoader(EpochKeyed(dataset), batch_sampler=EpochBatches(), collate_fn=InBandSmallTensors(collate),
+                      pin_memory=pin_memory, **worker_options(workers))
+
+
+__all__ = ["EpochKeyed", "EpochBatches", "worker_options", "training_loader"]

@@ -40,12 +40,12 @@ from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch
 from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
-from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed
+from opencood_ddp.engine.loaders import training_loader, worker_options
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
 from opencood_ddp.engine.options import TrainOptions
-from opencood_ddp.engine.preemption import StopSignal, ignore_interrupts_in_worker
+from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradient_norm, rank_report
@@ -287,11 +287,6 @@ class Trainer:
         self.phase = phase
         comm.mark_phase(phase)
 
-    def _loader_options(self) -> dict:
-        workers = self.options.process.num_workers
-        return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None,
-                "persistent_workers": workers > 0}
-
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches of `epoch` (sample indices), the same list at every call."""
         self.batch_sampler.sampler.set_epoch(epoch)
@@ -301,9 +296,8 @@ class Trainer:
         """The run's one training loader, set to `batches` (default: the whole epoch) of `epoch`: each index
         travels with its epoch, so that the persistent workers draw the epoch's augmentation."""
         if self._train_loader is None:
-            self._train_loader = DataLoader(EpochKeyed(self.task.train_set), batch_sampler=EpochBatches(),
-                                            collate_fn=InBandSmallTensors(self.task.collate_train),
-                                            pin_memory=self.device.type == "cuda", **self._loader_options())
+            self._train_loader = training_loader(self.task.train_set, self.task.collate_train,
+                                                 self.options.process.num_workers, self.device.type == "cuda")
         self._train_loader.batch_sampler.use(epoch, batches if batches is not None else self.epoch_batches(epoch))
         return self._train_loader
 
@@ -453,7 +447,7 @@ class Trainer:
             sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
             self._val_loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
                                           collate_fn=InBandSmallTensors(self.task.collate_val),
-                                          **self._loader_options())
+                                          **worker_options(self.options.process.num_workers))
         loader = self._val_loader
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()

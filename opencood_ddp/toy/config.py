@@ -16,6 +16,11 @@ def split_overrides(root) -> List[str]:
     """The hypes overrides (``key=value``, as ``--set`` takes them) that point a config at the splits of the toy
     world, or of its V2V4Real-layout copy, in the folder ``root``."""
     return [f"{_SPLIT_KEYS[split]}={Path(root) / split}" for split in SPLITS]
+
+
+def split_set_flags(root) -> List[str]:
+    """``split_overrides(root)`` as the command-line flags a tool takes: ``--set key=value`` for each."""
+    return [word for override in split_overrides(root) for word in ("--set", override)]
 # The flat ground plane of the map and world frames: vehicles stand on it, rays that miss every box end on it.
 GROUND_Z = 0.0
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import yaml
 
 from opencood_ddp.distributed.launch import launcher_prefix
-from opencood_ddp.toy.config import split_overrides
+from opencood_ddp.toy.config import split_set_flags
 
 REPO = Path(__file__).resolve().parents[2]
 # model -> (toy and opv2v config name, --fusion_method, fusion kind for the table, extra --set for the toy run)
@@ -63,10 +63,6 @@ def torchrun(script: str, *args) -> list:
     return [*launcher_prefix(2), REPO / "tools" / script, *args]
 
 
-def splits(data: Path) -> list:
-    return [word for override in split_overrides(data) for word in ("--set", override)]
-
-
 def train_and_evaluate(model: str, args: argparse.Namespace) -> dict:
     config, fusion, _, extra = MODELS[model]
     run_dir = Path(args.out) / model
@@ -75,7 +71,7 @@ def train_and_evaluate(model: str, args: argparse.Namespace) -> dict:
     if not (run_dir / f"net_epoch{args.epochs}.pth").is_file():
         run(torchrun("train_ddp.py", "--hypes_yaml", REPO / "hypes_yaml" / "toy" / f"{config}.yaml",
                      "--model_dir", run_dir, "--num_workers", "0", "--set", "train_params.batch_size=2",
-                     "--set", f"train_params.epoches={args.epochs}", *sets, *splits(Path(args.data))))
+                     "--set", f"train_params.epoches={args.epochs}", *sets, *split_set_flags(Path(args.data))))
     train_seconds = time.perf_counter() - started
     run(torchrun("inference_ddp.py", "--model_dir", run_dir, "--fusion_method", fusion,
                  "--dataset_dir", Path(args.data) / "test", "--num_workers", "0"))
