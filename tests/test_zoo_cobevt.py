@@ -2,14 +2,18 @@
 shared contracts run in tests/test_zoo_contracts.py)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from torch import nn
 
 import zoo
 from launch import REPO
 from opencood_ddp.models import create_model
-from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, cells_from_tokens, relative_position_index,
-                                                     window_tokens)
+from opencood_ddp.models.modules.biased_attention import biased_attention
+from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, WindowAttention, cells_from_tokens,
+                                                     relative_position_index, window_tokens)
 from opencood_ddp.models.point_pillar_cobevt import to_slots
 
 CORE = "point_pillar_cobevt"
@@ -120,6 +124,72 @@ def test_the_block_equals_one_window_at_a_time_in_float64():
     present = torch.tensor([[True, True, False], [True, False, False]])
     with torch.no_grad():
         assert torch.allclose(block(cells, present), plain_block(block, cells, present), rtol=0, atol=1e-12)
+
+
+def random_bias_block(drop_out: float = 0.0) -> SwapFusionBlockMask:
+    """A float64 block (dim 8, 2 heads, 2 x 2 windows, 3 agents) with a random relative bias."""
+    torch.manual_seed(0)
+    block = SwapFusionBlockMask(8, 16, 4, 2, 3, drop_out).double()
+    with torch.no_grad():
+        block.window_attention.fn.relative_position_bias_table.weight.normal_()
+        block.grid_attention.fn.relative_position_bias_table.weight.normal_()
+    return block
+
+
+def test_the_blocks_gradients_equal_one_window_at_a_time_in_float64():
+    """Training mode: the head-at-a-time attention's backward against autograd through the plain reading."""
+    block = random_bias_block().train()
+    cells = torch.randn(2, 3, 4, 6, 8, dtype=torch.float64, requires_grad=True)
+    present = torch.tensor([[True, True, False], [True, False, False]])
+    grad = torch.randn(2, 3, 4, 6, 8, dtype=torch.float64)
+    leaves = [cells, *block.parameters()]
+    ours = torch.autograd.grad(block(cells, present), leaves, grad)
+    plain = torch.autograd.grad(plain_block(block, cells, present), leaves, grad)
+    for name, a, b in zip(["cells"] + [n for n, _ in block.named_parameters()], ours, plain):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12), name
+
+
+def test_in_place_dropout_changes_no_value_or_gradient_of_the_block():
+    """The block's dropouts write over their inputs; the same block with them out of place gives the same bits."""
+    block = random_bias_block(drop_out=0.3).train()
+    apart = copy.deepcopy(block)
+    for layer in apart.modules():
+        if isinstance(layer, nn.Dropout):
+            layer.inplace = False
+    cells = torch.randn(2, 3, 4, 6, 8, dtype=torch.float64)
+    present = torch.tensor([[True, True, False], [True, False, False]])
+    results = []
+    for model in (block, apart):
+        torch.manual_seed(5)
+        out = model(cells, present)
+        results.append((out, torch.autograd.grad(out.square().sum(), list(model.parameters()))))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+
+
+def test_head_loop_attention_equals_the_plain_reading_and_passes_gradcheck():
+    torch.manual_seed(1)
+    attention = WindowAttention(16, 4, 0.0, 3, 2).double()
+    present = torch.tensor([[True, True, False], [True, False, False]])
+    qkv = torch.randn(2 * 6, 12, 48, dtype=torch.float64, requires_grad=True)  # 2 samples x 6 windows of 12
+    bias = torch.randn(4, 12, 12, dtype=torch.float64, requires_grad=True)
+    key_bias = attention.key_bias(present, 12, torch.float64)
+    ours = biased_attention(qkv, bias, key_bias, attention.heads, attention.scale)
+    plain = attention.plain_attention(qkv, bias, present)
+    assert torch.allclose(ours, plain, rtol=0, atol=1e-13)
+    grad = torch.randn_like(ours)
+    for a, b in zip(torch.autograd.grad(ours, (qkv, bias), grad), torch.autograd.grad(plain, (qkv, bias), grad)):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    small = torch.randn(4, 6, 12, dtype=torch.float64, requires_grad=True)  # 2 samples x 2 windows, 2 heads
+    table = torch.randn(2, 6, 6, dtype=torch.float64, requires_grad=True)
+    keys = torch.tensor([[0.0] * 6, [0.0] * 3 + [torch.finfo(torch.float64).min] * 3], dtype=torch.float64)
+    assert torch.autograd.gradcheck(lambda q, b: biased_attention(q, b, keys, 2, 0.4), (small, table))
+
+
+def test_head_loop_attention_refuses_a_key_bias_that_takes_gradients():
+    qkv = torch.randn(2, 4, 6)
+    with pytest.raises(ValueError, match="key_bias"):
+        biased_attention(qkv, torch.zeros(2, 4, 4), torch.zeros(1, 4, requires_grad=True), 2, 1.0)
 
 
 def test_to_slots_pads_and_masks():

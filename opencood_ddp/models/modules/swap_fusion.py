@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.biased_attention import biased_attention, use_head_loop
 from opencood_ddp.models.modules.precision import in_full_precision
+from opencood_ddp.numerics.dropout import Dropout
 
 
 def relative_position_index(agents: int, window: int) -> torch.Tensor:
@@ -44,29 +46,39 @@ class WindowAttention(nn.Module):
         # Upstream keeps the index in the state dict (a persistent buffer); so do we, for strict loading.
         self.register_buffer("relative_position_index", relative_position_index(agents, window))
         self.to_qkv = nn.Linear(dim, dim * 3, bias=False)
-        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), nn.Dropout(dropout))
+        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), Dropout(dropout, inplace=True))
         self.relative_position_bias_table = nn.Embedding(
             (2 * agents - 1) * (2 * window - 1) * (2 * window - 1), self.heads)
 
     def forward(self, tokens: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
         """tokens: (B X Y, n, C), the windows of each sample in turn; present: (B, L) bool, False for a padded
         slot."""
-        windows, n, dim = tokens.shape
-        q, k, v = self.to_qkv(tokens).view(windows, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.to_qkv(tokens)
+        bias = self.relative_position_bias_table(self.relative_position_index).permute(2, 0, 1)  # (heads, n, n)
+        if use_head_loop(qkv):
+            key_bias = self.key_bias(present, tokens.shape[1], qkv.dtype)
+            return self.to_out(biased_attention(qkv, bias.to(qkv.dtype), key_bias, self.heads, self.scale))
+        return self.to_out(self.plain_attention(qkv, bias, present))
+
+    def plain_attention(self, qkv: torch.Tensor, bias: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """What ``biased_attention`` computes, in batched tensor operations (CUDA and autocast, and the tests'
+        reference): (B X Y, n, 3C) projections -> (B X Y, n, C)."""
+        windows, n, three_dim = qkv.shape
+        q, k, v = qkv.view(windows, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
         sim = in_full_precision(lambda q, k: (q * self.scale) @ k.transpose(-2, -1), q, k)  # (B X Y, heads, n, n)
         samples = present.shape[0]
-        sim = sim.view(samples, windows // samples, self.heads, n, n) + self.bias_and_mask(present, sim.dtype)
+        bias_and_mask = (bias.to(sim.dtype) + self.key_bias(present, n, sim.dtype)[:, None, None, :]).unsqueeze(1)
+        sim = sim.view(samples, windows // samples, self.heads, n, n) + bias_and_mask
         out = sim.softmax(dim=-1).view(windows, self.heads, n, n) @ v  # (B X Y, heads, n, d)
-        return self.to_out(out.transpose(1, 2).reshape(windows, n, dim))
+        return out.transpose(1, 2).reshape(windows, n, three_dim // 3)
 
-    def bias_and_mask(self, present: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """(B, 1, heads, n, n): the relative bias of every token pair, and the dtype's lowest value where the key
-        is an absent agent's, which gives it no weight (every window holds the ego, so no row is all masked).
-        Added once to the logits: the same values as adding the bias and then filling the masked keys."""
-        bias = self.relative_position_bias_table(self.relative_position_index).permute(2, 0, 1)  # (heads, n, n)
-        keys = present.repeat_interleave(bias.shape[-1] // present.shape[1], dim=1)  # (B, n)
-        masked = torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill(~keys, torch.finfo(dtype).min)
-        return (bias.to(dtype) + masked[:, None, None, :]).unsqueeze(1)
+    @staticmethod
+    def key_bias(present: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """(B, n): 0 for a present agent's key, the dtype's lowest value for an absent agent's, which gives it no
+        weight (every window holds the ego, so no row is all masked). Added with the relative bias, once: the
+        same values as adding the bias and then filling the masked keys."""
+        keys = present.repeat_interleave(n // present.shape[1], dim=1)  # tokens are (agent, row, column)
+        return torch.zeros(keys.shape, dtype=dtype, device=keys.device).masked_fill(~keys, torch.finfo(dtype).min)
 
 
 class FeedForward(nn.Module):
@@ -74,8 +86,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout),
-                                 nn.Linear(hidden, dim), nn.Dropout(dropout))
+        # In place: what each dropout reads (a linear layer's or GELU's output) is saved by no backward.
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), Dropout(dropout, inplace=True),
+                                 nn.Linear(hidden, dim), Dropout(dropout, inplace=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -90,7 +103,10 @@ class PreNormResidual(nn.Module):
         self.fn = fn
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        return self.fn(self.norm(x), *args) + x
+        out = self.fn(self.norm(x), *args)
+        # fn ends in a linear layer or a dropout, whose output no backward saves: the sum is written over it
+        # (one activation fewer to allocate). Under autocast the dtypes differ and the sum promotes as before.
+        return out.add_(x) if out.dtype == x.dtype else out + x
 
 
 def window_tokens(cells: torch.Tensor, window: int, dilated: bool) -> torch.Tensor:
