@@ -46,7 +46,7 @@ class WindowAttention(nn.Module):
         # Upstream keeps the index in the state dict (a persistent buffer); so do we, for strict loading.
         self.register_buffer("relative_position_index", relative_position_index(agents, window))
         self.to_qkv = nn.Linear(dim, dim * 3, bias=False)
-        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), Dropout(dropout, inplace=True))
+        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), Dropout(dropout))
         self.relative_position_bias_table = nn.Embedding(
             (2 * agents - 1) * (2 * window - 1) * (2 * window - 1), self.heads)
 
@@ -86,9 +86,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()
-        # In place: what each dropout reads (a linear layer's or GELU's output) is saved by no backward.
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), Dropout(dropout, inplace=True),
-                                 nn.Linear(hidden, dim), Dropout(dropout, inplace=True))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), Dropout(dropout),
+                                 nn.Linear(hidden, dim), Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -103,10 +102,7 @@ class PreNormResidual(nn.Module):
         self.fn = fn
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        out = self.fn(self.norm(x), *args)
-        # fn ends in a linear layer or a dropout, whose output no backward saves: the sum is written over it
-        # (one activation fewer to allocate). Under autocast the dtypes differ and the sum promotes as before.
-        return out.add_(x) if out.dtype == x.dtype else out + x
+        return self.fn(self.norm(x), *args) + x
 
 
 def window_tokens(cells: torch.Tensor, window: int, dilated: bool) -> torch.Tensor:
