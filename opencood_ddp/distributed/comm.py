@@ -163,14 +163,25 @@ def mark_phase(text: str) -> None:
                   f"{time.time():.3f} {socket.gethostname()} {os.getpid()} {text}")
 
 
+_PF_EXITING = 0x4  # Linux's task flag, set as the process starts to exit, before it closes its sockets
+
+
+def _has_exited(pid: int) -> bool:
+    """Whether the process is gone, a zombie, or exiting (Linux's /proc/<pid>/stat: the state letter after the
+    command, and the task flags 6 fields later). A killed rank's peer sees its sockets close while the killed
+    process is still being torn down, before it is a zombie: its state letter still reads running, so the
+    exiting flag is what tells it from a stalled one."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
+    except (OSError, IndexError, ValueError):
+        return True
+
+
 def _process_state(host: str, pid: int) -> str:
     if host != socket.gethostname():
         return f"on {host}"
-    try:  # Linux: the state letter after the command; a killed child stays a zombie until its launcher reaps it
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        state = "X"
-    if state in ("Z", "X"):
+    if _has_exited(pid):
         return f"its process {pid} has exited"
     return f"its process {pid} is alive but silent (stalled)"
 
