@@ -24,6 +24,7 @@ from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_hmsa import CavAttention, HeteroCavAttention
 from opencood_ddp.models.modules.v2xvit_mswin import PyramidWindowAttention
 from opencood_ddp.models.modules.v2xvit_sttf import SpatialAligner
+from opencood_ddp.numerics.dropout import Dropout
 
 DELAY_TABLE_SIZE = 100  # upstream's max_len: rows of the sinusoid table (delay x RTE_ratio must stay below)
 PRIOR_CHANNELS = 3  # speed, delay, infrastructure flag
@@ -46,8 +47,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, dim),
-                                 nn.Dropout(dropout))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), Dropout(dropout), nn.Linear(hidden, dim),
+                                 Dropout(dropout))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

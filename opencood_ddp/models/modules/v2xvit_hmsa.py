@@ -25,6 +25,7 @@ from torch import nn
 from opencood_ddp.models.modules.precision import in_full_precision
 from opencood_ddp.models.modules.v2xvit_agents import NUM_KINDS, Agents
 from opencood_ddp.models.parameter_use import TracksParameterUse
+from opencood_ddp.numerics.dropout import Dropout
 
 
 def typed_linear(x: torch.Tensor, kind: torch.Tensor, linears: nn.ModuleList) -> torch.Tensor:
@@ -68,7 +69,7 @@ class HeteroCavAttention(nn.Module, TracksParameterUse):
         inner = heads * dim_head
         self.heads, self.num_kinds = heads, num_kinds
         self.scale = dim_head ** -0.5
-        self.drop_out = nn.Dropout(dropout)
+        self.drop_out = Dropout(dropout)
         self.k_linears = nn.ModuleList(nn.Linear(dim, inner) for _ in range(num_kinds))
         self.q_linears = nn.ModuleList(nn.Linear(dim, inner) for _ in range(num_kinds))
         self.v_linears = nn.ModuleList(nn.Linear(dim, inner) for _ in range(num_kinds))
@@ -122,7 +123,7 @@ class CavAttention(nn.Module):
         self.heads = heads
         self.scale = dim_head ** -0.5
         self.to_qkv = nn.Linear(dim, inner * 3, bias=False)
-        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(dropout))
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), Dropout(dropout))
 
     def forward(self, x: torch.Tensor, agents: Agents, visible: torch.Tensor) -> torch.Tensor:
         q, k, v = (split_heads(agents.pad(t), self.heads) for t in self.to_qkv(x).chunk(3, dim=-1))

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.models.modules.precision import in_full_precision
+from opencood_ddp.numerics.dropout import Dropout
 
 
 def relative_offsets(window: int) -> torch.Tensor:
@@ -51,7 +52,7 @@ class WindowAttention(nn.Module):
             self.pos_embedding = nn.Parameter(torch.randn(2 * window - 1, 2 * window - 1))
         else:
             self.pos_embedding = nn.Parameter(torch.randn(window ** 2, window ** 2))
-        self.to_out = nn.Sequential(nn.Linear(inner, dim), nn.Dropout(dropout))
+        self.to_out = nn.Sequential(nn.Linear(inner, dim), Dropout(dropout))
 
     def position_bias(self) -> torch.Tensor:
         """(s^2, s^2) bias added to the logits of every window and head."""
