@@ -161,6 +161,17 @@ def test_head_loop_attention_equals_the_plain_reading_and_passes_gradcheck():
     assert torch.autograd.gradcheck(lambda q, b: biased_attention(q, b, keys, 2, 0.4), (small, table))
 
 
+def test_head_loop_attention_without_gradients_gives_the_same_bits():
+    """Under no_grad it keeps one head's probabilities instead of every head's; the output is the same."""
+    torch.manual_seed(2)
+    qkv, bias = torch.randn(6, 12, 48, requires_grad=True), torch.randn(4, 12, 12, requires_grad=True)
+    key_bias = torch.zeros(2, 12)
+    key_bias[1, 8:] = torch.finfo(torch.float32).min
+    training = biased_attention(qkv, bias, key_bias, 4, 0.5)
+    with torch.no_grad():
+        assert torch.equal(biased_attention(qkv, bias, key_bias, 4, 0.5), training)
+
+
 def test_head_loop_attention_refuses_a_key_bias_that_takes_gradients():
     qkv = torch.randn(2, 4, 6)
     with pytest.raises(ValueError, match="key_bias"):

@@ -35,21 +35,24 @@ def _head(qkv: torch.Tensor, part: int, head: int, heads: int) -> torch.Tensor:
 
 class _BiasedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, bias, key_bias, heads: int, scale: float):
+    def forward(ctx, qkv, bias, key_bias, heads: int, scale: float, keep: bool):
         windows, n, _ = qkv.shape
         samples = key_bias.shape[0]
         out = qkv.new_empty(windows, n, qkv.shape[-1] // 3)
-        attention = qkv.new_empty(heads, windows, n, n)
+        # keep: the probabilities of every head are kept for a backward; without one (evaluation), one head's.
+        attention = qkv.new_empty(heads if keep else 1, windows, n, n)
         logits = qkv.new_empty(windows, n, n)
         head_out = qkv.new_empty(windows, n, out.shape[-1] // heads)
         for h in range(heads):
             start = (bias[h] + key_bias[:, None, :])[:, None]  # (samples, 1, n, n)
             logits.view(samples, windows // samples, n, n).copy_(start.expand(-1, windows // samples, -1, -1))
             logits.baddbmm_(_head(qkv, 0, h, heads), _head(qkv, 1, h, heads).transpose(1, 2), alpha=scale)
-            torch.ops.aten._softmax.out(logits, -1, False, out=attention[h])
-            torch.bmm(attention[h], _head(qkv, 2, h, heads), out=head_out)
+            probabilities = attention[h if keep else 0]
+            torch.ops.aten._softmax.out(logits, -1, False, out=probabilities)
+            torch.bmm(probabilities, _head(qkv, 2, h, heads), out=head_out)
             out[:, :, h * head_out.shape[-1]:(h + 1) * head_out.shape[-1]].copy_(head_out)
-        ctx.save_for_backward(qkv, attention)
+        if keep:
+            ctx.save_for_backward(qkv, attention)
         ctx.heads, ctx.scale = heads, scale
         return out
 
@@ -78,7 +81,7 @@ class _BiasedAttention(torch.autograd.Function):
             _head(grad_qkv, 0, h, heads).copy_(part_grad)
             torch.baddbmm(part_grad, grad_logits.transpose(1, 2), q, beta=0, alpha=scale, out=part_grad)
             _head(grad_qkv, 1, h, heads).copy_(part_grad)
-        return grad_qkv, grad_bias, None, None, None
+        return grad_qkv, grad_bias, None, None, None, None
 
 
 def biased_attention(qkv: torch.Tensor, bias: torch.Tensor, key_bias: torch.Tensor, heads: int,
@@ -92,4 +95,5 @@ def biased_attention(qkv: torch.Tensor, bias: torch.Tensor, key_bias: torch.Tens
     """
     if key_bias.requires_grad:
         raise ValueError("biased_attention: key_bias takes no gradient; pass it detached")
-    return _BiasedAttention.apply(qkv.contiguous(), bias.contiguous(), key_bias, heads, scale)
+    keep = torch.is_grad_enabled() and (qkv.requires_grad or bias.requires_grad)
+    return _BiasedAttention.apply(qkv.contiguous(), bias.contiguous(), key_bias, heads, scale, keep)
