@@ -7,8 +7,8 @@ bias into a new (windows, heads, n, n) tensor, and in the backward stacks the th
 back: on CoBEVT's 1056 windows of 80 tokens, 8 heads, these copies, the scale's multiply and the add took more
 of its step than the products themselves. A head's q, k and v are (windows, n, d) slices of the projection's
 (windows, n, 3C) output, which the batched products read in place (row stride 3C); the logits start as the
-bias, broadcast, and the product is accumulated into them with the scale as its factor (``baddbmm_``); each
-head's (windows, n, n) logits are small enough to stay in cache through the softmax.
+bias, broadcast, and the product is accumulated into them with the scale as its factor (``baddbmm_``), in one
+(windows, n, n) buffer that every head reuses.
 
 The sums are the plain reading's, in another order: outputs and gradients agree with it to float64's rounding
 (tests/test_zoo_cobevt.py). CUDA and autocast keep the plain reading (``use_head_loop``).
