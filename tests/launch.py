@@ -12,7 +12,7 @@ import torch
 
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix
-from opencood_ddp.toy.config import split_set_flags as toy_split_set_flags
+from opencood_ddp.toy.config import split_set_flags  # noqa: F401  (the tests take it from here)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
@@ -48,11 +48,6 @@ def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedP
     return torchrun(nproc, TRAIN, *args, timeout=timeout)
 
 
-def split_overrides(toy_root: Path) -> list[str]:
-    """--set flags that point a toy hypes at the splits of the toy world in `toy_root`."""
-    return toy_split_set_flags(toy_root)
-
-
 def dairv2x_overrides(data_dir: Path) -> list[str]:
     """--set flags that read the DAIR-V2X-C-layout toy copy in `data_dir` (fusion.dataset and its split files)."""
     return ["--set", "fusion.dataset=dairv2x", "--set", f"data_dir={data_dir}",
@@ -62,7 +57,7 @@ def dairv2x_overrides(data_dir: Path) -> list[str]:
 
 def v2v4real_overrides(root: Path) -> list[str]:
     """--set flags that read the V2V4Real-layout toy copy in `root`."""
-    return ["--set", "fusion.dataset=v2v4real", *split_overrides(root)]
+    return ["--set", "fusion.dataset=v2v4real", *split_set_flags(root)]
 
 
 def explain(result: subprocess.CompletedProcess) -> str:

@@ -31,7 +31,7 @@ import pytest
 import torch
 import yaml
 
-from launch import (REPO, TRAIN, dairv2x_overrides, explain, in_process, split_overrides, torchrun,
+from launch import (REPO, TRAIN, dairv2x_overrides, explain, in_process, split_set_flags, torchrun,
                     v2v4real_overrides)
 
 
@@ -76,7 +76,7 @@ def toy_run(toy_small, tmp_path_factory) -> Path:
     """A finished 1-epoch F-Cooper run on the small toy world: 4 steps of 2 frames, validated on 4 frames."""
     run_dir = tmp_path_factory.mktemp("bad_inputs") / "fcooper"
     result = in_process(TRAIN, "--hypes_yaml", FCOOPER, "--model_dir", run_dir, "--num_workers", "0",
-                        *split_overrides(toy_small), "--set", "train_params.epoches=1")
+                        *split_set_flags(toy_small), "--set", "train_params.epoches=1")
     assert result.returncode == 0, explain(result)
     assert (run_dir / "net_epoch1.pth").is_file()
     return run_dir
@@ -121,7 +121,7 @@ class World:
         return target
 
     def toy_args(self, *extra: str) -> list:
-        return ["--hypes_yaml", FCOOPER, "--model_dir", self.tmp / "new_run", *split_overrides(self.toy_root),
+        return ["--hypes_yaml", FCOOPER, "--model_dir", self.tmp / "new_run", *split_set_flags(self.toy_root),
                 "--num_workers", "0", "--set", "train_params.epoches=1", *extra]
 
     def copy_train_split(self) -> Path:

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from launch import REPO, explain, in_process, python, split_overrides, train
+from launch import REPO, explain, in_process, python, split_set_flags, train
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.engine.batch_fit import GIB, PlanOption, Probe
 
@@ -74,7 +74,7 @@ def test_measure_on_the_synthetic_task_grows_with_the_batch():
 
 
 def _plan(toy_small, *args: str):
-    return in_process(PLAN, "--hypes_yaml", TOY, *split_overrides(toy_small), "--set", "train_params.batch_size=4",
+    return in_process(PLAN, "--hypes_yaml", TOY, *split_set_flags(toy_small), "--set", "train_params.batch_size=4",
                       *args)
 
 
@@ -99,7 +99,7 @@ def test_plan_batch_says_when_nothing_fits(toy_small):
 @pytest.mark.slow
 def test_train_per_gpu_batch_auto_changes_nothing_else_of_the_run(toy_small, tmp_path):
     common = ("--hypes_yaml", TOY, "--num_workers", "0", "--max_steps", "2", "--set", "train_params.batch_size=4",
-              *split_overrides(toy_small))
+              *split_set_flags(toy_small))
     # In process: whether the measurement leaves a trace in the run does not depend on the world size (the plan on
     # 2 processes is judged by the parity check below).
     auto = train(0, *common, "--model_dir", tmp_path / "auto", "--per_gpu_batch", "auto")
@@ -118,7 +118,7 @@ def test_train_per_gpu_batch_auto_changes_nothing_else_of_the_run(toy_small, tmp
 @pytest.mark.slow
 def test_train_per_gpu_batch_auto_refuses_when_nothing_fits(toy_small, tmp_path):
     result = train(0, "--hypes_yaml", TOY, "--num_workers", "0", "--set", "train_params.batch_size=4",
-                   *split_overrides(toy_small), "--model_dir", tmp_path / "run", "--per_gpu_batch", "auto",
+                   *split_set_flags(toy_small), "--model_dir", tmp_path / "run", "--per_gpu_batch", "auto",
                    "--per_gpu_mem_gib", "0.0001")
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, explain(result)
@@ -132,7 +132,7 @@ def test_per_gpu_batch_auto_on_two_processes_follows_the_one_process_run(toy_sma
     per-GPU 2 or 1 x accumulation) against the 1-process run, with the reversed-batch run as the noise floor."""
     work = tmp_path / "runs"
     result = python(REPO / "tools" / "parity_check.py", "--hypes_yaml", TOY, "--world_sizes", "1,2", "--steps", "3",
-                    "--set", "train_params.batch_size=4", *split_overrides(toy_small), "--work_dir", work,
+                    "--set", "train_params.batch_size=4", *split_set_flags(toy_small), "--work_dir", work,
                     "--train_args=--per_gpu_batch auto", timeout=900)
     assert result.returncode == 0, explain(result)
     assert "PASS: every world size follows the 1-process run." in result.stdout

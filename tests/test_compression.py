@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import zoo
-from launch import REPO, explain, split_overrides, train
+from launch import REPO, explain, split_set_flags, train
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.models import create_model
@@ -370,7 +370,7 @@ def test_backbone_fix_on_resume_freezes_and_stays_frozen_on_two_ranks(toy_small,
 
     config, run = TOY / "point_pillar_v2xvit.yaml", tmp_path / "run"
     common = ("--hypes_yaml", config, "--model_dir", run, "--num_workers", "0", "--set",
-              "train_params.batch_size=2", *split_overrides(toy_small))
+              "train_params.batch_size=2", *split_set_flags(toy_small))
     legs = ((1, ()), (3, ("--set", "model.args.backbone_fix=true", "--allow_config_change")), (6, ()))
     weights = {}
     for world, (steps, flags) in zip((0, 2, 2), legs):

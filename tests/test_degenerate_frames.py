@@ -20,7 +20,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, explain, split_overrides, train
+from launch import REPO, explain, split_set_flags, train
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import load_opv2v_yaml
 from opencood_ddp.data.pcd import read_pcd, write_pcd
@@ -331,7 +331,7 @@ def test_non_finite_points_are_dropped_and_told_once_per_file_in_each_ranks_log(
     damaged = _nan_rows_in_first_ego_cloud(root, rows=7)
     run_dir = tmp_path / "run"
     result = train(2, "--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml",
-                   "--model_dir", run_dir, "--num_workers", "0", *split_overrides(root),
+                   "--model_dir", run_dir, "--num_workers", "0", *split_set_flags(root),
                    "--set", "train_params.epoches=2", timeout=600)
     assert result.returncode == 0, explain(result)
     told = {rank: [line for line in (run_dir / "logs" / f"rank{rank}.log").read_text().splitlines()

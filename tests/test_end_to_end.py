@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, clean_environ, explain, python, split_overrides, train
+from launch import REPO, clean_environ, explain, python, split_set_flags, train
 from upstream_loop import upstream_step_lrs
 
 from opencood_ddp.checkpoint_files import load_file
@@ -34,7 +34,7 @@ def parity_runs(toy_small, tmp_path_factory):
     """tools/parity_check.py at world sizes 1 and 2 on the toy AttFuse config: its output and kept runs."""
     work = tmp_path_factory.mktemp("parity") / "runs"
     result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1,2", "--steps", str(STEPS),
-                    *split_overrides(toy_small), "--work_dir", work, timeout=600)
+                    *split_set_flags(toy_small), "--work_dir", work, timeout=600)
     return result, work
 
 
@@ -72,7 +72,7 @@ def test_a_detector_stopped_and_resumed_on_two_ranks_ends_bit_identical_to_the_s
     straight 2-rank run of the same command ends, weights and optimizer state, bit for bit."""
     _, work = parity_runs
     run_dir = tmp_path / "resumed"
-    common = ("--hypes_yaml", TOY_ATTFUSE, "--model_dir", run_dir, "--num_workers", "0", *split_overrides(toy_small))
+    common = ("--hypes_yaml", TOY_ATTFUSE, "--model_dir", run_dir, "--num_workers", "0", *split_set_flags(toy_small))
     for stop in (1, STEPS):
         result = train(2, *common, "--max_steps", str(stop), timeout=600)
         assert result.returncode == 0, explain(result)
@@ -89,7 +89,7 @@ def test_a_detector_stopped_and_resumed_on_two_ranks_ends_bit_identical_to_the_s
 def test_parity_check_catches_per_rank_batchnorm(toy_small, tmp_path):
     """--no_sync_bn changes nothing on 1 rank and the statistics on 2: the check must say DIFFERENT."""
     result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "2", "--steps", "2",
-                    *split_overrides(toy_small), "--train_args=--no_sync_bn", timeout=600)
+                    *split_set_flags(toy_small), "--train_args=--no_sync_bn", timeout=600)
     assert result.returncode == 1, explain(result)
     world2 = next(line for line in result.stdout.splitlines() if line.strip().startswith("world2 |"))
     assert "DIFFERENT" in world2
@@ -98,7 +98,7 @@ def test_parity_check_catches_per_rank_batchnorm(toy_small, tmp_path):
 
 def test_parity_check_refuses_a_batch_that_does_not_split(toy_small):
     result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1,4", "--steps", "2",
-                    *split_overrides(toy_small), timeout=120)
+                    *split_set_flags(toy_small), timeout=120)
     assert result.returncode == 2, explain(result)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "train_params.batch_size" in errors[0] and "--world_sizes" in errors[0]
@@ -118,7 +118,7 @@ def test_two_torchrun_nodes_equal_two_processes(parity_runs, toy_small, tmp_path
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = [*launcher_prefix(1, nodes=2, endpoint=endpoint, run_id="e2e_two_nodes"),
            str(REPO / "tools" / "train_ddp.py"), "--hypes_yaml", str(TOY_ATTFUSE), "--model_dir", str(run_dir),
-           "--max_steps", str(STEPS), "--num_workers", "0", *map(str, split_overrides(toy_small))]
+           "--max_steps", str(STEPS), "--num_workers", "0", *map(str, split_set_flags(toy_small))]
     nodes = [subprocess.Popen(cmd, cwd=REPO, env=clean_environ(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for _ in range(2)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, WORKERS, explain, in_process, one_line_error, split_overrides, torchrun, train
+from launch import REPO, WORKERS, explain, in_process, one_line_error, split_set_flags, torchrun, train
 from opencood_ddp.data import geometry as geo
 from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.engine.evaluator import EvalResult
@@ -246,7 +246,7 @@ def toy_run(toy_small, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("eval_presets") / "attfuse"
     trained = train(0, "--hypes_yaml", TOY, "--model_dir", run_dir, "--num_workers", "0",
                     "--set", "train_params.epoches=1", "--set", "train_params.batch_size=2",
-                    "--set", "postprocess.target_args.score_threshold=0.01", *split_overrides(toy_small))
+                    "--set", "postprocess.target_args.score_threshold=0.01", *split_set_flags(toy_small))
     assert trained.returncode == 0, explain(trained)
     return run_dir
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from launch import REPO, explain, in_process, one_line_error, split_overrides, torchrun, train
+from launch import REPO, explain, in_process, one_line_error, split_set_flags, torchrun, train
 from opencood_ddp.data.wild import wild_setting_from_hypes
 from opencood_ddp.engine.evaluator import EvalResult
 from opencood_ddp.engine.options import EvalOptions
@@ -213,7 +213,7 @@ def toy_run(toy_small, tmp_path_factory) -> Path:
     trained = train(0, "--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml",
                     "--model_dir", run_dir, "--num_workers", "0", "--set", "train_params.epoches=1",
                     "--set", "train_params.batch_size=2", "--set", "postprocess.target_args.score_threshold=0.01",
-                    *split_overrides(toy_small))
+                    *split_set_flags(toy_small))
     assert trained.returncode == 0, explain(trained)
     return run_dir
 

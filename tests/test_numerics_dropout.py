@@ -15,15 +15,15 @@ from opencood_ddp.numerics.dropout import Dropout, applies, draw_seed, hashed_dr
 COUNT = 1 << 20
 
 
-def kept(values: torch.Tensor, p: float) -> torch.Tensor:
-    """The keep decisions of one hashed dropout of a tensor of ones."""
-    return hashed_dropout(torch.ones(values.shape), p) != 0
+def kept(count: int, p: float) -> torch.Tensor:
+    """The keep decisions of one hashed dropout of `count` ones."""
+    return hashed_dropout(torch.ones(count), p) != 0
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
 def test_values_are_dropped_at_rate_p(p):
     torch.manual_seed(0)
-    rate = 1.0 - float(kept(torch.empty(COUNT), p).double().mean())
+    rate = 1.0 - float(kept(COUNT, p).double().mean())
     sigma = math.sqrt(p * (1 - p) / COUNT)
     assert abs(rate - p) < 5 * sigma
 
@@ -33,11 +33,11 @@ def test_neighbouring_decisions_are_independent():
     dropped at rate p^2, and two calls' masks overlap at chance."""
     torch.manual_seed(1)
     p = 0.5
-    dropped = ~kept(torch.empty(COUNT), p)
+    dropped = ~kept(COUNT, p)
     for offset in (1, 2, 64):
         both = float((dropped[:-offset] & dropped[offset:]).double().mean())
         assert abs(both - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / COUNT), offset
-    again = ~kept(torch.empty(COUNT), p)
+    again = ~kept(COUNT, p)
     assert abs(float((dropped & again).double().mean()) - p * p) < 5 * math.sqrt(p * p * (1 - p * p) / COUNT)
 
 

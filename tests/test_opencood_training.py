@@ -18,7 +18,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, explain, in_process, split_overrides, torchrun, train
+from launch import REPO, explain, in_process, split_set_flags, torchrun, train
 
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
@@ -40,7 +40,7 @@ def toy_runs(toy_small, tmp_path_factory):
             batch = "1" if world == 0 else str(world)
             result = train(world, "--hypes_yaml", REPO / "hypes_yaml" / "toy" / f"{config}.yaml",
                            "--model_dir", run_dir, "--num_workers", "0", "--set", f"train_params.batch_size={batch}",
-                           "--set", f"train_params.epoches={EPOCHS}", *split_overrides(toy_small), *flags,
+                           "--set", f"train_params.epoches={EPOCHS}", *split_set_flags(toy_small), *flags,
                            timeout=600)
             assert result.returncode == 0, explain(result)
             cache[key] = run_dir
@@ -135,7 +135,7 @@ def test_eval_after_training_evaluates_the_last_checkpoint_on_the_test_split(toy
 def test_eval_after_training_fails_before_training_without_a_test_split(toy_small, tmp_path):
     run_dir = tmp_path / "run"
     result = train(0, "--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_late_fusion.yaml",
-                   "--model_dir", run_dir, "--num_workers", "0", *split_overrides(toy_small),
+                   "--model_dir", run_dir, "--num_workers", "0", *split_set_flags(toy_small),
                    "--set", f"test_dir={tmp_path / 'missing'}", "--eval_after_training")
     assert result.returncode == 2, explain(result)
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, TRAIN, explain, python, split_overrides, torchrun
+from launch import REPO, TRAIN, explain, python, split_set_flags, torchrun
 from upstream_loop import upstream_step_lrs
 from opencood_ddp import registry as R
 from opencood_ddp.data.datasets import build_dataset, fusion_methods
@@ -348,7 +348,7 @@ def test_an_out_of_tree_model_trains_on_two_ranks(toy_small, tmp_path):
     its checkpoint holds its own parameters."""
     run_dir = tmp_path / "run"
     result = torchrun(2, TRAIN, "--hypes_yaml", EXAMPLE, "--model_dir", run_dir, "--max_steps", "2",
-                      "--num_workers", "2", *split_overrides(toy_small), extra_env=_pythonpath(REPO / "examples"))
+                      "--num_workers", "2", *split_set_flags(toy_small), extra_env=_pythonpath(REPO / "examples"))
     assert result.returncode == 0, explain(result)
     state = torch.load(run_dir / "net_step2.pth", map_location="cpu")
     assert {"conv.0.weight", "cls_head.weight", "reg_head.weight", "pillar_vfe.pfn_layers.0.linear.weight"} <= set(state)
@@ -361,7 +361,7 @@ def test_an_out_of_tree_subclass_of_attfuse_trains_on_two_ranks(toy_small, tmp_p
     `imports:`; its gate is in the checkpoint and has moved."""
     run_dir = tmp_path / "run"
     result = torchrun(2, TRAIN, "--hypes_yaml", GATED, "--model_dir", run_dir, "--max_steps", "2",
-                      "--num_workers", "0", *split_overrides(toy_small), extra_env=_pythonpath(REPO / "examples"))
+                      "--num_workers", "0", *split_set_flags(toy_small), extra_env=_pythonpath(REPO / "examples"))
     assert result.returncode == 0, explain(result)
     state = torch.load(run_dir / "net_step2.pth", map_location="cpu")
     assert {"gate", "cls_head.weight", "pillar_vfe.pfn_layers.0.linear.weight"} <= set(state)
@@ -371,7 +371,7 @@ def test_an_out_of_tree_subclass_of_attfuse_trains_on_two_ranks(toy_small, tmp_p
 @pytest.mark.slow
 def test_a_missing_plugin_is_one_error_line(toy_small, tmp_path):
     result = python(TRAIN, "--hypes_yaml", EXAMPLE, "--model_dir", tmp_path / "run", "--num_workers", "0",
-                    *split_overrides(toy_small))  # examples/ is not on PYTHONPATH
+                    *split_set_flags(toy_small))  # examples/ is not on PYTHONPATH
     lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(lines) == 1, explain(result)
     assert "'tiny_maxfuse' listed under imports cannot be imported" in lines[0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, explain, in_process, split_overrides, train
+from launch import REPO, explain, in_process, split_set_flags, train
 
 pytestmark = pytest.mark.slow  # three trainings
 
@@ -37,7 +37,7 @@ def weights(run, epoch: int) -> dict:
 def test_perfect_then_compression_32_then_noisy_with_backbone_fix(toy_small, tmp_path):
     perfect, compressed, noisy = tmp_path / "perfect", tmp_path / "c32", tmp_path / "noisy"
     first = train(0, "--hypes_yaml", TOY_V2XVIT, "--model_dir", perfect, "--num_workers", "0",
-                  *split_overrides(toy_small), "--set", "train_params.epoches=1",
+                  *split_set_flags(toy_small), "--set", "train_params.epoches=1",
                   "--set", "train_params.batch_size=4")
     assert first.returncode == 0, explain(first)
 

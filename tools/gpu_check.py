@@ -345,8 +345,7 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path, kern
                REPO / "hypes_yaml" / f"{config}.yaml", "--world_sizes", "2", "--steps", "4",
                "--train_args", f"--dist_backend gloo {PARITY_KERNELS[kernels]}", "--work_dir",
                work / f"parity_{kernels}", "--timeout", "600"]
-    for override in split_overrides(data):
-        command += ["--set", override]
+    command += split_set_flags(data)
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=environ, cwd=REPO,
                             timeout=1200)
     if result.returncode != 0:

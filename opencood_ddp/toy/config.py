@@ -21,6 +21,8 @@ def split_overrides(root) -> List[str]:
 def split_set_flags(root) -> List[str]:
     """``split_overrides(root)`` as the command-line flags a tool takes: ``--set key=value`` for each."""
     return [word for override in split_overrides(root) for word in ("--set", override)]
+
+
 # The flat ground plane of the map and world frames: vehicles stand on it, rays that miss every box end on it.
 GROUND_Z = 0.0
 
