@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.activation import relu_after_norm
 from opencood_ddp.models.modules.compressor import AutoEncoder
 
 
@@ -28,9 +29,9 @@ def _bn(channels: int) -> nn.BatchNorm2d:
 
 def _level(c_in: int, c_out: int, stride: int, extra_layers: int) -> nn.Sequential:
     layers: List[nn.Module] = [nn.ZeroPad2d(1), nn.Conv2d(c_in, c_out, 3, stride=stride, padding=0, bias=False),
-                               _bn(c_out), nn.ReLU()]
+                               _bn(c_out), relu_after_norm()]
     for _ in range(extra_layers):
-        layers += [nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), _bn(c_out), nn.ReLU()]
+        layers += [nn.Conv2d(c_out, c_out, 3, padding=1, bias=False), _bn(c_out), relu_after_norm()]
     return nn.Sequential(*layers)
 
 
@@ -40,7 +41,7 @@ def _deblock(c_in: int, c_out: int, stride: float) -> nn.Sequential:
     else:
         down = int(np.round(1 / stride))
         conv = nn.Conv2d(c_in, c_out, down, stride=down, bias=False)
-    return nn.Sequential(conv, _bn(c_out), nn.ReLU())
+    return nn.Sequential(conv, _bn(c_out), relu_after_norm())
 
 
 class BaseBEVBackbone(nn.Module):

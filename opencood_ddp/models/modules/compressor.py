@@ -23,13 +23,15 @@ from typing import List, Mapping, Optional
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.activation import relu_after_norm
+
 
 def _bn(channels: int) -> nn.BatchNorm2d:
     return nn.BatchNorm2d(channels, eps=1e-3, momentum=0.01)  # upstream's values for every compressor layer
 
 
 def _conv_bn_relu(c_in: int, c_out: int, bias: bool) -> List[nn.Module]:
-    return [nn.Conv2d(c_in, c_out, 3, stride=1, padding=1, bias=bias), _bn(c_out), nn.ReLU()]
+    return [nn.Conv2d(c_in, c_out, 3, stride=1, padding=1, bias=bias), _bn(c_out), relu_after_norm()]
 
 
 class NaiveCompressor(nn.Module):
@@ -64,11 +66,11 @@ def naive_compressor(args: Mapping, channels: int) -> Optional[NaiveCompressor]:
 
 def _encoder_step(channels: int) -> nn.Sequential:
     return nn.Sequential(nn.ZeroPad2d(1), nn.Conv2d(channels, channels, 3, stride=2, padding=0, bias=False),
-                         _bn(channels), nn.ReLU(), *_conv_bn_relu(channels, channels // 2, bias=False))
+                         _bn(channels), relu_after_norm(), *_conv_bn_relu(channels, channels // 2, bias=False))
 
 
 def _decoder_step(channels: int) -> nn.Sequential:
-    up = nn.Sequential(nn.ConvTranspose2d(channels // 2, channels, 2, stride=2, bias=False), _bn(channels), nn.ReLU())
+    up = nn.Sequential(nn.ConvTranspose2d(channels // 2, channels, 2, stride=2, bias=False), _bn(channels), relu_after_norm())
     return nn.Sequential(up, nn.Sequential(*_conv_bn_relu(channels, channels, bias=False)))
 
 

@@ -39,8 +39,8 @@ class PFNLayer(nn.Module):
         x = self.linear(inputs.reshape(pillars * points, channels))
         if self.use_norm:  # in float32 under --half: a rank without a pillar must send SyncBN float32 statistics
             x = in_full_precision(self.norm, x)
-        x = x.reshape(pillars, points, x.shape[-1])
-        x = torch.relu(x)
+        # In place: neither the Linear nor BatchNorm keeps its output for the backward (modules/activation.py).
+        x = torch.relu_(x).reshape(pillars, points, x.shape[-1])
         x_max = x.max(dim=1, keepdim=True).values
         if self.last_layer:
             return x_max
