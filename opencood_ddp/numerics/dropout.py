@@ -103,9 +103,9 @@ def applies(x: torch.Tensor, p: float) -> bool:
 class Dropout(nn.Dropout):
     """``nn.Dropout`` (same arguments, no state), whose training-mode CPU forward is ``hashed_dropout``.
 
-    ``inplace=True`` writes over the input, as torch's does (the input must be needed by nothing else). On
-    CoBEVT's step it made no measurable difference (3 steps each way in turns, 1 thread), so CoBEVT keeps the
-    out-of-place default, as upstream."""
+    ``inplace=True`` writes over the input, as torch's does (the input must be needed by nothing else, and
+    should not be a view: autograd then copies the view's base in the backward, which costs more than the
+    forward saves; a Linear's output over a 3-D input is such a view)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and applies(x, self.p):

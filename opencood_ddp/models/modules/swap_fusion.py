@@ -36,7 +36,10 @@ def relative_position_index(agents: int, window: int) -> torch.Tensor:
 class WindowAttention(nn.Module):
     """Multi-head attention over the agents x w x w tokens of each window, with a learned relative bias.
 
-    Input (B X Y, n, C): each sample's X x Y windows of n = L w w tokens (``window_tokens``); output the same.
+    Input (B X Y n, C) rows: each sample's X x Y windows of n = L w w tokens in turn (``window_tokens``, flat);
+    output the same. The projections run on the flat rows so that their outputs are tensors of their own, not
+    views: the dropout that ends the branch then writes over the output, and the residual adds into it, without
+    autograd copying a base tensor in the backward (``PreNormResidual``).
     """
 
     def __init__(self, dim: int, dim_head: int, dropout: float, agents: int, window: int):
@@ -46,19 +49,22 @@ class WindowAttention(nn.Module):
         # Upstream keeps the index in the state dict (a persistent buffer); so do we, for strict loading.
         self.register_buffer("relative_position_index", relative_position_index(agents, window))
         self.to_qkv = nn.Linear(dim, dim * 3, bias=False)
-        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), Dropout(dropout))
+        self.to_out = nn.Sequential(nn.Linear(dim, dim, bias=False), Dropout(dropout, inplace=True))
         self.relative_position_bias_table = nn.Embedding(
             (2 * agents - 1) * (2 * window - 1) * (2 * window - 1), self.heads)
 
-    def forward(self, tokens: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-        """tokens: (B X Y, n, C), the windows of each sample in turn; present: (B, L) bool, False for a padded
+    def forward(self, rows: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+        """rows: (B X Y n, C), the windows of each sample in turn; present: (B, L) bool, False for a padded
         slot."""
-        qkv = self.to_qkv(tokens)
+        n = self.relative_position_index.shape[0]
+        qkv = self.to_qkv(rows).view(rows.shape[0] // n, n, -1)
         bias = self.relative_position_bias_table(self.relative_position_index).permute(2, 0, 1)  # (heads, n, n)
         if use_head_loop(qkv):
-            key_bias = self.key_bias(present, tokens.shape[1], qkv.dtype)
-            return self.to_out(biased_attention(qkv, bias.to(qkv.dtype), key_bias, self.heads, self.scale))
-        return self.to_out(self.plain_attention(qkv, bias, present))
+            key_bias = self.key_bias(present, n, qkv.dtype)
+            out = biased_attention(qkv, bias.to(qkv.dtype), key_bias, self.heads, self.scale)
+        else:
+            out = self.plain_attention(qkv, bias, present)
+        return self.to_out(out.view(rows.shape[0], -1))
 
     def plain_attention(self, qkv: torch.Tensor, bias: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
         """What ``biased_attention`` computes, in batched tensor operations (CUDA and autocast, and the tests'
@@ -82,19 +88,27 @@ class WindowAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """Linear -> GELU -> Dropout -> Linear -> Dropout (upstream's ``net`` indices 0 and 3 hold weights)."""
+    """Linear -> GELU -> Dropout -> Linear -> Dropout (upstream's ``net`` indices 0 and 3 hold weights).
+
+    Both dropouts write over their input: GELU keeps its input for the backward, not its output, and a Linear
+    keeps neither its output."""
 
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), Dropout(dropout),
-                                 nn.Linear(hidden, dim), Dropout(dropout))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), Dropout(dropout, inplace=True),
+                                 nn.Linear(hidden, dim), Dropout(dropout, inplace=True))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
 
 class PreNormResidual(nn.Module):
-    """x + fn(LayerNorm(x)); extra arguments go to fn."""
+    """x + fn(LayerNorm(x)); extra arguments go to fn, whose output nothing else may keep (here each branch ends
+    in a Linear and a dropout).
+
+    The sum goes into fn's output where that is a tensor of its own of x's type (always, but under autocast):
+    the same bits as a new sum, and one large activation fewer per block. On the CPU each fresh activation
+    page-faults in at every step; on a view, autograd would copy its base in the backward instead."""
 
     def __init__(self, dim: int, fn: nn.Module):
         super().__init__()
@@ -102,7 +116,10 @@ class PreNormResidual(nn.Module):
         self.fn = fn
 
     def forward(self, x: torch.Tensor, *args) -> torch.Tensor:
-        return self.fn(self.norm(x), *args) + x
+        branch = self.fn(self.norm(x), *args)
+        if branch._base is None and branch.dtype == x.dtype:
+            return branch.add_(x)
+        return branch + x
 
 
 def window_tokens(cells: torch.Tensor, window: int, dilated: bool) -> torch.Tensor:
@@ -151,7 +168,8 @@ class SwapFusionBlockMask(nn.Module):
         for dilated, attention, ffd in ((False, self.window_attention, self.window_ffd),
                                         (True, self.grid_attention, self.grid_ffd)):
             tokens = window_tokens(cells, self.window_size, dilated)
-            cells = cells_from_tokens(ffd(attention(tokens, present)), cells.shape, self.window_size, dilated)
+            rows = ffd(attention(tokens.view(-1, tokens.shape[-1]), present))
+            cells = cells_from_tokens(rows.view(tokens.shape), cells.shape, self.window_size, dilated)
         return cells
 
 
