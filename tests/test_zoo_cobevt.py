@@ -9,8 +9,8 @@ import zoo
 from launch import REPO
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.biased_attention import biased_attention
-from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, WindowAttention, cells_from_tokens,
-                                                     relative_position_index, window_tokens)
+from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, TokenOrders, WindowAttention,
+                                                     cells_from_tokens, relative_position_index, window_tokens)
 from opencood_ddp.models.point_pillar_cobevt import to_slots
 
 CORE = "point_pillar_cobevt"
@@ -51,6 +51,26 @@ def keep_first_cav(ego: dict) -> dict:
 def test_windows_round_trip(dilated):
     cells = torch.randn(2, 3, 6, 10, 4)
     assert torch.equal(cells_from_tokens(window_tokens(cells, 2, dilated), cells.shape, 2, dilated), cells)
+
+
+def test_token_orders_move_rows_as_the_window_gathers_do_and_back():
+    cells = torch.randn(2, 3, 6, 10, 4, dtype=torch.float64, requires_grad=True)
+    orders = TokenOrders(cells.shape, 2, cells.device)
+    rows = cells.reshape(-1, 4)
+    local = orders.move(rows, "cells", "local")
+    grid = orders.move(local, "local", "grid")
+    assert torch.equal(local, window_tokens(cells, 2, False).reshape(-1, 4))
+    assert torch.equal(grid, window_tokens(cells, 2, True).reshape(-1, 4))
+    assert torch.equal(orders.move(grid, "grid", "local"), local)
+    assert torch.equal(orders.move(grid, "grid", "cells"), rows)
+    # The backward is the inverse gather: the gradient the window gathers' own backward gives, for one move and
+    # for two.
+    weight = torch.randn_like(grid)
+    for moved, plain in ((local, window_tokens(cells, 2, False)),
+                         (grid, window_tokens(cells_from_tokens(window_tokens(cells, 2, False), cells.shape, 2, False),
+                                              2, True))):
+        ours = torch.autograd.grad((moved * weight).sum(), cells, retain_graph=True)[0]
+        assert torch.equal(ours, torch.autograd.grad((plain.reshape(-1, 4) * weight).sum(), cells)[0])
 
 
 def test_local_windows_are_neighbours_and_grid_windows_span_the_map():

@@ -146,11 +146,58 @@ def cells_from_tokens(tokens: torch.Tensor, shape: torch.Size, window: int, dila
     return windows.permute(*order).reshape(shape)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """rows[index], whose backward is grad[inverse]: index is a permutation, so the gradient needs no zero
+    filled tensor and no scatter-add (index_select's own backward)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return rows.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def _inverse(index: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
+
+
+class TokenOrders:
+    """The row permutations between the cells' order ((B, L, H, W) flat) and the token orders of the local and
+    the grid windows (``window_tokens``, flat), for one map shape.
+
+    Why: a block's two halves read their tokens in different orders. Going from one to the other through the
+    cells' order is two copies, each into a fresh activation (and two more in the backward); one row gather is
+    one (rows of C contiguous channels, so each moves as a block)."""
+
+    def __init__(self, shape: torch.Size, window: int, device: torch.device):
+        cells = torch.arange(shape[0] * shape[1] * shape[2] * shape[3], device=device).view(*shape[:4], 1)
+        local, grid = (window_tokens(cells, window, dilated).flatten() for dilated in (False, True))
+        from_local, from_grid = _inverse(local), _inverse(grid)
+        self._pairs = {("cells", "local"): (local, from_local), ("cells", "grid"): (grid, from_grid),
+                       ("local", "grid"): (from_local[grid], from_grid[local])}
+
+    def move(self, rows: torch.Tensor, source: str, target: str) -> torch.Tensor:
+        """(R, C) rows in ``source`` order ("cells", "local" or "grid") -> the same rows in ``target`` order."""
+        if (source, target) in self._pairs:
+            index, inverse = self._pairs[(source, target)]
+        else:
+            inverse, index = self._pairs[(target, source)]
+        return _PermuteRows.apply(rows, index, inverse)
+
+
 class SwapFusionBlockMask(nn.Module):
     """Window attention + feed-forward, then grid attention + feed-forward, absent agents masked.
 
-    Works on (B, L, H, W, C) cells: each half gathers its windows' tokens once, runs both of its residual blocks
-    on them (per-token operations but the attention, which stays inside a window), and scatters them back.
+    Works on token rows: each half runs both of its residual blocks (per-token operations but the attention,
+    which stays inside a window) on the rows in its windows' order, and one row gather goes from the local
+    windows' order to the grid windows' (``TokenOrders``). ``forward`` takes and returns (B, L, H, W, C) cells;
+    the encoder chains ``forward_rows`` so that its blocks pass rows from one to the next.
     """
 
     def __init__(self, input_dim: int, mlp_dim: int, dim_head: int, window_size: int, agent_size: int,
@@ -165,12 +212,15 @@ class SwapFusionBlockMask(nn.Module):
 
     def forward(self, cells: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
         """cells: (B, L, H, W, C); present: (B, L) bool."""
-        for dilated, attention, ffd in ((False, self.window_attention, self.window_ffd),
-                                        (True, self.grid_attention, self.grid_ffd)):
-            tokens = window_tokens(cells, self.window_size, dilated)
-            rows = ffd(attention(tokens.view(-1, tokens.shape[-1]), present))
-            cells = cells_from_tokens(rows.view(tokens.shape), cells.shape, self.window_size, dilated)
-        return cells
+        orders = TokenOrders(cells.shape, self.window_size, cells.device)
+        rows = orders.move(cells.reshape(-1, cells.shape[-1]), "cells", "local")
+        return orders.move(self.forward_rows(rows, present, orders), "grid", "cells").view(cells.shape)
+
+    def forward_rows(self, rows: torch.Tensor, present: torch.Tensor, orders: TokenOrders) -> torch.Tensor:
+        """(B L H W, C) rows in the local windows' token order -> the block's output rows in the grid windows'."""
+        rows = self.window_ffd(self.window_attention(rows, present))
+        rows = orders.move(rows, "local", "grid")
+        return self.grid_ffd(self.grid_attention(rows, present))
 
 
 class SlotMeanHead(nn.Module):
@@ -204,9 +254,12 @@ class SwapFusionEncoder(nn.Module):
         self.mlp_head = SlotMeanHead(input_dim)
 
     def forward(self, x: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-        """x: (B, L, C, H, W); present: (B, L) bool. The layers work on (B, L, H, W, C) cells, each cell's
-        channels contiguous, as their tokens are (free when x is channels-last, as ``to_slots`` makes it)."""
+        """x: (B, L, C, H, W); present: (B, L) bool. The layers work on token rows gathered from (B, L, H, W, C)
+        cells, each cell's channels contiguous (free when x is channels-last, as ``to_slots`` makes it)."""
         cells = x.permute(0, 1, 3, 4, 2).contiguous()
+        orders = TokenOrders(cells.shape, self.window_size, cells.device)
+        rows, order = cells.view(-1, cells.shape[-1]), "cells"
         for layer in self.layers:
-            cells = layer(cells, present)
-        return self.mlp_head(cells)
+            rows = layer.forward_rows(orders.move(rows, order, "local"), present, orders)
+            order = "grid"
+        return self.mlp_head(orders.move(rows, order, "cells").view(cells.shape))
