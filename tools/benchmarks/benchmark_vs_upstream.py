@@ -17,6 +17,11 @@ share (psm, rm) is printed: the timings compare the same computation only where 
 training step per side: zero_grad, forward, loss, backward, ``optimizer.step`` (the hypes' optimizer, built for
 each side alike). One warm-up step each, then ``--repeats`` steps of ours and upstream's taking turns (who goes
 first alternates, so a change in the machine's load falls on both); the medians are reported.
+Each timed step also records the process's CPU seconds in user and in kernel mode and its minor page faults
+(``resource.getrusage``). On Linux most of the kernel-mode time is the first touch of freshly mapped memory:
+glibc hands blocks above its mmap threshold (32 MB at most) back to the system when they are freed, so every
+large activation is faulted in, page by page, at every step. That cost is the allocator's and the kernel's, not
+the arithmetic's, and it grows with what a step allocates.
 
 SECOND: our model patches spconv's CPU ops when it loads spconv (models/modules/spconv_compat.py: the backward's
 CUDA-stream query, the racy scatter-add), and the patch is process-wide, so upstream's class runs on the patched
@@ -39,6 +44,7 @@ import json
 import os
 import platform
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -164,15 +170,18 @@ def forward_agreement(ours, theirs, ego, upstream_ego) -> Dict[str, float]:
 
 
 # ------------------------------------------------------------------------------------------- timing
-def training_step(model, optimizer, forward_loss: Callable[[], torch.Tensor]) -> Tuple[float, float]:
-    """(seconds, loss) of zero_grad, forward, loss, backward and optimizer step, as upstream's train.py does."""
-    start = time.perf_counter()
+def training_step(model, optimizer, forward_loss: Callable[[], torch.Tensor]) -> Dict[str, float]:
+    """zero_grad, forward, loss, backward and optimizer step, as upstream's train.py does: its wall seconds, loss,
+    this process's CPU seconds in user and in kernel mode (``resource.getrusage``), and its minor page faults."""
+    before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     model.zero_grad(set_to_none=True)
     optimizer.zero_grad(set_to_none=True)
     loss = forward_loss()
     loss.backward()
     optimizer.step()
-    return time.perf_counter() - start, float(loss.detach())
+    seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+    return {"seconds": seconds, "loss": float(loss.detach()), "user": after.ru_utime - before.ru_utime,
+            "system": after.ru_stime - before.ru_stime, "faults": after.ru_minflt - before.ru_minflt}
 
 
 def make_sides(hypes, task, batch, theirs, their_loss) -> Dict[str, Tuple[torch.nn.Module, Any, Callable]]:
@@ -201,13 +210,18 @@ def time_sides(sides, repeats: int) -> Dict[str, Any]:
         # training (dropout; Where2comm's share of cells sent, from Python's random) can then agree where the
         # two sides draw in the same order.
         random.seed(0), torch.manual_seed(0)
-        warm[name] = training_step(*side)[1]
-    times: Dict[str, List[float]] = {name: [] for name in sides}
+        warm[name] = training_step(*side)["loss"]
+    steps: Dict[str, List[Dict[str, float]]] = {name: [] for name in sides}
     order = list(sides)
     for round_ in range(repeats):
         for name in (order if round_ % 2 == 0 else order[::-1]):
-            times[name].append(training_step(*sides[name])[0])
-    return {"seconds": {name: statistics.median(t) for name, t in times.items()}, "all": times,
+            steps[name].append(training_step(*sides[name]))
+    times = {name: [step["seconds"] for step in side] for name, side in steps.items()}
+    # Kernel-mode time is mostly the first touch of freshly mapped memory: glibc returns blocks above its mmap
+    # threshold to the system at free, so every large activation page-faults again at every step.
+    cpu = {name: {key: statistics.median(step[key] for step in side) for key in ("user", "system", "faults")}
+           for name, side in steps.items()}
+    return {"seconds": {name: statistics.median(t) for name, t in times.items()}, "all": times, "cpu": cpu,
             "first_loss": warm}
 
 
@@ -356,6 +370,14 @@ def steps_row(r: Mapping[str, Any]) -> str:
     return f"| {r['config']} | {r['threads']} | {cells[0]} | {cells[1]} |"
 
 
+def cpu_row(r: Mapping[str, Any]) -> str:
+    ours, theirs = r["cpu"]["ours"], r["cpu"]["upstream"]
+    cells = [f"{ours[key]:.2f} | {theirs[key]:.2f} | {theirs[key] / max(ours[key], 1e-9):.2f}"
+             for key in ("user", "system")]
+    return (f"| {r['config']} | {r['threads']} | {cells[0]} | {cells[1]} | {ours['faults'] / 1e6:.2f} | "
+            f"{theirs['faults'] / 1e6:.2f} |")
+
+
 def agreement_row(r: Mapping[str, Any]) -> str:
     a, loss = r["agreement"], r["first_loss"]
     heads = " | ".join(f"{a[h]:.2e} (of {a.get(h + '_scale', float('nan')):.2e})" for h in HEADS)
@@ -402,6 +424,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("| config | threads | ours | upstream |\n|---|---:|---|---|")
     for result in results:
         print(steps_row(result))
+    print("\nCPU seconds of a step (medians): in user mode, and in kernel mode (mostly page faults: the first "
+          "touch of freshly mapped memory), and the minor page faults (millions)")
+    print("| config | threads | user ours | user upstream | ÷ | kernel ours | kernel upstream | ÷ | faults ours | "
+          "faults upstream |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for result in results:
+        print(cpu_row(result))
     print("\nforward agreement, eval mode, same weights: max |ours - upstream| (of max |ours|), and the loss of "
           "the first training step")
     print("| config | weights | psm | rm | loss ours | loss upstream |\n|---|---|---:|---:|---:|---:|")
