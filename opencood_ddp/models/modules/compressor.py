@@ -70,7 +70,8 @@ def _encoder_step(channels: int) -> nn.Sequential:
 
 
 def _decoder_step(channels: int) -> nn.Sequential:
-    up = nn.Sequential(nn.ConvTranspose2d(channels // 2, channels, 2, stride=2, bias=False), _bn(channels), relu_after_norm())
+    up = nn.Sequential(nn.ConvTranspose2d(channels // 2, channels, 2, stride=2, bias=False), _bn(channels),
+                       relu_after_norm())
     return nn.Sequential(up, nn.Sequential(*_conv_bn_relu(channels, channels, bias=False)))
 
 
