@@ -8,7 +8,10 @@ back: on CoBEVT's 1056 windows of 80 tokens, 8 heads, these copies, the scale's 
 of its step than the products themselves. A head's q, k and v are (windows, n, d) slices of the projection's
 (windows, n, 3C) output, which the batched products read in place (row stride 3C); the logits start as the
 bias, broadcast, and the product is accumulated into them with the scale as its factor (``baddbmm_``), in one
-(windows, n, n) buffer that every head reuses.
+(windows, n, n) buffer that every head reuses. The probabilities kept for the backward are one (windows, n, n)
+tensor per head, 27 MB on CoBEVT, not one 216 MB block: glibc serves blocks under its mmap threshold (at most
+32 MB) from its heap, which keeps freed pages mapped, so the heads' tensors reuse the previous step's pages, where
+a larger block is mapped afresh and page-faults in at every step (docs/benchmarks.md).
 
 The sums are the plain reading's, in another order: outputs and gradients agree with it to float64's rounding
 (tests/test_zoo_cobevt.py). CUDA and autocast keep the plain reading (``use_head_loop``).
@@ -40,7 +43,8 @@ class _BiasedAttention(torch.autograd.Function):
         samples = key_bias.shape[0]
         out = qkv.new_empty(windows, n, qkv.shape[-1] // 3)
         # keep: the probabilities of every head are kept for a backward; without one (evaluation), one head's.
-        attention = qkv.new_empty(heads if keep else 1, windows, n, n)
+        # One tensor per head, not one (heads, windows, n, n) block: see the module's docstring.
+        attention = [qkv.new_empty(windows, n, n) for _ in range(heads if keep else 1)]
         logits = qkv.new_empty(windows, n, n)
         head_out = qkv.new_empty(windows, n, out.shape[-1] // heads)
         for h in range(heads):
@@ -52,13 +56,13 @@ class _BiasedAttention(torch.autograd.Function):
             torch.bmm(probabilities, _head(qkv, 2, h, heads), out=head_out)
             out[:, :, h * head_out.shape[-1]:(h + 1) * head_out.shape[-1]].copy_(head_out)
         if keep:
-            ctx.save_for_backward(qkv, attention)
+            ctx.save_for_backward(qkv, *attention)
         ctx.heads, ctx.scale = heads, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qkv, attention = ctx.saved_tensors
+        qkv, *attention = ctx.saved_tensors
         heads, scale = ctx.heads, ctx.scale
         windows, n, _ = qkv.shape
         grad_out = grad_out.contiguous()
