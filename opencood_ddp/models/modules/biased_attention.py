@@ -28,9 +28,11 @@ def use_head_loop(qkv: torch.Tensor) -> bool:
     return qkv.device.type == "cpu" and qkv.dtype in _DTYPES and not torch.is_autocast_enabled("cpu")
 
 
-def _head(qkv: torch.Tensor, part: int, head: int, heads: int) -> torch.Tensor:
-    """Head ``head``'s q (part 0), k (1) or v (2): a (windows, n, d) view of the (windows, n, 3C) projection."""
-    dim = qkv.shape[-1] // 3
+def _head(qkv: torch.Tensor, part: int, head: int, heads: int, parts: int = 3) -> torch.Tensor:
+    """Head ``head``'s q (part 0), k (1) or v (2): a (windows, n, d) view of the (windows, n, 3C) projection (or,
+    ``parts=1``, of a (windows, n, C) tensor of heads side by side). The batched products read and write such
+    views in place, with their row stride: the same sums as on a contiguous copy, and no copy."""
+    dim = qkv.shape[-1] // parts
     width = dim // heads
     start = part * dim + head * width
     return qkv[:, :, start:start + width]
@@ -46,15 +48,13 @@ class _BiasedAttention(torch.autograd.Function):
         # One tensor per head, not one (heads, windows, n, n) block: see the module's docstring.
         attention = [qkv.new_empty(windows, n, n) for _ in range(heads if keep else 1)]
         logits = qkv.new_empty(windows, n, n)
-        head_out = qkv.new_empty(windows, n, out.shape[-1] // heads)
         for h in range(heads):
             start = (bias[h] + key_bias[:, None, :])[:, None]  # (samples, 1, n, n)
             logits.view(samples, windows // samples, n, n).copy_(start.expand(-1, windows // samples, -1, -1))
             logits.baddbmm_(_head(qkv, 0, h, heads), _head(qkv, 1, h, heads).transpose(1, 2), alpha=scale)
             probabilities = attention[h if keep else 0]
             torch.ops.aten._softmax.out(logits, -1, False, out=probabilities)
-            torch.bmm(probabilities, _head(qkv, 2, h, heads), out=head_out)
-            out[:, :, h * head_out.shape[-1]:(h + 1) * head_out.shape[-1]].copy_(head_out)
+            torch.bmm(probabilities, _head(qkv, 2, h, heads), out=_head(out, 0, h, heads, parts=1))
         if keep:
             ctx.save_for_backward(qkv, *attention)
         ctx.heads, ctx.scale = heads, scale
@@ -70,21 +70,19 @@ class _BiasedAttention(torch.autograd.Function):
         grad_qkv = torch.empty_like(qkv)
         grad_bias = qkv.new_empty(heads, n, n) if ctx.needs_input_grad[1] else None
         grad_attention, grad_logits = qkv.new_empty(windows, n, n), qkv.new_empty(windows, n, n)
-        part_grad = qkv.new_empty(windows, n, width)
         for h in range(heads):
             q, k, v = (_head(qkv, part, h, heads) for part in range(3))
             head_grad = grad_out[:, :, h * width:(h + 1) * width]
-            torch.bmm(attention[h].transpose(1, 2), head_grad, out=part_grad)
-            _head(grad_qkv, 2, h, heads).copy_(part_grad)
+            torch.bmm(attention[h].transpose(1, 2), head_grad, out=_head(grad_qkv, 2, h, heads))
             torch.bmm(head_grad, v.transpose(1, 2), out=grad_attention)
             torch.ops.aten._softmax_backward_data.out(grad_attention, attention[h], -1, qkv.dtype,
                                                         grad_input=grad_logits)
             if grad_bias is not None:
                 torch.sum(grad_logits, dim=0, out=grad_bias[h])
-            torch.baddbmm(part_grad, grad_logits, k, beta=0, alpha=scale, out=part_grad)
-            _head(grad_qkv, 0, h, heads).copy_(part_grad)
-            torch.baddbmm(part_grad, grad_logits.transpose(1, 2), q, beta=0, alpha=scale, out=part_grad)
-            _head(grad_qkv, 1, h, heads).copy_(part_grad)
+            # beta=0: the slice's old contents are ignored (not even a NaN passes), as the product's own.
+            grad_q, grad_k = _head(grad_qkv, 0, h, heads), _head(grad_qkv, 1, h, heads)
+            torch.baddbmm(grad_q, grad_logits, k, beta=0, alpha=scale, out=grad_q)
+            torch.baddbmm(grad_k, grad_logits.transpose(1, 2), q, beta=0, alpha=scale, out=grad_k)
         return grad_qkv, grad_bias, None, None, None, None
 
 
