@@ -79,6 +79,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--profile", action="store_true",
                         help="also profile one step per side: top ops by self CPU time, forward per submodule")
     parser.add_argument("--profile-rows", type=int, default=12, help="ops listed per side with --profile")
+    parser.add_argument("--profile-shapes", action=argparse.BooleanOptionalAction, default=True,
+                        help="record the ops' input shapes for the shared-work ceiling (--no-profile-shapes: "
+                             "SECOND's two models and the shapes' records exceed 24 GiB)")
     parser.add_argument("--json", metavar="PATH", help="also write every result (steps, agreement, profile) here")
     parser.add_argument("--one", nargs=2, metavar=("CONFIG", "THREADS"), help=argparse.SUPPRESS)  # internal
     return parser.parse_args(argv)
@@ -260,13 +263,13 @@ def submodule_ranges(model: torch.nn.Module):
             handle.remove()
 
 
-def profiled_step(model, optimizer, forward_loss) -> Any:
+def profiled_step(model, optimizer, forward_loss, shapes: bool = True) -> Any:
     """One training step under the CPU profiler, its phases marked (``step::forward+loss``, ``step::backward``,
-    ``step::optimizer``); returns the profiler (ops with their input shapes recorded)."""
+    ``step::optimizer``); returns the profiler (with ``shapes``, the ops' input shapes recorded)."""
     from torch.autograd.profiler import record_function
     from torch.profiler import ProfilerActivity, profile
 
-    with submodule_ranges(model), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with submodule_ranges(model), profile(activities=[ProfilerActivity.CPU], record_shapes=shapes) as prof:
         model.zero_grad(set_to_none=True)
         optimizer.zero_grad(set_to_none=True)
         with record_function("step::forward+loss"):
@@ -340,7 +343,7 @@ def profile_report(prof, rows: int) -> Dict[str, Any]:
     ranges = {event.key: event.cpu_time_total / 1e3 for event in averages
               if event.key.startswith(("module::", "step::"))}
     return {"top": top, "self_total_ms": total / 1e3, "arithmetic_ms": arithmetic / 1e3, "ranges": ranges,
-            "shaped": shaped_ops(prof)}
+            "shaped": shaped_ops(prof) if prof.record_shapes else None}
 
 
 def ceiling_row(r: Mapping[str, Any]) -> str:
@@ -350,14 +353,17 @@ def ceiling_row(r: Mapping[str, Any]) -> str:
     work's largest ops besides the arithmetic. The timed ratio, not the profiled totals: the profiler's cost per
     op inflates a step of many small ops (upstream's AttFuse runs 1.7 million) far more than ours."""
     ours, theirs = r["profile"]["ours"], r["profile"]["upstream"]
-    shared, by_op = shared_work_ms(ours["shaped"], theirs["shaped"])
     ratio = r["seconds"]["upstream"] / r["seconds"]["ours"]
-    largest = ", ".join(f"{op.replace('aten::', '')} {ms:.0f}"
-                        for op, ms in sorted(by_op.items(), key=lambda item: -item[1])[:4])
+    shared_cells = "- | - | -"  # --no-profile-shapes
+    if ours["shaped"] is not None and theirs["shaped"] is not None:
+        shared, by_op = shared_work_ms(ours["shaped"], theirs["shaped"])
+        largest = ", ".join(f"{op.replace('aten::', '')} {ms:.0f}"
+                            for op, ms in sorted(by_op.items(), key=lambda item: -item[1])[:4])
+        shared_cells = f"{shared:.0f} | {ratio * ours['self_total_ms'] / shared:.2f} | {largest}"
+    shared_ms, shared_ceiling, largest = shared_cells.split(" | ", 2)
     return (f"| {r['config']} | {r['threads']} | {ratio:.2f} | {ours['self_total_ms']:.0f} | "
-            f"{ours['arithmetic_ms']:.0f} | {shared:.0f} | {theirs['self_total_ms']:.0f} | "
-            f"{ratio * ours['self_total_ms'] / ours['arithmetic_ms']:.2f} | "
-            f"{ratio * ours['self_total_ms'] / shared:.2f} | {largest} |")
+            f"{ours['arithmetic_ms']:.0f} | {shared_ms} | {theirs['self_total_ms']:.0f} | "
+            f"{ratio * ours['self_total_ms'] / ours['arithmetic_ms']:.2f} | {shared_ceiling} | {largest} |")
 
 
 # ------------------------------------------------------------------------------------------- one config
@@ -375,7 +381,8 @@ def run_one(config: str, threads: int, args: argparse.Namespace) -> Dict[str, An
               "cavs": int(ego["record_len"].sum()) if "record_len" in ego else args.batch_size,
               "parameters": sum(p.numel() for p in task.model.parameters()), **timing}
     if args.profile:
-        result["profile"] = {name: profile_report(profiled_step(*side), args.profile_rows)
+        result["profile"] = {name: profile_report(profiled_step(*side, shapes=args.profile_shapes),
+                                                     args.profile_rows)
                              for name, side in sides.items()}
     return result
 
