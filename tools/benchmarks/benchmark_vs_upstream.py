@@ -32,7 +32,7 @@ models' training state, about 20 GB resident here.
 forward time of each top-level submodule (the two models share their submodule names) and of the step's phases.
 A last table puts our profiled step beside two of its parts. Our convolution and matrix-product kernels
 (``ARITHMETIC_OPS``) run the same layers on the same shapes as upstream's. The work both steps do alike, the same op
-on the same input shapes (``shared_work_ms``), adds the normalizations, the activations' backward, the zero fills
+on inputs of the same sizes (``shared_work_ms``), adds the normalizations, the activations' backward, the zero fills
 and the optimizer's updates. Each ceiling is the timed ratio times our step over one part: the ratio we would reach
 if everything else of ours took no time, by a rewrite that keeps the arithmetic, or upstream's work. The timed
 ratio is the base, not the profiled totals, because the profiler's cost per op inflates a step of many small ops
@@ -354,13 +354,12 @@ def ceiling_row(r: Mapping[str, Any]) -> str:
     op inflates a step of many small ops (upstream's AttFuse runs 1.7 million) far more than ours."""
     ours, theirs = r["profile"]["ours"], r["profile"]["upstream"]
     ratio = r["seconds"]["upstream"] / r["seconds"]["ours"]
-    shared_cells = "- | - | -"  # --no-profile-shapes
+    shared_ms = shared_ceiling = largest = "-"  # --no-profile-shapes: no shapes to match
     if ours["shaped"] is not None and theirs["shaped"] is not None:
         shared, by_op = shared_work_ms(ours["shaped"], theirs["shaped"])
+        shared_ms, shared_ceiling = f"{shared:.0f}", f"{ratio * ours['self_total_ms'] / shared:.2f}"
         largest = ", ".join(f"{op.replace('aten::', '')} {ms:.0f}"
                             for op, ms in sorted(by_op.items(), key=lambda item: -item[1])[:4])
-        shared_cells = f"{shared:.0f} | {ratio * ours['self_total_ms'] / shared:.2f} | {largest}"
-    shared_ms, shared_ceiling, largest = shared_cells.split(" | ", 2)
     return (f"| {r['config']} | {r['threads']} | {ratio:.2f} | {ours['self_total_ms']:.0f} | "
             f"{ours['arithmetic_ms']:.0f} | {shared_ms} | {theirs['self_total_ms']:.0f} | "
             f"{ratio * ours['self_total_ms'] / ours['arithmetic_ms']:.2f} | {shared_ceiling} | {largest} |")
