@@ -66,20 +66,20 @@ class _BiasedAttention(torch.autograd.Function):
         heads, scale = ctx.heads, ctx.scale
         windows, n, _ = qkv.shape
         grad_out = grad_out.contiguous()
-        width = grad_out.shape[-1] // heads
         grad_qkv = torch.empty_like(qkv)
         grad_bias = qkv.new_empty(heads, n, n) if ctx.needs_input_grad[1] else None
         grad_attention, grad_logits = qkv.new_empty(windows, n, n), qkv.new_empty(windows, n, n)
         for h in range(heads):
             q, k, v = (_head(qkv, part, h, heads) for part in range(3))
-            head_grad = grad_out[:, :, h * width:(h + 1) * width]
+            head_grad = _head(grad_out, 0, h, heads, parts=1)
             torch.bmm(attention[h].transpose(1, 2), head_grad, out=_head(grad_qkv, 2, h, heads))
             torch.bmm(head_grad, v.transpose(1, 2), out=grad_attention)
             torch.ops.aten._softmax_backward_data.out(grad_attention, attention[h], -1, qkv.dtype,
                                                         grad_input=grad_logits)
             if grad_bias is not None:
                 torch.sum(grad_logits, dim=0, out=grad_bias[h])
-            # beta=0: the slice's old contents are ignored (not even a NaN passes), as the product's own.
+            # beta=0: baddbmm ignores the slice's uninitialised contents (a NaN there included) and writes the
+            # scaled product alone.
             grad_q, grad_k = _head(grad_qkv, 0, h, heads), _head(grad_qkv, 1, h, heads)
             torch.baddbmm(grad_q, grad_logits, k, beta=0, alpha=scale, out=grad_q)
             torch.baddbmm(grad_k, grad_logits.transpose(1, 2), q, beta=0, alpha=scale, out=grad_k)
