@@ -57,14 +57,14 @@ def test_the_shared_work_ceiling_counts_only_what_upstream_also_runs():
     sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
     from benchmark_vs_upstream import shared_work_ms
 
-    ours = [("aten::mkldnn_convolution", "[[2, 64, 8, 8], [64, 64, 3, 3]]", 10.0, 2),
-            ("BatchNormFunction", "[[256, 64], [64], [64], [], []]", 4.0, 2),  # (pillars x points, C) rows
-            ("aten::copy_", "[[5], [5], []]", 3.0, 3),
-            ("aten::fill_", "[[7], []]", 6.0, 1),  # upstream fills nothing of this size
-            ("aten::add_", "[[2, 3], [2, 3], []]", 1.0, 1)]  # upstream adds a (3, 2)
-    theirs = [("aten::mkldnn_convolution", "[[2, 64, 8, 8], [64, 64, 3, 3]]", 12.0, 2),
-              ("aten::native_batch_norm", "[[8, 64, 32], [64], [64], [], [], []]", 5.0, 1),  # (pillars, C, points)
-              ("aten::copy_", "[[5], [5], []]", 1.0, 1),
-              ("aten::add_", "[[3, 2], [3, 2], []]", 1.0, 1)]
+    ours = [("aten::mkldnn_convolution", [[2, 64, 8, 8], [64, 64, 3, 3]], 10.0, 2),
+            ("BatchNormFunction", [[256, 64], [64], [64], [], []], 4.0, 2),  # (pillars x points, C) rows
+            ("aten::copy_", [[5], [5], []], 3.0, 3),
+            ("aten::fill_", [[7], []], 6.0, 1),  # upstream fills nothing of this size
+            ("aten::add_", [[2, 3], [2, 3], []], 1.0, 1)]  # upstream adds a (3, 2)
+    theirs = [("aten::mkldnn_convolution", [[2, 64, 8, 8], [64, 64, 3, 3]], 12.0, 2),
+              ("aten::native_batch_norm", [[8, 64, 32], [64], [64], [], [], []], 5.0, 1),  # (pillars, C, points)
+              ("aten::copy_", [[5], [5], []], 1.0, 1),
+              ("aten::add_", [[3, 2], [3, 2], []], 1.0, 1)]
     # 10 (both convolutions) + 4 * 1/2 (one of our two norms) + 3 * 1/3 (one of our three copies) + 1; no fill.
     assert shared_work_ms(ours, theirs) == (14.0, {"BatchNormFunction": 2.0, "aten::copy_": 1.0, "aten::add_": 1.0})

@@ -41,7 +41,6 @@ ratio is the base, not the profiled totals, because the profiler's cost per op i
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import copy
 import importlib
@@ -296,18 +295,19 @@ SAME_WORK = {"BatchNormFunction": "aten::native_batch_norm",
              "BatchNormFunctionBackward": "aten::native_batch_norm_backward"}
 
 
-def shaped_ops(prof) -> List[Tuple[str, str, float, int]]:
+def shaped_ops(prof) -> List[Tuple[str, List[List[int]], float, int]]:
     """(op, input shapes, self CPU ms, calls) for every op of the step, grouped by op and input shapes."""
-    return [(event.key, str(event.input_shapes), event.self_cpu_time_total / 1e3, event.count)
+    return [(event.key, [list(shape) for shape in event.input_shapes], event.self_cpu_time_total / 1e3,
+             event.count)
             for event in prof.key_averages(group_by_input_shape=True)
             if not event.key.startswith(("module::", "step::"))]
 
 
-def work_key(op: str, shapes: str) -> Tuple[str, Tuple[int, ...]]:
+def work_key(op: str, shapes: Sequence[Sequence[int]]) -> Tuple[str, Tuple[int, ...]]:
     """What an op group computes, whatever the layout: the op (ours in ``SAME_WORK`` as torch's) and the number of
     elements of each input (-1 for an argument that is not a tensor, or whose shape was not recorded). Our PFN
     normalizes (pillars x points, C) rows where upstream's normalizes (pillars, C, points): the same work."""
-    sizes = tuple(int(np.prod(shape)) if shape else -1 for shape in ast.literal_eval(shapes))
+    sizes = tuple(int(np.prod(shape)) if shape else -1 for shape in shapes)
     op = SAME_WORK.get(op, op)
     return (op, sizes[:1]) if op in SAME_WORK.values() else (op, sizes)
 
