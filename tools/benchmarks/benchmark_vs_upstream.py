@@ -224,8 +224,6 @@ def time_sides(sides, repeats: int) -> Dict[str, Any]:
         for name in (order if round_ % 2 == 0 else order[::-1]):
             steps[name].append(training_step(*sides[name]))
     times = {name: [step["seconds"] for step in side] for name, side in steps.items()}
-    # Kernel-mode time is mostly the first touch of freshly mapped memory: glibc returns blocks above its mmap
-    # threshold to the system at free, so every large activation page-faults again at every step.
     cpu = {name: {key: statistics.median(step[key] for step in side) for key in ("user", "system", "faults")}
            for name, side in steps.items()}
     return {"seconds": {name: statistics.median(t) for name, t in times.items()}, "all": times, "cpu": cpu,
