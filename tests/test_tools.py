@@ -68,3 +68,32 @@ def test_the_shared_work_ceiling_counts_only_what_upstream_also_runs():
               ("aten::add_", [[3, 2], [3, 2], []], 1.0, 1)]
     # 10 (both convolutions) + 4 * 1/2 (one of our two norms) + 3 * 1/3 (one of our three copies) + 1; no fill.
     assert shared_work_ms(ours, theirs) == (14.0, {"BatchNormFunction": 2.0, "aten::copy_": 1.0, "aten::add_": 1.0})
+
+
+def test_the_profile_reader_agrees_with_torchs_key_averages():
+    """benchmark_vs_upstream reads the profiler's raw events itself (key_averages' Python objects outgrew the
+    machine on SECOND): on a training step with nested ops of one name (sum in sum), the optimizer's own ranges
+    and a backward, every (op, shapes) group, its calls, self time and total time are torch's own."""
+    import sys
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
+    from benchmark_vs_upstream import op_times, profiled_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))
+    optimizer = torch.optim.Adam(model.parameters())
+    x = torch.randn(2, 3, 8, 8)
+    prof = profiled_step(model, optimizer, lambda: model(x).sum() + sum(p.sum() for p in model.parameters()))
+    theirs = {(event.key, tuple(tuple(shape) for shape in event.input_shapes)):
+              (event.self_cpu_time_total, event.cpu_time_total, event.count)
+              for event in prof.key_averages(group_by_input_shape=True)}
+    ours = op_times(prof)
+    assert set(ours) == set(theirs)
+    assert any(name == "aten::sum" for name, _shapes in ours) and any(n.startswith("step::") for n, _s in ours)
+    for key, (self_ns, total_ns, calls) in ours.items():
+        self_us, total_us, count = theirs[key]
+        # torch keeps microseconds as floats of the same nanoseconds
+        assert calls == count and abs(self_ns / 1e3 - self_us) < 1e-3 and abs(total_ns / 1e3 - total_us) < 1e-3, key

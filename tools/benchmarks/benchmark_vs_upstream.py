@@ -25,8 +25,9 @@ the arithmetic's, and it grows with what a step allocates.
 
 SECOND: our model patches spconv's CPU ops when it loads spconv (models/modules/spconv_compat.py: the backward's
 CUDA-stream query, the racy scatter-add), and the patch is process-wide, so upstream's class runs on the patched
-spconv too: the comparison is of the two models, not of the two spconv paths. Its process holds both full-size
-models' training state, about 20 GB resident here.
+spconv too: the comparison is of the two models, not of the two spconv paths. At batch 2 its process holds both
+full-size models' training state, about 20 GB resident here; at batch 1 its steps stay near 2 GB, and its profile
+with shapes peaks at 21 GB (upstream's step records 3 million ops).
 
 ``--profile`` adds torch.profiler (CPU) on one more step of each side: the top entries by self CPU time, and the
 forward time of each top-level submodule (the two models share their submodule names) and of the step's phases.
@@ -36,7 +37,9 @@ on inputs of the same sizes (``shared_work_ms``), adds the normalizations, the a
 and the optimizer's updates. Each ceiling is the timed ratio times our step over one part: the ratio we would reach
 if everything else of ours took no time, by a rewrite that keeps the arithmetic, or upstream's work. The timed
 ratio is the base, not the profiled totals, because the profiler's cost per op inflates a step of many small ops
-(upstream's AttFuse and Where2comm run 1.7 million per step, ours 0.1 million) far more than ours.
+(upstream's AttFuse and Where2comm run 1.7 million per step, ours 0.1 million) far more than ours. The profile is
+read from the profiler's raw events by the rules of torch's ``key_averages`` (``op_times``), without the Python
+object per event that ``key_averages`` builds first and that outgrew 24 GiB on SECOND.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--profile-rows", type=int, default=12, help="ops listed per side with --profile")
     parser.add_argument("--profile-shapes", action=argparse.BooleanOptionalAction, default=True,
                         help="record the ops' input shapes for the shared-work ceiling (--no-profile-shapes: "
-                             "SECOND's two models and the shapes' records exceed 24 GiB)")
+                             "where memory is short; SECOND's profile with shapes peaks at 21 GB)")
     parser.add_argument("--json", metavar="PATH", help="also write every result (steps, agreement, profile) here")
     parser.add_argument("--one", nargs=2, metavar=("CONFIG", "THREADS"), help=argparse.SUPPRESS)  # internal
     return parser.parse_args(argv)
@@ -293,12 +296,87 @@ SAME_WORK = {"BatchNormFunction": "aten::native_batch_norm",
              "BatchNormFunctionBackward": "aten::native_batch_norm_backward"}
 
 
-def shaped_ops(prof) -> List[Tuple[str, List[List[int]], float, int]]:
-    """(op, input shapes, self CPU ms, calls) for every op of the step, grouped by op and input shapes."""
-    return [(event.key, [list(shape) for shape in event.input_shapes], event.self_cpu_time_total / 1e3,
-             event.count)
-            for event in prof.key_averages(group_by_input_shape=True)
-            if not event.key.startswith(("module::", "step::"))]
+def op_times(prof) -> Dict[Tuple[str, Tuple[Tuple[int, ...], ...]], List[int]]:
+    """(name, input shapes) -> [self ns, total ns, calls] for every CPU op and range of the step: what torch's
+    ``key_averages(group_by_input_shape=True)`` reports, read from the profiler's raw results.
+
+    Why not ``key_averages``: it first builds a Python ``FunctionEvent`` per event, and upstream SECOND's step
+    records 3 million ops; with their shapes those objects outgrew this machine's 24 GiB (docs/benchmarks.md).
+    The rules are torch's: utility events are left out, an event that starts and ends on different threads has
+    no place in the tree, an event's self time is its duration less its direct children's on the same thread,
+    and a child that is the only one of a parent of the same name merges into that parent."""
+    keys: Dict[Tuple[str, Tuple[Tuple[int, ...], ...]], int] = {}
+    rows = _event_rows(prof, keys)
+    rows.sort(key=lambda row: (row[0], row[1], -row[2]))
+    parent = _parents(rows)
+    children = np.bincount(parent[parent >= 0], minlength=len(rows))
+    self_ns = np.array([end - start for _thread, start, end, _key, _name in rows], dtype=np.int64)
+    total_ns = self_ns.copy()
+    nested = parent >= 0
+    np.subtract.at(self_ns, parent[nested], total_ns[nested])
+    counted = np.ones(len(rows), dtype=bool)
+    for i in range(len(rows)):  # parents sort before their children: a chain of merges ends at its first event
+        p = parent[i]
+        if p >= 0 and rows[p][4] == rows[i][4] and children[p] == 1:
+            counted[i] = False
+            self_ns[_merged_into(parent, counted, p)] += self_ns[i]
+    times = [[0, 0, 0] for _ in keys]
+    for i, row in enumerate(rows):
+        if counted[i]:
+            times[row[3]][0] += int(self_ns[i])
+            times[row[3]][1] += int(total_ns[i])
+            times[row[3]][2] += 1
+    return {key: times[index] for key, index in keys.items() if times[index][2]}
+
+
+def _event_rows(prof, keys: Dict) -> List[Tuple[int, int, int, int, int]]:
+    """(thread, start ns, end ns, key index, name index) of every event that has a place in torch's tree, its key
+    (name, input shapes) numbered in ``keys``."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import _filter_name
+
+    rows, names = [], {}
+    for event in prof.profiler.kineto_results.events():  # torch's own parser reads this list too (private API)
+        name = event.name()
+        if (_filter_name(name) or event.is_hidden_event() or event.device_type() != DeviceType.CPU
+                or event.is_async() or event.start_thread_id() != event.end_thread_id()):
+            continue
+        key = (name, tuple(tuple(shape) for shape in event.shapes()))
+        rows.append((event.start_thread_id(), event.start_ns(), event.end_ns(), keys.setdefault(key, len(keys)),
+                     names.setdefault(name, len(names))))
+    return rows
+
+
+def _parents(rows: Sequence[tuple]) -> np.ndarray:
+    """The index of each sorted (thread, start, end, ...) row's innermost enclosing row on its thread, or -1."""
+    parent = np.full(len(rows), -1, dtype=np.int64)
+    stack: List[int] = []
+    thread = None
+    for i, (row_thread, start, end, _key, _name) in enumerate(rows):
+        if row_thread != thread:
+            stack, thread = [], row_thread
+        # torch's rule: a row that starts after the top of the stack ends, or ends after it (a partial overlap),
+        # has no place under it.
+        while stack and (start >= rows[stack[-1]][2] or end > rows[stack[-1]][2]):
+            stack.pop()
+        if stack:
+            parent[i] = stack[-1]
+        stack.append(i)
+    return parent
+
+
+def _merged_into(parent: np.ndarray, counted: np.ndarray, i: int) -> int:
+    """The event that a merged one's time goes to: its nearest ancestor still counted."""
+    while not counted[i]:
+        i = parent[i]
+    return i
+
+
+def shaped_ops(times: Mapping) -> List[Tuple[str, List[List[int]], float, int]]:
+    """(op, input shapes, self CPU ms, calls) for every op of the step (``op_times``), the ranges left out."""
+    return [(name, [list(shape) for shape in shapes], self_ns / 1e6, calls)
+            for (name, shapes), (self_ns, _total, calls) in times.items()
+            if not name.startswith(("module::", "step::"))]
 
 
 def work_key(op: str, shapes: Sequence[Sequence[int]]) -> Tuple[str, Tuple[int, ...]]:
@@ -331,17 +409,21 @@ def shared_work_ms(ours: Sequence[Sequence], theirs: Sequence[Sequence]) -> Tupl
 
 def profile_report(prof, rows: int) -> Dict[str, Any]:
     """The top ``rows`` ops by self CPU time (ms, calls), the ms of each marked range (total CPU time), the self
-    time of the arithmetic kernels (``ARITHMETIC_OPS``), and every op grouped by input shapes (``shaped_ops``)."""
-    averages = prof.key_averages()
-    ops = [event for event in averages if not event.key.startswith(("module::", "step::"))]
-    ops.sort(key=lambda event: event.self_cpu_time_total, reverse=True)
-    total = sum(event.self_cpu_time_total for event in ops)
-    arithmetic = sum(event.self_cpu_time_total for event in ops if event.key in ARITHMETIC_OPS)
-    top = [(event.key, event.self_cpu_time_total / 1e3, event.count) for event in ops[:rows]]
-    ranges = {event.key: event.cpu_time_total / 1e3 for event in averages
-              if event.key.startswith(("module::", "step::"))}
-    return {"top": top, "self_total_ms": total / 1e3, "arithmetic_ms": arithmetic / 1e3, "ranges": ranges,
-            "shaped": shaped_ops(prof) if prof.record_shapes else None}
+    time of the arithmetic kernels (``ARITHMETIC_OPS``), and every op grouped by input shapes (``shaped_ops``;
+    with ``--profile-shapes``)."""
+    times = op_times(prof)
+    by_name: Dict[str, List[int]] = {}
+    for (name, _shapes), (self_ns, total_ns, calls) in times.items():
+        sums = by_name.setdefault(name, [0, 0, 0])
+        sums[0], sums[1], sums[2] = sums[0] + self_ns, sums[1] + total_ns, sums[2] + calls
+    ops = sorted(((name, t) for name, t in by_name.items() if not name.startswith(("module::", "step::"))),
+                 key=lambda item: -item[1][0])
+    total = sum(t[0] for _name, t in ops) / 1e6
+    arithmetic = sum(t[0] for name, t in ops if name in ARITHMETIC_OPS) / 1e6
+    top = [(name, t[0] / 1e6, t[2]) for name, t in ops[:rows]]
+    ranges = {name: t[1] / 1e6 for name, t in by_name.items() if name.startswith(("module::", "step::"))}
+    return {"top": top, "self_total_ms": total, "arithmetic_ms": arithmetic, "ranges": ranges,
+            "shaped": shaped_ops(times) if prof.record_shapes else None}
 
 
 def ceiling_row(r: Mapping[str, Any]) -> str:
