@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from opencood_ddp.numerics.dropout import Dropout, applies, draw_seed, hashed_dropout
+from opencood_ddp.numerics.dropout import Dropout, applies, apply_mask, draw_seed, hashed_dropout
 
 COUNT = 1 << 20
 
@@ -112,6 +113,37 @@ def test_the_same_bits_on_one_two_and_three_threads():
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
+
+
+def splitmix64_kept(seed: int, count: int, p: float) -> np.ndarray:
+    """The module docstring's draws, from SplitMix64's published output function in numpy's wrapping uint64
+    arithmetic: value i is kept when the top 32 bits of mix(seed + i * 0x9E3779B97F4A7C15) reach round(p * 2^32)."""
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed) + np.arange(count, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return (z >> np.uint64(32)) >= np.uint64(round(p * 2 ** 32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_the_decisions_are_splitmix64s_draws_on_every_part(dtype, inplace):
+    """Every value's decision, whichever of 1 or 3 threads' parts computes it, in place or not: the kernel's
+    counters start at each part's first index."""
+    x = torch.randn(3 * (1 << 17) + 5, dtype=dtype)
+    keep = torch.from_numpy(splitmix64_kept(2 ** 62 + 12345, x.numel(), 0.3))
+    factor = torch.ones((), dtype=dtype).div_(0.7)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            target = x.clone() if inplace else x
+            out = apply_mask(target, 0.3, 2 ** 62 + 12345, inplace=inplace)
+            assert (out is target) == inplace
+            assert torch.equal(out, torch.where(keep, x * factor, torch.zeros((), dtype=dtype))), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_where_the_kernel_does_not_apply_dropout_is_torchs():

@@ -4,8 +4,9 @@ Why: torch's CPU dropout fills a float tensor with Bernoulli draws (``bernoulli_
 value), divides it by 1 - p, and multiplies; the backward multiplies by the stored mask again. On CoBEVT's
 (1056, 80, 256) feed-forward activations that is about 215 ms forward and 45 ms backward at 1 thread, and a
 float mask as large as the activation kept until the backward, 18 times a step. Here the keep/drop decision of
-value i is a hash of (seed, i), so the forward is one compiled pass (about 36 ms on the same tensor, split over
-torch's threads) and the backward applies the same decisions to the gradient from the seed alone.
+value i is a hash of (seed, i), so the forward is one compiled pass (7 ms in place on the same tensor at 1
+thread, split over torch's threads) and the backward applies the same decisions to the gradient from the seed
+alone.
 
 The draws: SplitMix64's output function over the counter seed + i * golden gamma (the SplitMix64 sequence
 started at ``seed``); the top 32 bits of value i's output are compared with round(p * 2^32), so a value is
@@ -36,16 +37,35 @@ _KERNEL_DTYPES = (torch.float32, torch.float64)
 
 
 @jit
+def _draw(z):
+    """The top 32 bits of SplitMix64's output function of the counter z."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return (z ^ (z >> np.uint64(31))) >> np.uint64(32)
+
+
+# Both kernels index slices from 0. numba checks an index below 0 for wrap-around, and where LLVM cannot prove an
+# index non-negative (i in range(start, stop)) that check stays in the loop and the loop runs a value at a time:
+# 35-41 ms on CoBEVT's (1056, 80, 256) activation, against 7 ms here (1 thread, docs/benchmarks.md). In place takes
+# its own kernel: with two arguments that are one array, LLVM's overlap check sends the loop to its scalar copy.
+@jit
 def _keep_scaled(values, out, seed, threshold, scale, start, stop):
     """out[i] = values[i] * (scale if value i is kept else 0) for i in [start, stop) of flat arrays."""
     zero = values.dtype.type(0)
-    for i in range(start, stop):
-        z = seed + np.uint64(i) * _GAMMA
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
-        z = z ^ (z >> np.uint64(31))
-        noise = scale if (z >> np.uint64(32)) >= threshold else zero
-        out[i] = values[i] * noise
+    source, target = values[start:stop], out[start:stop]
+    first = seed + np.uint64(start) * _GAMMA  # value i's counter is seed + i * gamma, modulo 2^64
+    for j in range(stop - start):
+        target[j] = source[j] * (scale if _draw(first + np.uint64(j) * _GAMMA) >= threshold else zero)
+
+
+@jit
+def _keep_scaled_in_place(values, seed, threshold, scale, start, stop):
+    """values[i] *= (scale if value i is kept else 0) for i in [start, stop) of a flat array."""
+    zero = values.dtype.type(0)
+    part = values[start:stop]
+    first = seed + np.uint64(start) * _GAMMA
+    for j in range(stop - start):
+        part[j] = part[j] * (scale if _draw(first + np.uint64(j) * _GAMMA) >= threshold else zero)
 
 
 def drop_threshold(p: float) -> np.uint64:
@@ -63,8 +83,11 @@ def apply_mask(x: torch.Tensor, p: float, seed: int, inplace: bool = False) -> t
     np_type = values.dtype.type
     scale = np_type(1) / np_type(1 - p)  # rounded as torch's mask.div_(1 - p) rounds it
     args = (np.uint64(seed), drop_threshold(p), scale)
-    run_parts(_keep_scaled, [(values, target, *args, start, stop)
-                             for start, stop in even_ranges(values.size, part_count(values.size))])
+    ranges = even_ranges(values.size, part_count(values.size))
+    if inplace:
+        run_parts(_keep_scaled_in_place, [(target, *args, start, stop) for start, stop in ranges])
+    else:
+        run_parts(_keep_scaled, [(values, target, *args, start, stop) for start, stop in ranges])
     return out
 
 
