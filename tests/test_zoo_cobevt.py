@@ -184,11 +184,22 @@ def test_in_place_dropout_changes_no_value_or_gradient_of_the_block():
     assert torch.equal(out_a, out_b) and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
 
 
-def test_head_loop_attention_equals_the_plain_reading_and_passes_gradcheck():
+@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
+def threads(request):
+    """torch's thread count for a test: one thread writes each head's products into its slice directly, several
+    through a contiguous buffer and a copy (biased_attention._into)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def test_head_loop_attention_equals_the_plain_reading_and_passes_gradcheck(threads):
     torch.manual_seed(1)
     attention = WindowAttention(16, 4, 0.0, 3, 2).double()
     present = torch.tensor([[True, True, False], [True, False, False]])
-    qkv = torch.randn(2 * 6, 12, 48, dtype=torch.float64, requires_grad=True)  # 2 samples x 6 windows of 12
+    # 2 samples x 6 windows of 12 tokens, 4 heads of 4: products large enough for torch's gemm path
+    qkv = torch.randn(2 * 6, 12, 48, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(4, 12, 12, dtype=torch.float64, requires_grad=True)
     key_bias = attention.key_bias(present, 12, torch.float64)
     ours = biased_attention(qkv, bias, key_bias, attention.heads, attention.scale)
