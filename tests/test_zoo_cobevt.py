@@ -186,8 +186,7 @@ def test_in_place_dropout_changes_no_value_or_gradient_of_the_block():
 
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
 def threads(request):
-    """torch's thread count for a test: one thread writes each head's products into its slice directly, several
-    through a contiguous buffer and a copy (biased_attention._into)."""
+    """torch's thread count for a test: torch splits the batched products over its threads on two."""
     before = torch.get_num_threads()
     torch.set_num_threads(request.param)
     yield request.param

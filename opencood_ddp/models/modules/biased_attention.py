@@ -18,7 +18,7 @@ The sums are the plain reading's, in another order: outputs and gradients agree 
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -32,33 +32,26 @@ def use_head_loop(qkv: torch.Tensor) -> bool:
 
 def _head(qkv: torch.Tensor, part: int, head: int, heads: int, parts: int = 3) -> torch.Tensor:
     """Head ``head``'s q (part 0), k (1) or v (2): a (windows, n, d) view of the (windows, n, 3C) projection (or,
-    ``parts=1``, of a (windows, n, C) tensor of heads side by side). The batched products read and write such
-    views in place, with their row stride: the same sums as on a contiguous copy, and no copy."""
+    ``parts=1``, of a (windows, n, C) tensor of heads side by side). The batched products read such views in
+    place, with their row stride: the same sums as on a contiguous copy, and no copy. Their results reach such
+    views through ``_into``."""
     dim = qkv.shape[-1] // parts
     width = dim // heads
     start = part * dim + head * width
     return qkv[:, :, start:start + width]
 
 
-def _into(target: torch.Tensor, buffer: Optional[torch.Tensor], product: Callable[[torch.Tensor], object]) -> None:
-    """``product(out=...)`` written into ``target``, a head's strided (windows, n, d) slice: directly on one thread,
-    through the contiguous ``buffer`` and a copy on several.
+def _into(target: torch.Tensor, buffer: torch.Tensor, product: Callable[[torch.Tensor], object]) -> None:
+    """``product(out=...)`` written into ``target``, a head's strided (windows, n, d) slice, through the contiguous
+    (windows, n, d) ``buffer`` and a copy.
 
-    Why: torch's CPU bmm and baddbmm run one batched gemm, split over torch's threads, only into a contiguous
-    result; into a strided one they loop over the windows one gemm at a time on a single thread. On CoBEVT's 8
-    heads the loop is the faster at 1 thread, as it needs no copy (forward product 105 against 110 ms), and
-    twice as slow at 2 (122 against 56 ms). Each window is the same gemm either way: the same bits."""
-    if buffer is None:
-        product(target)
-    else:
-        product(buffer)
-        target.copy_(buffer)
-
-
-def _head_buffer(qkv: torch.Tensor, heads: int) -> Optional[torch.Tensor]:
-    """The contiguous (windows, n, d) buffer ``_into`` needs on several threads, else None."""
-    windows, n, channels = qkv.shape
-    return qkv.new_empty(windows, n, channels // 3 // heads) if torch.get_num_threads() > 1 else None
+    Why not into the slice directly: torch's CPU bmm and baddbmm run one batched gemm, split over torch's threads,
+    only into a contiguous result; into a strided one they loop over the windows one gemm at a time on a single
+    thread. On CoBEVT's 8 heads at 2 threads that loop takes 122 ms for the forward product, against 56 ms with
+    the buffer; at 1 thread the two are 105 and 110 ms, and a full step cannot tell them apart. Each window is the
+    same gemm either way: the same bits."""
+    product(buffer)
+    target.copy_(buffer)
 
 
 class _BiasedAttention(torch.autograd.Function):
@@ -70,7 +63,7 @@ class _BiasedAttention(torch.autograd.Function):
         # keep: the probabilities of every head are kept for a backward; without one (evaluation), one head's.
         # One tensor per head, not one (heads, windows, n, n) block: see the module's docstring.
         attention = [qkv.new_empty(windows, n, n) for _ in range(heads if keep else 1)]
-        logits, buffer = qkv.new_empty(windows, n, n), _head_buffer(qkv, heads)
+        logits, buffer = qkv.new_empty(windows, n, n), qkv.new_empty(windows, n, out.shape[-1] // heads)
         for h in range(heads):
             start = (bias[h] + key_bias[:, None, :])[:, None]  # (samples, 1, n, n)
             logits.view(samples, windows // samples, n, n).copy_(start.expand(-1, windows // samples, -1, -1))
@@ -93,7 +86,7 @@ class _BiasedAttention(torch.autograd.Function):
         grad_qkv = torch.empty_like(qkv)
         grad_bias = qkv.new_empty(heads, n, n) if ctx.needs_input_grad[1] else None
         grad_attention, grad_logits = qkv.new_empty(windows, n, n), qkv.new_empty(windows, n, n)
-        buffer = _head_buffer(qkv, heads)
+        buffer = qkv.new_empty(windows, n, grad_out.shape[-1] // heads)
         for h in range(heads):
             q, k, v = (_head(qkv, part, h, heads) for part in range(3))
             head_grad = _head(grad_out, 0, h, heads, parts=1)
