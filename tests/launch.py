@@ -1,12 +1,13 @@
 """Start real worker processes the way users do: torchrun (c10d rendezvous on loopback, gloo backend)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -128,6 +129,16 @@ def one_line_error(exc_info, *fragments: str) -> str:
     return message
 
 
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``count`` for the block, and put back after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
     """A tool's `__main__` run in this process, as a plain `python script args` start runs it (the same entry
@@ -136,7 +147,6 @@ def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
     variables stay out of the environment, the signal handlers and the package logger's handlers are restored.
     It runs on one thread, as every process the tests start (OMP_NUM_THREADS=1), so that its floats compare
     with theirs bit for bit."""
-    import contextlib
     import io
     import runpy
 
@@ -144,16 +154,14 @@ def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
 
     saved_argv = sys.argv
     out, err, code = io.StringIO(), io.StringIO(), 0
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     sys.argv = [str(script), *map(str, args)]
     try:
-        with entry_sandbox(clean_environ()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with torch_threads(1), entry_sandbox(clean_environ()), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(err):
             try:
                 runpy.run_path(str(script), run_name="__main__")
             except SystemExit as exc:  # the tools end with sys.exit(code); argparse exits 2 on a bad flag
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
-        torch.set_num_threads(threads)
         sys.argv = saved_argv
     return subprocess.CompletedProcess([str(script), *map(str, args)], code, out.getvalue(), err.getvalue())

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from launch import torch_threads
 from opencood_ddp.numerics import batch_norm, parallel
 from opencood_ddp.numerics.batch_norm import (AccurateBatchNorm1d, AccurateBatchNorm2d, row_view,
                                               use_accurate_batch_norm)
@@ -77,12 +78,8 @@ def test_the_native_cpu_kernel_drifts_on_rows_which_is_why_this_module_exists():
 
 
 def _step_on_threads(norm: nn.Module, x: torch.Tensor, grad: torch.Tensor, count: int) -> dict:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
+    with torch_threads(count):
         return _step(use_accurate_batch_norm(copy.deepcopy(norm)), x, grad)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("layout", ["rows", "channels_last"])
@@ -103,16 +100,12 @@ def test_statistics_and_gradients_do_not_depend_on_the_thread_count(layout):
 
 def _kernel_results(rows: np.ndarray, grad_rows: np.ndarray) -> dict:
     """The two threaded row kernels at 2 threads, as a training step calls them, without torch's own ops."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
+    with torch_threads(2):
         mean, invstd = rows.mean(0, dtype=np.float64), 1 / rows.std(0, dtype=np.float64)
         out, grad_in = np.empty_like(rows), np.empty_like(rows)
         batch_norm.row_normalise(rows, mean, invstd, np.zeros_like(mean), out)
         batch_norm.row_input_gradient(grad_rows, rows, mean, invstd, invstd, mean / 3, invstd / 5, grad_in)
         return {"output": out, "input_grad": grad_in}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _child_results(rows, grad_rows, queue) -> None:

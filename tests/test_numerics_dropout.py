@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from launch import torch_threads
 from opencood_ddp.numerics.dropout import Dropout, applies, apply_mask, draw_seed, hashed_dropout
 
 COUNT = 1 << 20
@@ -103,15 +104,11 @@ def test_the_seed_is_one_draw_of_torchs_generator():
 
 def test_the_same_bits_on_one_two_and_three_threads():
     x = torch.randn(3 * (1 << 17) + 5)  # several parts on 2 and 3 threads, and an uneven end
-    before = torch.get_num_threads()
     outputs = []
-    try:
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
+    for threads in (1, 2, 3):
+        with torch_threads(threads):
             torch.manual_seed(7)
             outputs.append(hashed_dropout(x, 0.4))
-    finally:
-        torch.set_num_threads(before)
     assert all(torch.equal(outputs[0], other) for other in outputs[1:])
 
 
@@ -134,16 +131,12 @@ def test_the_decisions_are_splitmix64s_draws_on_every_part(dtype, inplace):
     x = torch.randn(3 * (1 << 17) + 5, dtype=dtype)
     keep = torch.from_numpy(splitmix64_kept(2 ** 62 + 12345, x.numel(), 0.3))
     factor = torch.ones((), dtype=dtype).div_(0.7)
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 3):
-            torch.set_num_threads(threads)
-            target = x.clone() if inplace else x
+    for threads in (1, 3):
+        target = x.clone() if inplace else x
+        with torch_threads(threads):
             out = apply_mask(target, 0.3, 2 ** 62 + 12345, inplace=inplace)
-            assert (out is target) == inplace
-            assert torch.equal(out, torch.where(keep, x * factor, torch.zeros((), dtype=dtype))), threads
-    finally:
-        torch.set_num_threads(before)
+        assert (out is target) == inplace
+        assert torch.equal(out, torch.where(keep, x * factor, torch.zeros((), dtype=dtype))), threads
 
 
 def test_where_the_kernel_does_not_apply_dropout_is_torchs():

@@ -4,10 +4,15 @@ process: `in_process`)."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
+import torch
 
 from launch import REPO, explain, in_process
+
+sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
+from benchmark_vs_upstream import op_times, profiled_step, shared_work_ms  # noqa: E402
 
 DOCUMENTS = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md"))]
 # A path that starts at the repository's tools/ (not upstream's opencood/tools/...).
@@ -52,11 +57,6 @@ def test_the_shared_work_ceiling_counts_only_what_upstream_also_runs():
     """benchmark_vs_upstream's second ceiling: our ms in the groups of the same op on inputs of the same sizes that
     upstream's step also has, for at most upstream's number of calls; our BatchNorm function is torch's batch norm
     on as many elements."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
-    from benchmark_vs_upstream import shared_work_ms
-
     ours = [("aten::mkldnn_convolution", [[2, 64, 8, 8], [64, 64, 3, 3]], 10.0, 2),
             ("BatchNormFunction", [[256, 64], [64], [64], [], []], 4.0, 2),  # (pillars x points, C) rows
             ("aten::copy_", [[5], [5], []], 3.0, 3),
@@ -74,13 +74,6 @@ def test_the_profile_reader_agrees_with_torchs_key_averages():
     """benchmark_vs_upstream reads the profiler's raw events itself (key_averages' Python objects outgrew the
     machine on SECOND): on a training step with nested ops of one name (sum in sum), the optimizer's own ranges
     and a backward, every (op, shapes) group, its calls, self time and total time are torch's own."""
-    import sys
-
-    import torch
-
-    sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
-    from benchmark_vs_upstream import op_times, profiled_step
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                 torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4))

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zoo
-from launch import REPO
+from launch import REPO, torch_threads
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.biased_attention import biased_attention
 from opencood_ddp.models.modules.swap_fusion import (SwapFusionBlockMask, TokenOrders, WindowAttention,
@@ -187,10 +187,8 @@ def test_in_place_dropout_changes_no_value_or_gradient_of_the_block():
 @pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
 def threads(request):
     """torch's thread count for a test: torch splits the batched products over its threads on two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param):
+        yield request.param
 
 
 def test_head_loop_attention_equals_the_plain_reading_and_passes_gradcheck(threads):

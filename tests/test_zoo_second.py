@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from launch import torch_threads
 from zoo import (REPO, assert_forward_backward, assert_key_error, hypes_of, lone_cav, reference_shapes,
                  toy_batch)
 
@@ -229,10 +230,8 @@ def test_spconv_cpu_backward_fails_without_the_stream_fix(monkeypatch):
 def two_threads():
     """Two OpenMP threads, which spconv's CPU kernels share with torch's pool, for a test whose point is their race
     (under `make test`'s two pytest processes each process runs with one: tests/conftest.py)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(2, threads))
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(max(2, torch.get_num_threads())):
+        yield
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or os.environ.get("OMP_NUM_THREADS") == "1",
