@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 # cpu here; `make venv EXTRAS=cuda` on a GPU machine after installing a CUDA torch by hand.
 EXTRAS ?= cpu
 
-.PHONY: venv slurm check-pins test test-fast demo gpu-venv gpu-check clean-venv
+.PHONY: venv slurm check-pins test test-fast demo gpu-venv gpu-wheels gpu-check clean-venv
 
 venv: $(STAMP)
 
@@ -75,22 +75,26 @@ demo: venv
 
 # The CUDA path proven in one command: tools/gpu_check.py writes $(GPU_CHECK_OUT)/gpu_check.md and .json.
 # `make gpu-check` uses .venv; on a GPU machine whose CUDA torch is preinstalled and that reaches no package
-# registry, `make gpu-check WHEELS=<folder>` first makes $(GPU_VENV), which sees that torch
-# (--system-site-packages) and installs everything else from the folder (bring the wheels of setup.py's pins and
-# the spconv wheel `tools/ci/pins.py spconv --cuda <torch.version.cuda> --python <3.x>` names). DEVICE=cpu runs the
-# same checks on the CPU.
+# registry, `make gpu-check WHEELS=<folder>` first makes $(GPU_VENV): a venv layered over $(PYTHON), the
+# interpreter that holds that torch (also when it is a venv itself, which `venv --system-site-packages` cannot
+# see through), with what the project needs and the machine lacks installed from the folder
+# (tools/ci/gpu_venv.py). `make gpu-wheels WHEELS=<folder>`, where pip reaches an index, fills such a folder for
+# the target's Python and CUDA (GPU_WHEELS_ARGS; add --have-file with the target's `pip list --format=freeze`
+# to leave out what it has). DEVICE=cpu runs the same checks on the CPU.
 DEVICE ?= cuda
 GPU_CHECK_OUT ?= gpu_check
 GPU_VENV ?= .venv-gpu
 WHEELS ?=
+GPU_WHEELS_ARGS ?= --python 3.12 --cuda 13.0
 GPU_PY := $(if $(WHEELS),$(GPU_VENV)/bin/python,$(PY))
 
 gpu-venv:
 	@test -n "$(WHEELS)" || { echo "error: pass WHEELS=<folder of wheels> (see the Makefile's gpu-check note)"; exit 2; }
-	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv --system-site-packages $(GPU_VENV)
-	@$(GPU_VENV)/bin/python -c "import torch; print('using the preinstalled torch', torch.__version__, 'CUDA', torch.version.cuda)"
-	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" --no-build-isolation -e ".[cuda,test]"
-	$(GPU_VENV)/bin/python -m pip install -q --no-index --find-links "$(WHEELS)" "$$($(GPU_VENV)/bin/python tools/ci/pins.py spconv)"
+	$(PYTHON) tools/ci/gpu_venv.py make $(GPU_VENV) --wheels "$(WHEELS)"
+
+gpu-wheels:
+	@test -n "$(WHEELS)" || { echo "error: pass WHEELS=<folder to fill> (see the Makefile's gpu-check note)"; exit 2; }
+	$(PYTHON) tools/ci/gpu_venv.py download "$(WHEELS)" $(GPU_WHEELS_ARGS)
 
 gpu-check: $(if $(WHEELS),gpu-venv,venv)
 	$(GPU_PY) tools/gpu_check.py --device $(DEVICE) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)

@@ -1,0 +1,125 @@
+"""tools/ci/gpu_venv.py: `make gpu-check WHEELS=...`'s environment on a machine whose torch is preinstalled.
+
+The layer is built for real over this test's own interpreter, which is a venv holding torch: the lent GPU
+machines' layout (their python3 is /opt/torch/.venv/bin/python3), where `venv --system-site-packages` sees no
+torch. What to install is decided from installed versions and a wheel folder; wheel metadata is read from a
+wheel pip built.
+"""
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+from launch import REPO
+
+sys.path.insert(0, str(REPO / "tools" / "ci"))
+import gpu_venv  # noqa: E402  (a tool, not a package module: it runs before the package is installed)
+
+TOOL = REPO / "tools" / "ci" / "gpu_venv.py"
+REQUIREMENTS = ["numpy>=1.24", "numba==0.68.1", "shapely>=2.0", "spconv-cu126==2.3.8"]
+
+
+def test_a_need_the_machine_meets_is_left_alone():
+    todo = gpu_venv.plan(REQUIREMENTS, {"numpy": "2.5.2", "numba": "0.68.1", "shapely": "2.1.2",
+                                        "spconv-cu126": "2.3.8"}, carried={})
+    assert todo == gpu_venv.Plan([], [], [])
+
+
+def test_a_carried_wheel_that_fits_is_installed_and_one_that_does_not_is_not():
+    carried = {"shapely": ["2.1.2"], "numba": ["0.61.0"], "spconv-cu126": ["2.3.8"]}
+    todo = gpu_venv.plan(REQUIREMENTS, {"numpy": "2.5.2"}, carried)
+    assert todo.install == ["shapely>=2.0", "spconv-cu126==2.3.8"]
+    assert todo.missing == ["numba==0.68.1"]  # 0.61.0 does not meet the pin
+    assert todo.notes == []
+
+
+def test_the_machines_other_version_is_kept_and_said_when_nothing_carried_fits():
+    todo = gpu_venv.plan(["numba==0.68.1", "numpy>=1.24"], {"numba": "0.61.0", "numpy": "1.21.0"},
+                         carried={"numpy": ["2.4.6"]})
+    assert todo.install == ["numpy>=1.24"]  # the carried numpy shadows the machine's 1.21
+    assert todo.missing == []
+    assert len(todo.notes) == 1 and todo.notes[0].startswith("numba 0.61.0 kept: setup.py asks ==0.68.1")
+
+
+def test_a_name_known_without_version_counts_as_met():
+    """`--have numba`: the target has it, its version unknown (the device's package list names no versions)."""
+    have = gpu_venv.read_have(["numba", "Shapely==2.1.2"], None)
+    assert have == {"numba": None, "shapely": "2.1.2"}
+    assert gpu_venv.plan(["numba==0.68.1", "shapely>=2.0"], have, {}) == gpu_venv.Plan([], [], [])
+
+
+def test_the_targets_pip_freeze_is_read(tmp_path):
+    freeze = tmp_path / "have.txt"
+    freeze.write_text("torch==2.11.0+cu130\nnumpy==2.5.2\n# a comment\n\n"
+                      "opencood-ddp @ file:///work/main\nTyping_Extensions==4.16.0\n")
+    assert gpu_venv.read_have([], str(freeze)) == {
+        "torch": "2.11.0+cu130", "numpy": "2.5.2", "opencood-ddp": None, "typing-extensions": "4.16.0"}
+
+
+def test_the_runtime_requirements_are_setups_core_and_the_spconv_of_the_targets_cuda():
+    core = gpu_venv.core_requirements()
+    assert "numba==0.68.1" in core and not any("open3d" in r or "pytest" in r or "torch" in r for r in core)
+    assert gpu_venv.runtime_requirements("13.0", "3.12") == core + ["spconv-cu126==2.3.8"]
+    assert gpu_venv.runtime_requirements(None, "3.11")[-1] == "spconv==2.3.8"
+
+
+def test_a_wheels_requirements_are_those_of_the_targets_python(tmp_path):
+    """Requires-Dist with markers and extras, from a wheel pip built: python_version markers follow --python."""
+    project = tmp_path / "demo"
+    project.mkdir()
+    (project / "demo_pkg.py").write_text("")
+    (project / "setup.py").write_text(
+        "from setuptools import setup\n"
+        "setup(name='demo-pkg', version='1.0', py_modules=['demo_pkg'],\n"
+        "      install_requires=['numpy>=1', 'tomli; python_version < \"3.11\"'],\n"
+        "      extras_require={'test': ['pytest']})\n")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "-w", str(tmp_path / "out"), str(project)], check=True)
+    (wheel,) = (tmp_path / "out").glob("*.whl")
+    assert gpu_venv.carried_versions(tmp_path / "out") == {"demo-pkg": ["1.0"]}
+    names = {python: [str(r) for r in gpu_venv.wheel_requirements(wheel, gpu_venv.target_environment(python))]
+             for python in ("3.10", "3.12")}
+    assert names["3.12"] == ["numpy>=1"]
+    assert sorted(names["3.10"]) == ['numpy>=1', 'tomli; python_version < "3.11"']
+
+
+def test_a_plain_system_site_venv_of_a_venv_sees_no_torch(tmp_path):
+    """Why the layer exists: this interpreter holds torch in its venv, and a venv made from it with
+    --system-site-packages sees only the base interpreter's site-packages."""
+    assert sys.prefix != sys.base_prefix, "the test runs in the project's venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(tmp_path / "plain")
+    result = subprocess.run([str(tmp_path / "plain" / "bin" / "python"), "-c", "import torch"], capture_output=True)
+    assert result.returncode != 0
+
+
+@pytest.mark.slow
+def test_the_layer_over_a_venv_imports_torch_and_the_project(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    layer = tmp_path / "layer"
+    result = subprocess.run([sys.executable, str(TOOL), "make", str(layer), "--wheels", str(wheels)],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "installing" not in result.stdout  # this interpreter has every run-time requirement
+    probe = ("import sys, torch, opencood_ddp, importlib.metadata as m\n"
+             "print(sys.prefix); print(torch.__file__); print(opencood_ddp.__file__); print(m.version('torch'))")
+    out = subprocess.run([str(layer / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True)
+    prefix, torch_file, package_file, torch_version = out.stdout.split()
+    import torch
+    assert Path(prefix) == layer  # pip installs into the layer, not into the machine's environment
+    assert Path(torch_file) == Path(torch.__file__)  # the machine's torch, seen through the layer's .pth
+    assert Path(package_file).parent == REPO / "opencood_ddp"  # the editable project
+    assert torch_version == torch.__version__  # pip's view too: it will not try to install a torch
+    again = subprocess.run([sys.executable, str(TOOL), "make", str(layer), "--wheels", str(wheels)],
+                           capture_output=True, text=True, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_missing_wheel_folder_is_one_error_line(tmp_path):
+    result = subprocess.run([sys.executable, str(TOOL), "make", str(tmp_path / "layer"), "--wheels",
+                             str(tmp_path / "absent")], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: --wheels {tmp_path / 'absent'}")
+    assert not (tmp_path / "layer").exists()

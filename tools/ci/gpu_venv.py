@@ -1,0 +1,287 @@
+#!/usr/bin/env python
+"""`make gpu-check` on a machine whose CUDA torch is preinstalled and that reaches no package index.
+
+    python3 tools/ci/gpu_venv.py make .venv-gpu --wheels WHEELS      # there (the Makefile's gpu-venv)
+    python3 tools/ci/gpu_venv.py download WHEELS --python 3.12 --cuda 13.0 --have-file have.txt   # where pip works
+
+`make` builds a venv layered over the interpreter that runs it (the one holding torch) and installs into it, from
+the folder WHEELS alone, what the project needs and that interpreter lacks; then the project itself (editable).
+`download` fills such a folder for another machine: the wheels of the project's run-time requirements and of
+spconv for that machine's Python and CUDA, with their dependencies, less what the machine already has
+(`have.txt` is its `python3 -m pip list --format=freeze`).
+
+Why a layer and not `python -m venv --system-site-packages`: that flag shows the new venv the *base*
+interpreter's site-packages. Where torch lives in a venv itself (the lent GPU machines' python3 is
+/opt/torch/.venv/bin/python3, and cluster module systems do the same), a venv made from it sees neither torch
+nor pip. The layer lists the creating interpreter's site directories in a .pth file, after its own
+site-packages, so what is installed into the layer shadows the machine's and the rest is the machine's. It is
+made without ensurepip (Debian's python3 has none unless python3-venv is installed): pip comes from the
+machine's environment through the same .pth.
+
+Run-time requirements only: setup.py's CORE and spconv. The test extra and open3d (read by one test only, and
+over the size anything can be carried in) stay out; gpu_check needs neither. Standard library, pip and
+packaging only, so that it runs before the project is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import site
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import venv
+import zipfile
+from pathlib import Path
+from typing import Iterable, NamedTuple, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import pins  # noqa: E402  (beside this file; the spconv table and the platform tags)
+
+try:
+    from packaging.markers import default_environment
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+except ImportError:  # pip vendors it where it is not installed on its own
+    from pip._vendor.packaging.markers import default_environment  # type: ignore
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore
+    from pip._vendor.packaging.utils import canonicalize_name  # type: ignore
+
+ROOT = pins.ROOT
+LAYER_PTH = "machine_site.pth"
+WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")
+
+
+class Plan(NamedTuple):
+    """What `make` does with each run-time requirement."""
+
+    install: list[str]  # requirements to install from the wheel folder
+    notes: list[str]  # requirements kept as the machine has them, and why
+    missing: list[str]  # requirements neither the machine nor the folder has
+
+
+def core_requirements(setup_py: Path = ROOT / "setup.py") -> list[str]:
+    """setup.py's CORE list, read from its literal (not by running setup.py)."""
+    for node in ast.walk(ast.parse(setup_py.read_text())):
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "CORE" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise ValueError(f"{setup_py} has no CORE list")
+
+
+def runtime_requirements(cuda: Optional[str], python: str) -> list[str]:
+    """CORE and the spconv wheel for torch.version.cuda `cuda` on `python` (tools/ci/pins.py's table)."""
+    return core_requirements() + [pins.spconv_requirement(cuda, python)[0]]
+
+
+def carried_versions(folder: Path) -> dict[str, list[str]]:
+    """Canonical name -> the versions of the wheels in `folder`."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(folder.glob("*.whl")):
+        match = WHEEL_NAME.match(path.name)
+        if match:
+            found.setdefault(canonicalize_name(match["name"]), []).append(match["version"])
+    return found
+
+
+def satisfied(requirement: Requirement, version: Optional[str]) -> bool:
+    """Whether an installed `version` (None: installed, version unknown) meets the requirement's specifier."""
+    return version is None or requirement.specifier.contains(version, prereleases=True)
+
+
+def plan(requirements: Sequence[str], installed: dict[str, Optional[str]], carried: dict[str, list[str]]) -> Plan:
+    """For each requirement: nothing when the machine meets it; install it when the folder holds a wheel that
+    does; keep the machine's other version (noted) when the folder does not; missing when neither has it."""
+    result = Plan([], [], [])
+    for text in requirements:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        present, have = name in installed, installed.get(name)
+        if present and satisfied(requirement, have):
+            continue
+        if any(satisfied(requirement, v) for v in carried.get(name, [])):
+            result.install.append(text)
+        elif present:
+            result.notes.append(f"{requirement.name} {have} kept: setup.py asks {requirement.specifier} and the "
+                                f"wheel folder has none that fits")
+        else:
+            result.missing.append(text)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------- make
+def interpreter_site_dirs() -> list[str]:
+    """This interpreter's site directories, in its own order (a venv's site-packages; a system Python's
+    dist-packages)."""
+    dirs = [*site.getsitepackages(), sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    return [d for i, d in enumerate(dirs) if d not in dirs[:i] and os.path.isdir(d)]
+
+
+def make_layer(path: Path) -> Path:
+    """The layer's python: a venv at `path` without pip, whose .pth adds this interpreter's site directories."""
+    python = path / "bin" / "python"
+    if not python.exists():
+        venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(path)
+    purelib = run_in(python, "import sysconfig; print(sysconfig.get_path('purelib'))").strip()
+    (Path(purelib) / LAYER_PTH).write_text("".join(f"{d}\n" for d in interpreter_site_dirs()))
+    return python
+
+
+def run_in(python: Path, code: str) -> str:
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
+    return result.stdout
+
+
+def layer_state(python: Path, names: Iterable[str]) -> dict:
+    """torch's version and CUDA as the layer sees them, and the installed version of each name (or absent)."""
+    code = ("import json, sys, importlib.metadata as m\n"
+            "import torch\n"
+            "found = {}\n"
+            "for n in sys.argv[1:]:\n"
+            "    try: found[n] = m.version(n)\n"
+            "    except m.PackageNotFoundError: pass\n"
+            "print(json.dumps({'torch': torch.__version__, 'cuda': torch.version.cuda, 'installed': found}))\n")
+    result = subprocess.run([str(python), "-c", code, *names], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"error: {sys.executable} has no importable torch ({result.stderr.strip().splitlines()[-1]}); "
+                         f"run this with the interpreter that holds the machine's CUDA torch (make gpu-check "
+                         f"WHEELS=... PYTHON=/path/to/that/python3)")
+    state = json.loads(result.stdout)
+    state["installed"] = {canonicalize_name(k): v for k, v in state["installed"].items()}
+    return state
+
+
+def pip(python: Path, *args: str) -> None:
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", *args],
+                   check=True)
+
+
+def cmd_make(args: argparse.Namespace) -> int:
+    wheels = Path(args.wheels)
+    if not wheels.is_dir():
+        print(f"error: --wheels {wheels} is not a folder; make it with `python3 tools/ci/gpu_venv.py download` "
+              f"where pip reaches an index, and carry it here", file=sys.stderr)
+        return 2
+    python = make_layer(Path(args.venv))
+    python_version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    names = [Requirement(r).name for r in core_requirements()] + [n for n, *_ in pins.SPCONV_CUDA.values()]
+    state = layer_state(python, names + ["spconv"])
+    print(f"layer {args.venv} over {sys.executable}: torch {state['torch']}, CUDA {state['cuda']}")
+    requirements = runtime_requirements(state["cuda"], python_version)
+    todo = plan(requirements, state["installed"], carried_versions(wheels))
+    for note in todo.notes:
+        print(f"note: {note}")
+    spconv = requirements[-1]
+    hard = [r for r in todo.missing if r != spconv]
+    if spconv in todo.missing:
+        print(f"note: no {spconv} on this machine or in {wheels}: gpu_check's spconv check and SECOND will skip")
+    if hard:
+        print(f"error: neither this machine nor {wheels} has {', '.join(hard)}; add their wheels to the folder "
+              f"(tools/ci/gpu_venv.py download, with this machine's pip list as --have-file)", file=sys.stderr)
+        return 2
+    if todo.install:
+        print(f"installing from {wheels}: {', '.join(todo.install)}")
+        pip(python, "--find-links", str(wheels), *todo.install)
+    pip(python, "--no-deps", "--no-build-isolation", "-e", str(ROOT))
+    print(f"ready: {python} imports torch {state['torch']} and opencood_ddp")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------------ download
+def read_have(names: Sequence[str], freeze_file: Optional[str]) -> dict[str, Optional[str]]:
+    """Canonical name -> version (None: any) of what the target machine has: `--have` names (NAME or
+    NAME==VERSION) and the lines of a `pip list --format=freeze` file."""
+    entries = list(names)
+    if freeze_file:
+        entries += [line.strip() for line in Path(freeze_file).read_text().splitlines()]
+    have: dict[str, Optional[str]] = {}
+    for entry in entries:
+        if not entry or entry.startswith("#"):
+            continue
+        name, _, version = entry.partition("==")
+        have[canonicalize_name(name.split(" @ ")[0].strip())] = version.strip() or None
+    return have
+
+
+def target_environment(python: str) -> dict[str, str]:
+    """The marker environment of CPython `python` on manylinux x86_64."""
+    env = default_environment()
+    env.update(python_version=python, python_full_version=f"{python}.0", implementation_name="cpython",
+               platform_python_implementation="CPython", sys_platform="linux", platform_system="Linux",
+               platform_machine="x86_64", os_name="posix")
+    return env
+
+
+def wheel_requirements(path: Path, environment: dict) -> list[Requirement]:
+    """A wheel's Requires-Dist that apply on the target (no extras)."""
+    with zipfile.ZipFile(path) as archive:
+        metadata = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = archive.read(metadata).decode("utf-8", "replace").splitlines()
+    found = []
+    for line in lines:
+        if line.startswith("Requires-Dist:"):
+            requirement = Requirement(line.split(":", 1)[1].strip())
+            marker_env = dict(environment, extra="")
+            if requirement.marker is None or requirement.marker.evaluate(marker_env):
+                found.append(requirement)
+    return found
+
+
+def download_one(requirement: str, folder: Path, python: str) -> Path:
+    """One wheel (no dependencies) of `requirement` for CPython `python` on manylinux x86_64, into `folder`."""
+    with tempfile.TemporaryDirectory() as scratch:
+        command = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                   "--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", scratch]
+        for platform in pins.PLATFORMS:
+            command += ["--platform", platform]
+        subprocess.run(command + [requirement], check=True)
+        (wheel,) = Path(scratch).glob("*.whl")
+        target = folder / wheel.name
+        wheel.replace(target)
+    return target
+
+
+def cmd_download(args: argparse.Namespace) -> int:
+    folder = Path(args.folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    have = read_have(args.have, args.have_file)
+    environment = target_environment(args.python)
+    queue = [Requirement(r) for r in runtime_requirements(args.cuda, args.python)]
+    taken: dict[str, str] = {}
+    while queue:
+        requirement = queue.pop(0)
+        name = canonicalize_name(requirement.name)
+        if name == "torch" or name in taken or (name in have and satisfied(requirement, have[name])):
+            continue
+        wheel = download_one(str(requirement).split(";")[0], folder, args.python)
+        taken[name] = wheel.name
+        print(f"{wheel.name} ({wheel.stat().st_size / 2 ** 20:.1f} MiB)")
+        queue += wheel_requirements(wheel, environment)
+    total = sum((folder / w).stat().st_size for w in taken.values()) / 2 ** 20
+    print(f"{len(taken)} wheels, {total:.1f} MiB, in {folder}; on the target: make gpu-check WHEELS={folder}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    maker = sub.add_parser("make", help="the venv layered over this interpreter, with what it lacks installed")
+    maker.add_argument("venv", help="the layer's folder, e.g. .venv-gpu")
+    maker.add_argument("--wheels", required=True, help="the folder of wheels to install from (no package index)")
+    fetcher = sub.add_parser("download", help="the wheels another machine needs, for its Python and CUDA")
+    fetcher.add_argument("folder")
+    fetcher.add_argument("--python", required=True, help="the target's Python, e.g. 3.12")
+    fetcher.add_argument("--cuda", required=True, help="the target torch's torch.version.cuda, e.g. 13.0 ('' = CPU)")
+    fetcher.add_argument("--have", nargs="*", default=[], help="NAME or NAME==VERSION the target already has")
+    fetcher.add_argument("--have-file", help="the target's `python3 -m pip list --format=freeze`")
+    args = parser.parse_args(argv)
+    return cmd_make(args) if args.command == "make" else cmd_download(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
