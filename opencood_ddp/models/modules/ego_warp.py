@@ -19,6 +19,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
 
 
@@ -86,7 +87,7 @@ def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> t
 def _resample(maps: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     """Bilinear resampling of `maps` on the grid of `theta`, in the maps' dtype (a full-precision island)."""
     grid = F.affine_grid(theta.to(maps.dtype), list(maps.shape), align_corners=False)
-    return F.grid_sample(maps, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return grid_sample(maps, grid, mode="bilinear", align_corners=False)
 
 
 def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float], device: torch.device) -> Optional[EgoWarp]:

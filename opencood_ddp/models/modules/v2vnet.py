@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opencood_ddp.models.modules.fusion import regroup
+from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
 
 AGGREGATORS = ("avg", "max")
@@ -118,7 +119,7 @@ def _warp_all_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     n, c, h, w = x.shape
     grid = F.affine_grid(theta.reshape(n * n, 2, 3).to(x.dtype), [n * n, c, h, w], align_corners=False)
     senders = x.unsqueeze(0).expand(n, n, c, h, w).reshape(n * n, c, h, w)
-    warped = F.grid_sample(senders, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    warped = grid_sample(senders, grid, mode="bilinear", align_corners=False)
     return warped.view(n, n, c, h, w)
 
 
@@ -128,7 +129,7 @@ def field_of_view(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
         n = theta.shape[0]
         grid = F.affine_grid(theta.reshape(n * n, 2, 3), [n * n, 1, h, w], align_corners=False)
         ones = theta.new_ones(n * n, 1, h, w)
-        covered = F.grid_sample(ones, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+        covered = grid_sample(ones, grid, mode="nearest", align_corners=False)
         return covered.view(n, n, 1, h, w)
 
     return in_full_precision(cover, theta)

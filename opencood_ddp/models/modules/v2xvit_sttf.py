@@ -16,6 +16,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
 
 _EPS = 1e-14  # upstream's denominator for a map one pixel wide
@@ -55,8 +56,7 @@ def warp(maps: torch.Tensor, grid: torch.Tensor, mode: str) -> torch.Tensor:
     """(n, C, H, W) maps resampled on ``grid``; zero where the grid leaves the source map. A full-precision
     island: 16-bit maps are sampled in float32 on the full-precision grid, and the answer is float32."""
     return in_full_precision(
-        lambda maps, grid: F.grid_sample(maps, grid.to(maps.dtype), mode=mode, padding_mode="zeros",
-                                         align_corners=True), maps, grid)
+        lambda maps, grid: grid_sample(maps, grid.to(maps.dtype), mode=mode, align_corners=True), maps, grid)
 
 
 class SpatialAligner:
