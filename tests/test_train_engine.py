@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from launch import REPO, explain, train
+from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 from opencood_ddp.engine.parity import relative_differences
 
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
@@ -192,6 +193,30 @@ def test_legacy_launch_with_local_rank_argument(tmp_path):
     assert result.returncode == 0, explain(result)
     assert "launcher launch: world size 2" in result.stdout
     assert (tmp_path / "r" / "net_epoch1.pth").is_file()
+
+
+@pytest.mark.parametrize("world", [0, 2])
+def test_the_step_log_records_the_fp16_scalers_skips(synthetic_runs, world):
+    """--half fp16 on the CPU runs float16 autocast with a CPU GradScaler, which skips this task's first two
+    steps (its gradients overflow at the initial scale 2^16). train_steps.csv's scaler_skipped must be what the
+    scaler's own saved state says: it halves its scale at every skip (and grows it only after 2000 steps in a
+    row) and counts the steps since the last skip. With 2 ranks each reads the overflow of the all-reduced
+    gradients, so both skip together and the run ends."""
+    run_dir = synthetic_runs(world, "--half", "fp16")
+    rows = read_step_log(run_dir / STEP_LOG_NAME)
+    skips = [int(row["scaler_skipped"]) for row in rows]
+    assert len(rows) == 20 and 0 < sum(skips) < len(rows), skips
+    assert not any(row["skipped"] for row in rows)  # the scaler's business, not --on_nonfinite's
+    scaler = torch.load(run_dir / "training_state_epoch2.pt", weights_only=False)["scaler"]
+    assert scaler["scale"] == 2.0 ** 16 * 0.5 ** sum(skips)
+    last_skip = max(step for step, skipped in enumerate(skips) if skipped)
+    assert scaler["_growth_tracker"] == len(rows) - 1 - last_skip
+    log = next((run_dir / "logs").iterdir()).read_text()
+    assert f"{sum(skips[:10])} of 10 step(s) skipped by the fp16 GradScaler (overflow)" in log, log
+
+
+def test_a_step_log_without_a_scaler_has_no_scaler_column(synthetic_runs):
+    assert "scaler_skipped" not in read_step_log(synthetic_runs(1) / STEP_LOG_NAME)[0]
 
 
 def test_half_precision_trains_through_sync_bn(synthetic_runs):

@@ -28,11 +28,17 @@ class StepRecord:
     seconds: float
     data_seconds: float
     skipped: bool = False  # a non-finite step that every rank skipped (--on_nonfinite skip)
+    # fp16 only (None without a GradScaler): the scaler found overflowing gradients and skipped the step. Its
+    # loss is finite and counts in the epoch's mean, as in upstream's loop.
+    scaler_skipped: Optional[bool] = None
 
     def row(self, global_batch: int) -> dict:
-        return {"step": self.step, "epoch": self.epoch + 1, **self.losses, "lr": self.lr,
-                "seconds": round(self.seconds, 6), "data_seconds": round(self.data_seconds, 6),
-                "samples_per_s": round(global_batch / self.seconds, 3), "skipped": int(self.skipped)}
+        row = {"step": self.step, "epoch": self.epoch + 1, **self.losses, "lr": self.lr,
+               "seconds": round(self.seconds, 6), "data_seconds": round(self.data_seconds, 6),
+               "samples_per_s": round(global_batch / self.seconds, 3), "skipped": int(self.skipped)}
+        if self.scaler_skipped is not None:
+            row["scaler_skipped"] = int(self.scaler_skipped)
+        return row
 
 
 @dataclass

@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -264,9 +264,7 @@ class Trainer:
     def _finish_epoch(self, epoch: int, sums: LossSums, records: list) -> None:
         self._mark(f"epoch {epoch + 1}: train loss all-reduce")
         train_means = sums.reduced_means()
-        skipped = sum(1 for record in records if record.skipped)
-        timing = _timing(records, self.plan.global_batch) + (f", {skipped} step(s) skipped (non-finite)" if skipped
-                                                             else "")
+        timing = _timing(records, self.plan.global_batch) + self._skips_line(records)
         if self.schedule is not None:
             self.schedule.after_epoch()
         val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
@@ -275,6 +273,17 @@ class Trainer:
         self.hooks.on_epoch_end(EpochSummary(epoch + 1, self.settings.epochs, train_means, val_means,
                                              self._lr_of_last_step, timing))
         self._save(epoch + 1, val_means)
+
+    def _skips_line(self, records: list[StepRecord]) -> str:
+        """The epoch line's account of the steps not taken: non-finite ones, and the fp16 GradScaler's (with the
+        scale it ends the epoch at, one device read an epoch)."""
+        skipped = sum(1 for record in records if record.skipped)
+        line = f", {skipped} step(s) skipped (non-finite)" if skipped else ""
+        if self.scaler is not None:
+            by_scaler = sum(1 for record in records if record.scaler_skipped)
+            line += (f", {by_scaler} of {len(records)} step(s) skipped by the fp16 GradScaler (overflow), "
+                     f"scale now {self.scaler.get_scale():g}")
+        return line
 
     def _max_steps_reached(self) -> bool:
         return self.loop.max_steps is not None and self.progress.global_step >= self.loop.max_steps
@@ -343,7 +352,7 @@ class Trainer:
                                 f"{self.progress.global_step} (epoch {epoch + 1}, {self.progress.step_in_epoch} of "
                                 f"{self.steps_per_epoch} steps); saved {path}; resume with --model_dir {self.run_dir}")
 
-    def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> tuple[dict, LossSums, bool]:
+    def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> StepOutcome:
         """Forward/backward of every micro-batch, then the step's one all-reduce of the losses and of the
         non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
         snapshot = BufferSnapshot(self.model_without_ddp)
@@ -364,8 +373,8 @@ class Trainer:
             flags=[0.0 if finite else 1.0] + [1.0 if used else 0.0 for _, used in groups])
         if not bad_ranks:
             _drop_gradients_no_rank_used(groups, ranks_using)
-            optimizer_step(self.optimizer, self.scaler)
-            return means, step_sums, False
+            taken = optimizer_step(self.optimizer, self.scaler)
+            return StepOutcome(means, step_sums, False, None if self.scaler is None else not taken)
         reports = comm.all_gather_objects(rank_report(self.env.rank, indices, losses, grads_ok))
         message = describe_nonfinite(where, self.progress.global_step + 1, reports)
         snapshot.restore()
@@ -382,7 +391,7 @@ class Trainer:
             raise NonFiniteError(f"{message}; {too_many}, so the run stops as --on_nonfinite stop would; saved the "
                                  f"last good state: {path}; fix the data or the lr")
         self.log.warning(f"{message}; every rank skipped this step (--on_nonfinite skip)")
-        return means, step_sums, True
+        return StepOutcome(means, step_sums, True, None)
 
     def _take_parameter_use(self) -> list:
         take = self.task.parameter_use
@@ -426,16 +435,17 @@ class Trainer:
             offset = (step - first) * accumulation
             # The lr this step runs with, read before the scheduler moves past it.
             self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]
-            means, step_sums, skipped = self._train_step(micro_batches, batches[offset:offset + accumulation], where)
+            outcome = self._train_step(micro_batches, batches[offset:offset + accumulation], where)
             self.progress.global_step += 1
             self.progress.step_in_epoch = step + 1
             if self.schedule is not None:
                 # Also after a skipped step: the lr is a function of the step's place in the run, as upstream's.
                 self.schedule.after_optimizer_step()
-            if into is not None and not skipped:
-                into.merge(step_sums)
-            yield StepRecord(self.progress.global_step, epoch, means, self._lr_of_last_step,
-                             time.perf_counter() - started, waited, skipped)
+            if into is not None and not outcome.skipped:
+                # A step the GradScaler skipped still counts: its loss is finite, and upstream's loop counts it.
+                into.merge(outcome.sums)
+            yield StepRecord(self.progress.global_step, epoch, outcome.means, self._lr_of_last_step,
+                             time.perf_counter() - started, waited, outcome.skipped, outcome.scaler_skipped)
 
     @torch.no_grad()
     def validate(self) -> Optional[dict]:
@@ -502,6 +512,16 @@ class Trainer:
                                                 self.progress.step_in_epoch)
 
 
+class StepOutcome(NamedTuple):
+    """What `_train_step` did: the all-reduced means, this rank's sums, whether every rank skipped the step for
+    a non-finite loss or gradient, and (None without a GradScaler) whether the fp16 GradScaler skipped it."""
+
+    means: dict
+    sums: LossSums
+    skipped: bool
+    scaler_skipped: Optional[bool]
+
+
 def _drop_gradients_no_rank_used(groups: list, ranks_using: list) -> None:
     """grad None for the parameter groups that no rank's forward used (Task.parameter_use): torch's optimizers then
     skip them, no momentum and no weight decay, as in a step whose graph leaves them out (upstream's). A group used
@@ -520,14 +540,22 @@ def _timing(records: list[StepRecord], global_batch: int) -> str:
             f"data wait {100 * waited / seconds:.0f}%")
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.GradScaler]) -> bool:
     """Step with the accumulated gradients (the scaler skips a step whose float16 gradients overflowed and lowers
     its scale), then drop them: set to None, so that a parameter the next step does not use stays untouched. The
-    fit loop's, and the batch-fit probes' (engine/batch_fit.py), so that a probe measures the step the run takes."""
+    fit loop's, and the batch-fit probes' (engine/batch_fit.py), so that a probe measures the step the run takes.
+    Returns whether the optimizer stepped (False: the scaler skipped the step)."""
+    taken = True
     if scaler is not None:
+        # scaler.step unscales, then reads its overflow flags on the host before it steps. Unscaling first and
+        # reading the same flags here is that read, made earlier: no device wait is added, and step sees the
+        # gradients already unscaled, as after a user's unscale_ for clipping (the same arithmetic).
+        scaler.unscale_(optimizer)
+        taken = not any(found.item() for found in scaler._found_inf_per_device(optimizer).values())
         scaler.step(optimizer)
         scaler.update()
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return taken
 
