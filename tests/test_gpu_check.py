@@ -13,24 +13,29 @@ from launch import REPO, explain, python
 pytestmark = pytest.mark.slow
 
 TOY = "toy/point_pillar_intermediate_fusion"
+WARPING = "toy/point_pillar_v2vnet"
 
 
 def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     out = tmp_path / "report"
     result = python(REPO / "tools" / "gpu_check.py", "--device", "cpu", "--out", out, "--data", toy_small,
                     "--configs", TOY, "--full_size", "--precisions", "fp32", "fp16", "bf16",
-                    "--parity_kernels", "strict", "--planner_config", TOY, "--loader_config", TOY,
+                    "--parity_kernels", "strict", "--repeat_configs", WARPING, "--planner_config", TOY,
+                    "--loader_config", TOY,
                     timeout=1200)
     assert result.returncode == 0, explain(result)
     report = json.loads((out / "gpu_check.json").read_text())
     checks = {c["name"]: c for c in report["checks"]}
     assert all(c["status"] == "ok" for c in checks.values()), checks
     assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
-            f"planner {TOY}", f"loader {TOY}"} <= set(checks)
+            f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}"} <= set(checks)
+    assert checks[f"repeat {WARPING}"]["figures"]["tensors"] > 0
     for precision in ("fp32", "fp16", "bf16"):
         figures = checks[f"train {TOY} {precision}"]["figures"]
         assert figures["steps"] == 4 and figures["frames"] == 4  # 2 steps, 2 more after the resume; 4 test frames
         assert figures["samples_per_s"] > 0 and figures["peak_reserved_mib"] > 0
+        # Only fp16 has a GradScaler, and the step log's skips reach the report.
+        assert ("scaler_skips" in figures) == (precision == "fp16")
     planner = checks[f"planner {TOY}"]["figures"]
     assert set(planner["probes"]) == {"1", "2", "4"} and planner["ratio"] > 0
     loader = checks[f"loader {TOY}"]["figures"]

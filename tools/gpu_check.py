@@ -18,6 +18,9 @@ Checks, each ok / failed / skipped with the reason:
   (reserved and allocated) of the whole;
 - cpu_weights: a weights file written on the device opened by `torch.load` without map_location (as upstream's
   loader does) in a process that sees no GPU;
+- repeat: the models that warp feature maps (V2VNet, V2X-ViT, CoBEVT) trained twice for 2 steps with
+  `--deterministic --no_tf32`, which must end with the same weights bit for bit (torch's grid_sample has no
+  deterministic CUDA backward; modules/grid_sampling.py stands in for it);
 - parity: 2 processes sharing the device over gloo (OPENCOOD_DDP_SHARE_GPUS=1) against 1 process, by
   tools/parity_check.py (its measured noise floor), with torch's default kernels and with
   `--deterministic --no_tf32`;
@@ -60,6 +63,9 @@ FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
 PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
 LOADER_WORKERS = (0, 1, 2, 4, 8)  # the worker counts the loader check tries, up to the process's cores
 PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}  # training flags of each parity run
+# The models whose feature warps go through modules/grid_sampling.py (the ego warp of proj_first: false configs
+# runs the same function): their --deterministic runs must repeat bit for bit.
+REPEAT_CONFIGS = [f"toy/{name}" for name in ("point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt")]
 SPARSE_CONFIGS = ("second",)  # configs that need spconv's kernels on the device
 
 
@@ -88,6 +94,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="config of the 2-process parity check ('none': leave it out)")
     parser.add_argument("--parity_kernels", nargs="+", choices=list(PARITY_KERNELS), default=list(PARITY_KERNELS),
                         help="parity with torch's default kernels, and with --deterministic --no_tf32 (strict)")
+    parser.add_argument("--repeat_configs", nargs="*", default=REPEAT_CONFIGS,
+                        help="configs trained twice with --deterministic --no_tf32, which must repeat bit for bit")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--loader_config", default=FULL_SIZE, help="config of the loader check ('none': leave out)")
     parser.add_argument("--scale", choices=("small", "demo"), default="small",
@@ -301,9 +309,32 @@ def check_training(config: str, precision: str, device: torch.device, data: Path
     figures = {"steps": len(rows), "losses": [round(x, 4) for x in losses], "samples_per_s": round(rate, 2),
                "ap_50": result["ap_50"], "frames": result["frames"], "seconds": round(time.perf_counter() - started, 1),
                "weights": str(run_dir / "net_epoch1.pth"), **peak.mib()}
-    return (f"{len(rows)} steps (2, then resumed), loss {losses[0]:.3f} -> {losses[-1]:.3f}, {rate:.1f} samples/s, "
-            f"peak {figures['peak_reserved_mib']} MiB reserved; eval AP@0.5 {result['ap_50']:.3f} on "
+    scaler = ""
+    if "scaler_skipped" in rows[0]:  # fp16: how many of its steps the GradScaler skipped (the step log says)
+        figures["scaler_skips"] = int(sum(r["scaler_skipped"] for r in rows))
+        scaler = f", {figures['scaler_skips']} of them skipped by the GradScaler"
+    return (f"{len(rows)} steps (2, then resumed){scaler}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {rate:.1f} "
+            f"samples/s, peak {figures['peak_reserved_mib']} MiB reserved; eval AP@0.5 {result['ap_50']:.3f} on "
             f"{result['frames']} frames"), figures
+
+
+def check_repeatable(config: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
+    """Two runs of 2 steps with --deterministic --no_tf32 end with the same weights, bit for bit. The configs
+    are the models that warp feature maps: torch has no deterministic CUDA backward for grid_sample, and
+    modules/grid_sampling.py's gathers stand in for it under the flag."""
+    states = []
+    for attempt in (1, 2):
+        run_dir = work / f"repeat_{config.replace('/', '_')}_{attempt}"
+        run_training(["--hypes_yaml", REPO / "hypes_yaml" / f"{config}.yaml", "--model_dir", run_dir,
+                      "--set", "train_params.epoches=1", "--max_steps", "2", "--num_workers", "0",
+                      *PARITY_KERNELS["strict"].split(), *split_set_flags(data)], device)
+        states.append(torch.load(run_dir / "net_step2.pth", map_location="cpu", weights_only=True))
+    differ = [name for name in states[0] if not torch.equal(states[0][name], states[1][name])]
+    if differ:
+        raise RuntimeError(f"{PARITY_KERNELS['strict']} trained different weights twice: {len(differ)} of "
+                           f"{len(states[0])} tensors differ ({', '.join(differ[:3])}, ...)")
+    return (f"2 runs of 2 steps with {PARITY_KERNELS['strict']}: all {len(states[0])} tensors bit-equal",
+            {"tensors": len(states[0])})
 
 
 def _finite(value: float) -> bool:
@@ -518,6 +549,8 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         if trained:
             weights = Path(trained[0].figures["weights"])
             record(timed("cpu_weights", lambda: check_cpu_weights(weights)))
+        for config in args.repeat_configs:
+            record(timed(f"repeat {config}", lambda c=config: check_repeatable(c, device, data, work)))
         if args.parity_config != "none":
             for kernels in args.parity_kernels:
                 record(timed(f"parity {args.parity_config} {kernels}", lambda k=kernels: check_parity(
