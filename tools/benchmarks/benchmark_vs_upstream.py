@@ -25,9 +25,9 @@ the arithmetic's, and it grows with what a step allocates.
 
 SECOND: our model patches spconv's CPU ops when it loads spconv (models/modules/spconv_compat.py: the backward's
 CUDA-stream query, the racy scatter-add), and the patch is process-wide, so upstream's class runs on the patched
-spconv too: the comparison is of the two models, not of the two spconv paths. At batch 2 its process holds both
-full-size models' training state, about 20 GB resident here; at batch 1 its steps stay near 2 GB, and its profile
-with shapes peaks at 21 GB (upstream's step records 3 million ops).
+spconv too: the comparison is of the two models, not of the two spconv paths. Its process with both full-size
+models' training state stays under 4 GB resident at batch 2 (the third session's "about 20 GB" did not repeat);
+its profile with shapes peaks at 21 GB at batch 1 (upstream's step records 3 million ops).
 
 ``--profile`` adds torch.profiler (CPU) on one more step of each side: the top entries by self CPU time, and the
 forward time of each top-level submodule (the two models share their submodule names) and of the step's phases.
