@@ -80,7 +80,8 @@ demo: venv
 # see through), with what the project needs and the machine lacks installed from the folder
 # (tools/ci/gpu_venv.py). `make gpu-wheels WHEELS=<folder>`, where pip reaches an index, fills such a folder for
 # the target's Python and CUDA (GPU_WHEELS_ARGS; add --have-file with the target's `pip list --format=freeze`
-# to leave out what it has). DEVICE=cpu runs the same checks on the CPU.
+# to leave out what it has); `tools/ci/gpu_venv.py pack` turns that folder into one smaller .wheels.tar.xz, which
+# WHEELS= takes as well. DEVICE=cpu runs the same checks on the CPU.
 DEVICE ?= cuda
 GPU_CHECK_OUT ?= gpu_check
 GPU_VENV ?= .venv-gpu

@@ -5,9 +5,12 @@ machines' layout (their python3 is /opt/torch/.venv/bin/python3), where `venv --
 torch. What to install is decided from installed versions and a wheel folder; wheel metadata is read from a
 wheel pip built.
 """
+import io
 import subprocess
 import sys
+import tarfile
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -65,11 +68,12 @@ def test_the_runtime_requirements_are_setups_core_and_the_spconv_of_the_targets_
     assert gpu_venv.runtime_requirements(None, "3.11")[-1] == "spconv==2.3.8"
 
 
-def test_a_wheels_requirements_are_those_of_the_targets_python(tmp_path):
-    """Requires-Dist with markers and extras, from a wheel pip built: python_version markers follow --python."""
+@pytest.fixture
+def built_wheel(tmp_path) -> Path:
+    """A wheel pip built from a small project with markers and an extra in its requirements."""
     project = tmp_path / "demo"
     project.mkdir()
-    (project / "demo_pkg.py").write_text("")
+    (project / "demo_pkg.py").write_text("ANSWER = 42\n")
     (project / "setup.py").write_text(
         "from setuptools import setup\n"
         "setup(name='demo-pkg', version='1.0', py_modules=['demo_pkg'],\n"
@@ -78,7 +82,13 @@ def test_a_wheels_requirements_are_those_of_the_targets_python(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "--disable-pip-version-check", "-w", str(tmp_path / "out"), str(project)], check=True)
     (wheel,) = (tmp_path / "out").glob("*.whl")
-    assert gpu_venv.carried_versions(tmp_path / "out") == {"demo-pkg": ["1.0"]}
+    return wheel
+
+
+def test_a_wheels_requirements_are_those_of_the_targets_python(built_wheel):
+    """Requires-Dist with markers and extras: python_version markers follow --python."""
+    wheel = built_wheel
+    assert gpu_venv.carried_versions(wheel.parent) == {"demo-pkg": ["1.0"]}
     names = {python: [str(r) for r in gpu_venv.wheel_requirements(wheel, gpu_venv.target_environment(python))]
              for python in ("3.10", "3.12")}
     assert names["3.12"] == ["numpy>=1"]
@@ -123,3 +133,32 @@ def test_a_missing_wheel_folder_is_one_error_line(tmp_path):
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: --wheels {tmp_path / 'absent'}")
     assert not (tmp_path / "layer").exists()
+
+
+def test_a_packed_folder_gives_back_the_same_wheels_and_pip_installs_them(built_wheel, tmp_path):
+    """pack -> the one .tar.xz a carrying limit allows -> the wheels rebuilt with the same names and member
+    bytes (so each RECORD's hashes hold), which pip installs."""
+    archive = tmp_path / f"w{gpu_venv.PACK_SUFFIX}"
+    gpu_venv.pack_wheels(built_wheel.parent, archive)
+    (rebuilt,) = gpu_venv.unpack_wheels(archive, tmp_path)
+    assert rebuilt.name == built_wheel.name and rebuilt != built_wheel
+    with zipfile.ZipFile(built_wheel) as before, zipfile.ZipFile(rebuilt) as after:
+        assert before.namelist() == after.namelist()
+        assert all(before.read(name) == after.read(name) for name in before.namelist())
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--disable-pip-version-check", "--target", str(target), str(rebuilt)], check=True)
+    probe = subprocess.run([sys.executable, "-c", "import demo_pkg; print(demo_pkg.ANSWER)"], capture_output=True,
+                           text=True, env={"PYTHONPATH": str(target)}, check=True)
+    assert probe.stdout.strip() == "42"
+
+
+def test_an_archive_member_outside_a_wheel_is_refused(tmp_path):
+    archive = tmp_path / f"bad{gpu_venv.PACK_SUFFIX}"
+    with tarfile.open(archive, "w:xz") as tar:
+        entry = tarfile.TarInfo("../escape.txt")
+        entry.size = 2
+        tar.addfile(entry, io.BytesIO(b"hi"))
+    with pytest.raises(ValueError, match="is not a wheel member"):
+        gpu_venv.unpack_wheels(archive, tmp_path / "out")
+    assert not (tmp_path.parent / "escape.txt").exists()

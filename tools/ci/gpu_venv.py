@@ -3,6 +3,7 @@
 
     python3 tools/ci/gpu_venv.py make .venv-gpu --wheels WHEELS      # there (the Makefile's gpu-venv)
     python3 tools/ci/gpu_venv.py download WHEELS --python 3.12 --cuda 13.0 --have-file have.txt   # where pip works
+    python3 tools/ci/gpu_venv.py pack WHEELS w.wheels.tar.xz     # one xz file, smaller; make --wheels takes it too
 
 `make` builds a venv layered over the interpreter that runs it (the one holding torch) and installs into it, from
 the folder WHEELS alone, what the project needs and that interpreter lacks; then the project itself (editable).
@@ -26,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import io
 import json
+import lzma
 import os
 import re
 import site
 import subprocess
 import sys
 import sysconfig
+import tarfile
 import tempfile
 import venv
 import zipfile
@@ -163,10 +167,19 @@ def pip(python: Path, *args: str) -> None:
 
 def cmd_make(args: argparse.Namespace) -> int:
     wheels = Path(args.wheels)
+    if wheels.is_file() and wheels.name.endswith(PACK_SUFFIX):
+        with tempfile.TemporaryDirectory() as scratch:
+            unpack_wheels(wheels, Path(scratch))
+            return make_from(Path(scratch), args)
     if not wheels.is_dir():
-        print(f"error: --wheels {wheels} is not a folder; make it with `python3 tools/ci/gpu_venv.py download` "
-              f"where pip reaches an index, and carry it here", file=sys.stderr)
+        print(f"error: --wheels {wheels} is neither a folder nor a {PACK_SUFFIX} of `gpu_venv.py pack`; make it "
+              f"with `python3 tools/ci/gpu_venv.py download` where pip reaches an index, and carry it here",
+              file=sys.stderr)
         return 2
+    return make_from(wheels, args)
+
+
+def make_from(wheels: Path, args: argparse.Namespace) -> int:
     python = make_layer(Path(args.venv))
     python_version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     names = [Requirement(r).name for r in core_requirements()] + [n for n, *_ in pins.SPCONV_CUDA.values()]
@@ -190,6 +203,46 @@ def cmd_make(args: argparse.Namespace) -> int:
     pip(python, "--no-deps", "--no-build-isolation", "-e", str(ROOT))
     print(f"ready: {python} imports torch {state['torch']} and opencood_ddp")
     return 0
+
+
+# ---------------------------------------------------------------------------------------------------------- pack
+# A wheel is a zip whose members are deflated one by one; spconv-cu126's is 67 MiB, over the 64 MiB a call to a
+# lent GPU machine carries. The members themselves (353 MB for the 9 wheels a CUDA 13 machine lacks) compress to
+# 39 MiB with xz across files. `pack` stores each wheel's members, in their order, under the wheel's file name in
+# one .tar.xz; `make` rebuilds the wheels from it: the same file names and member bytes, so the hashes in each
+# wheel's RECORD still hold.
+PACK_SUFFIX = ".wheels.tar.xz"
+
+
+def pack_wheels(folder: Path, archive: Path) -> None:
+    with tarfile.open(archive, "w:xz", preset=9 | lzma.PRESET_EXTREME) as tar:
+        for wheel in sorted(folder.glob("*.whl")):
+            with zipfile.ZipFile(wheel) as source:
+                for member in source.infolist():
+                    if member.is_dir():
+                        continue
+                    data = source.read(member)
+                    entry = tarfile.TarInfo(f"{wheel.name}/{member.filename}")
+                    entry.size, entry.mode = len(data), 0o644
+                    tar.addfile(entry, io.BytesIO(data))
+
+
+def unpack_wheels(archive: Path, folder: Path) -> list[Path]:
+    """The wheels of a `pack` archive, rebuilt in `folder`. Members are read as data, never extracted by path."""
+    wheels: dict[str, zipfile.ZipFile] = {}
+    try:
+        with tarfile.open(archive, "r:xz") as tar:
+            for entry in tar:
+                name, _, member = entry.name.partition("/")
+                if not entry.isfile() or not name.endswith(".whl") or "/" in name or not member:
+                    raise ValueError(f"{archive}: {entry.name!r} is not a wheel member of `gpu_venv.py pack`")
+                if name not in wheels:
+                    wheels[name] = zipfile.ZipFile(folder / name, "w", zipfile.ZIP_DEFLATED)
+                wheels[name].writestr(member, tar.extractfile(entry).read())
+    finally:
+        for wheel in wheels.values():
+            wheel.close()
+    return [folder / name for name in wheels]
 
 
 # ------------------------------------------------------------------------------------------------------ download
@@ -267,7 +320,7 @@ def cmd_download(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     maker = sub.add_parser("make", help="the venv layered over this interpreter, with what it lacks installed")
@@ -279,7 +332,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     fetcher.add_argument("--cuda", required=True, help="the target torch's torch.version.cuda, e.g. 13.0 ('' = CPU)")
     fetcher.add_argument("--have", nargs="*", default=[], help="NAME or NAME==VERSION the target already has")
     fetcher.add_argument("--have-file", help="the target's `python3 -m pip list --format=freeze`")
+    packer = sub.add_parser("pack", help=f"a folder of wheels as one {PACK_SUFFIX}, for a carrying limit")
+    packer.add_argument("folder")
+    packer.add_argument("archive", help=f"the file to write, ending in {PACK_SUFFIX}")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "pack":
+        if not args.archive.endswith(PACK_SUFFIX):
+            parser.error(f"the archive's name must end in {PACK_SUFFIX} (make --wheels knows it by that)")
+        pack_wheels(Path(args.folder), Path(args.archive))
+        print(f"{args.archive}: {Path(args.archive).stat().st_size / 2 ** 20:.1f} MiB")
+        return 0
     return cmd_make(args) if args.command == "make" else cmd_download(args)
 
 
