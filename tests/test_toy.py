@@ -286,3 +286,15 @@ def test_command_line_reuses_the_set_and_reports_errors(small_set, tmp_path, cap
     assert main(["--out", str(tmp_path), "--seed", "0", "--scale", "small"]) == DataError.exit_code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refusing" in err
+
+
+def test_the_dense_scale_has_opv2v_size_clouds(tmp_path):
+    """'dense': small's scenarios seen by a 64-beam, 120 m LiDAR, so that a loading cost measured on it (gpu_check's
+    loader check) is one of OPV2V-size clouds, about 60-100 k points (docs/toy_world.md)."""
+    small, dense = ToyWorldConfig.preset("small"), ToyWorldConfig.preset("dense")
+    assert dataclasses.replace(dense, lidar=small.lidar) == small
+    assert (dense.lidar.beams, dense.lidar.max_range_m) == (64, 120.0)
+    summary = generate_toy_opv2v(tmp_path / "dense", seed=0, scale="dense", binary=True)
+    assert 60_000 <= summary["points_per_cloud"]["min"] <= summary["points_per_cloud"]["max"] <= 100_000
+    cloud = next((tmp_path / "dense" / "train").glob("*/*/*.pcd"))
+    assert len(read_pcd(cloud)) >= 60_000

@@ -29,7 +29,8 @@ Checks, each ok / failed / skipped with the reason:
 - loader: how many DataLoader workers one rank needs to keep its device busy, on the full-size AttFuse: the
   training step's samples/s on a batch already on the device, beside the training loader's samples/s (the
   trainer's own loader: persistent workers, pinned memory on CUDA) at 0, 1, 2, 4 and 8 workers, as many as
-  this process has cores. The toy world's clouds are smaller than OPV2V's, so a real split needs more.
+  this process has cores. It reads its own toy world, `--loader_scale dense` by default: OPV2V-size clouds (about
+  90k points; the small world's have 8k), so that the count holds for OPV2V.
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from opencood_ddp.toy.config import split_overrides, split_set_flags
+from opencood_ddp.toy.config import SCALES, split_overrides, split_set_flags
 
 REPO = Path(__file__).resolve().parents[1]
 TOY_CONFIGS = [f"toy/{name}" for name in (
@@ -98,7 +99,10 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="configs trained twice with --deterministic --no_tf32, which must repeat bit for bit")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--loader_config", default=FULL_SIZE, help="config of the loader check ('none': leave out)")
-    parser.add_argument("--scale", choices=("small", "demo"), default="small",
+    parser.add_argument("--loader_scale", choices=SCALES, default="dense",
+                        help="toy world the loader check reads when --data is not given (dense: OPV2V-size clouds, "
+                             "so that the worker count it reports holds for OPV2V)")
+    parser.add_argument("--scale", choices=SCALES, default="small",
                         help="toy world of the synthetic frames (small: 8 training, 4 test frames)")
     parser.add_argument("--data", help="toy world folder (default: one under --out, generated)")
     return parser.parse_args(argv)
@@ -509,11 +513,14 @@ def write_report(out: Path, machine: dict, checks: list[Check]) -> None:
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
-def ensure_data(args: argparse.Namespace, out: Path) -> Path:
+def ensure_data(args: argparse.Namespace, out: Path, scale: str) -> Path:
+    """--data, or the toy world of `scale` under --out (generated once, kept between runs)."""
     from opencood_ddp.toy.writer import generate_toy_opv2v
 
-    data = Path(args.data) if args.data else out / f"toy_{args.scale}"
-    generate_toy_opv2v(data, seed=0, scale=args.scale)
+    if args.data:
+        return Path(args.data)
+    data = out / f"toy_{scale}"
+    generate_toy_opv2v(data, seed=0, scale=scale)
     return data
 
 
@@ -534,7 +541,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         checks.append(check)
         write_report(out, machine, checks)
 
-    data = ensure_data(args, out)
+    data = ensure_data(args, out, args.scale)
     record(timed("device", lambda: check_device(device)))
     record(timed("process_group", lambda: check_process_group(device)))
     record(timed("sync_batchnorm", lambda: check_sync_batchnorm(device)))
@@ -558,7 +565,8 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     if args.planner_config != "none":
         record(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device, data)))
     if args.loader_config != "none":
-        record(timed(f"loader {args.loader_config}", lambda: check_loader(args.loader_config, device, data)))
+        loader_data = ensure_data(args, out, args.loader_scale)
+        record(timed(f"loader {args.loader_config}", lambda: check_loader(args.loader_config, device, loader_data)))
     return checks
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from opencood_ddp.errors import run_tool
+from opencood_ddp.toy.config import SCALES
 from opencood_ddp.toy.dairv2x_layout import format_dairv2x_summary, write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import format_v2v4real_summary, write_v2v4real_copy
 from opencood_ddp.toy.writer import format_summary, generate_toy_opv2v
@@ -27,8 +28,9 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output folder (new, empty, or an earlier toy set)")
     parser.add_argument("--seed", type=int, default=0, help="world seed; the same seed gives identical files")
-    parser.add_argument("--scale", choices=("small", "demo"), default="demo",
-                        help="'small' for tests (a few seconds), 'demo' to train a small detector")
+    parser.add_argument("--scale", choices=SCALES, default="demo",
+                        help="'small' for tests (a few seconds), 'demo' to train a small detector, 'dense' small's "
+                             "scenes with OPV2V-size clouds (about 90k points) for loading costs")
     parser.add_argument("--binary", action="store_true", help="write binary .pcd instead of OPV2V's ascii")
     parser.add_argument("--rsu", action="store_true",
                         help="add a road-side unit to every scenario (V2XSet style: a LiDAR on a 5 m pole at the "
