@@ -287,6 +287,17 @@ class Peak:
                 "peak_allocated_mib": round(self.meter.peak_allocated() / 2 ** 20, 1)}
 
 
+def train_two_steps(config: str, run_dir: Path, data: Path, flags: Sequence[str], device: torch.device) -> Path:
+    """tools/train_ddp.py's 2 first optimizer steps of `config` on the toy world `data`, loading in this process
+    (`--max_steps 2`); the weights it saves, net_step2.pth."""
+    run_training(["--hypes_yaml", REPO / "hypes_yaml" / f"{config}.yaml", "--model_dir", run_dir,
+                  "--set", "train_params.epoches=1", "--max_steps", "2", "--num_workers", "0", *flags,
+                  *split_set_flags(data)], device)
+    weights = run_dir / "net_step2.pth"
+    assert weights.is_file(), f"no net_step2.pth in {run_dir}"
+    return weights
+
+
 def check_training(config: str, precision: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
     """2 steps, a resume to the end of the epoch, the evaluation of its checkpoint; samples/s and peak memory."""
     from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
@@ -294,14 +305,11 @@ def check_training(config: str, precision: str, device: torch.device, data: Path
     if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
         raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
     run_dir = work / f"{config.replace('/', '_')}_{precision}"
-    common = ["--num_workers", "0", *PRECISIONS[precision], *split_set_flags(data)]
-    hypes = REPO / "hypes_yaml" / f"{config}.yaml"
     started = time.perf_counter()
     with Peak(device) as peak:
-        run_training(["--hypes_yaml", hypes, "--model_dir", run_dir, "--set", "train_params.epoches=1",
-                      "--max_steps", "2", *common], device)
-        assert (run_dir / "net_step2.pth").is_file(), f"no net_step2.pth in {run_dir}"
-        run_training(["--model_dir", run_dir, "--eval_after_training", *common], device)
+        train_two_steps(config, run_dir, data, PRECISIONS[precision], device)
+        run_training(["--model_dir", run_dir, "--eval_after_training", "--num_workers", "0", *PRECISIONS[precision],
+                      *split_set_flags(data)], device)
     rows = read_step_log(run_dir / STEP_LOG_NAME)
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) > 2, \
         f"the resumed run did not go on from step 2: steps {[r['step'] for r in rows]}"
@@ -329,10 +337,8 @@ def check_repeatable(config: str, device: torch.device, data: Path, work: Path) 
     states = []
     for attempt in (1, 2):
         run_dir = work / f"repeat_{config.replace('/', '_')}_{attempt}"
-        run_training(["--hypes_yaml", REPO / "hypes_yaml" / f"{config}.yaml", "--model_dir", run_dir,
-                      "--set", "train_params.epoches=1", "--max_steps", "2", "--num_workers", "0",
-                      *PARITY_KERNELS["strict"].split(), *split_set_flags(data)], device)
-        states.append(torch.load(run_dir / "net_step2.pth", map_location="cpu", weights_only=True))
+        weights = train_two_steps(config, run_dir, data, PARITY_KERNELS["strict"].split(), device)
+        states.append(torch.load(weights, map_location="cpu", weights_only=True))
     differ = [name for name in states[0] if not torch.equal(states[0][name], states[1][name])]
     if differ:
         raise RuntimeError(f"{PARITY_KERNELS['strict']} trained different weights twice: {len(differ)} of "

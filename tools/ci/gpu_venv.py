@@ -288,11 +288,8 @@ def wheel_requirements(path: Path, environment: dict) -> list[Requirement]:
 def download_one(requirement: str, folder: Path, python: str) -> Path:
     """One wheel (no dependencies) of `requirement` for CPython `python` on manylinux x86_64, into `folder`."""
     with tempfile.TemporaryDirectory() as scratch:
-        command = [sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
-                   "--only-binary=:all:", "--python-version", python, "--implementation", "cp", "-d", scratch]
-        for platform in pins.PLATFORMS:
-            command += ["--platform", platform]
-        subprocess.run(command + [requirement], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--disable-pip-version-check", "--no-deps",
+                        *pins.wheel_target_args(python), "-d", scratch, requirement], check=True)
         (wheel,) = Path(scratch).glob("*.whl")
         target = folder / wheel.name
         wheel.replace(target)

@@ -44,6 +44,14 @@ SPCONV_CPU = ("spconv", SPCONV_VERSION, PYTHONS)
 PLATFORMS = ("manylinux2014_x86_64", *(f"manylinux_2_{minor}_x86_64" for minor in range(17, 40)))
 
 
+def wheel_target_args(python: str) -> list[str]:
+    """pip's flags for wheels of CPython `python` on manylinux x86_64, whatever this machine is."""
+    args = ["--only-binary=:all:", "--python-version", python, "--implementation", "cp"]
+    for platform in PLATFORMS:
+        args += ["--platform", platform]
+    return args
+
+
 def spconv_requirement(cuda: Optional[str], python: str = PYTHONS[0],
                        glibc: Optional[Tuple[int, int]] = None) -> tuple[str, str]:
     """(requirement, note) for torch.version.cuda `cuda` (None or '': a CPU build of torch) on `python`, for a
@@ -123,11 +131,9 @@ def every_pin(torch_version: str) -> list[tuple[str, tuple[str, ...]]]:
 def resolve(requirement: str, python: str) -> Optional[str]:
     """None when pip finds a wheel of `requirement` for `python` on manylinux x86_64, else pip's reason."""
     with tempfile.TemporaryDirectory() as target:
-        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--only-binary=:all:",
-                   "--python-version", python, "--implementation", "cp", "--target", target, "--quiet",
-                   "--report", str(Path(target) / "report.json"), "--disable-pip-version-check"]
-        for platform in PLATFORMS:
-            command += ["--platform", platform]
+        command = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", *wheel_target_args(python),
+                   "--target", target, "--quiet", "--report", str(Path(target) / "report.json"),
+                   "--disable-pip-version-check"]
         result = subprocess.run(command + [requirement], capture_output=True, text=True)
         if result.returncode == 0:
             report = json.loads((Path(target) / "report.json").read_text())
