@@ -16,6 +16,8 @@ CORE = [
     "matplotlib>=3.7",
     # the ASCII .pcd parser is compiled with it (5x open3d); numba 0.68.1 supports Python 3.10 and later
     "numba==0.68.1",
+    # DataLoader workers run numpy's BLAS on one thread (engine/loaders.py)
+    "threadpoolctl>=3.1",
 ]
 
 setup(

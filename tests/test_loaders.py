@@ -1,16 +1,23 @@
 """Training loaders whose workers persist over epochs (engine/loaders.py): each epoch's samples are those a loader
-forked for that epoch reads, bit for bit, augmentation included, and the workers are forked once."""
+forked for that epoch reads, bit for bit, augmentation included, and the workers are forked once. Every loader's
+workers run BLAS on one thread, and a cloud's transform has the same bits on any BLAS thread count."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
-from torch.utils.data import DataLoader
+from threadpoolctl import threadpool_info, threadpool_limits
+from torch.utils.data import DataLoader, Dataset
 
 from opencood_ddp.data.datasets import build_dataset
+from opencood_ddp.data.geometry import transform_points
+from opencood_ddp.distributed.env import DistEnv
+from opencood_ddp.engine.evaluator import EvalSpec, evaluate
 from opencood_ddp.engine.handover import InBandSmallTensors
-from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed
+from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed, training_loader
 from test_datasets import SEED, assert_identical, flatten, toy_hypes
 
 EPOCH_BATCHES = {0: [[0, 1], [2, 3]], 1: [[5, 2], [7, 0]], 2: [[3, 6]]}
@@ -57,3 +64,73 @@ def test_the_epochs_differ_and_an_unfinished_epoch_is_left_cleanly(toy_small):
     differs = [k for k in left if isinstance(left[k], torch.Tensor) and left[k].shape == right[k].shape
                and not torch.equal(left[k], right[k])]
     assert differs, "epoch 1 drew epoch 0's augmentation"
+
+
+# ------------------------------------------------------------------------------------------ BLAS threads
+class BlasThreads(Dataset):
+    """Each item is (pid, the most threads a BLAS library of the process that reads it runs)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int):
+        return os.getpid(), max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas")
+
+
+def _as_list(items):
+    return list(items)
+
+
+def _worker_reports(loader) -> set:
+    reports = {item for batch in loader for item in batch}
+    assert os.getpid() not in {pid for pid, _ in reports}, "read in the main process, not in a worker"
+    return {threads for _, threads in reports}
+
+
+@pytest.fixture
+def two_blas_threads():
+    """This process's BLAS on 2 threads, which a forked worker inherits unless its init changes it."""
+    if not any(lib["user_api"] == "blas" for lib in threadpool_info()):
+        pytest.skip("numpy has no BLAS library that threadpoolctl can see")
+    with threadpool_limits(limits=2, user_api="blas"):
+        yield
+
+
+def test_a_plain_worker_inherits_the_main_process_blas_threads(two_blas_threads):
+    """The control: without the init, a worker runs numpy's BLAS on the main process's thread count."""
+    loader = DataLoader(BlasThreads(), batch_size=2, num_workers=2, collate_fn=_as_list)
+    assert _worker_reports(loader) == {2}
+
+
+def test_training_loader_workers_run_blas_on_one_thread(two_blas_threads):
+    loader = training_loader(BlasThreads(), _as_list, workers=2, pin_memory=False)
+    loader.batch_sampler.use(0, [[0, 1], [2, 3]])
+    assert _worker_reports(loader) == {1}
+    assert max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas") == 2  # main untouched
+
+
+def test_evaluation_loader_workers_run_blas_on_one_thread(two_blas_threads):
+    spec = EvalSpec(dataset=BlasThreads(), collate=_as_list, model=torch.nn.Identity(),
+                    evaluate_batch=lambda model, batch, indices: list(batch), summarize=lambda records: records,
+                    move_to=lambda batch, device: batch)
+    result = evaluate(spec, DistEnv(), batch_size=2, num_workers=2)
+    assert result.frames == 4
+    assert {threads for _, threads in result.summary} == {1}
+    assert os.getpid() not in {pid for pid, _ in result.summary}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_cloud_transform_has_the_same_bits_on_any_blas_thread_count(dtype):
+    """transform_points' (N, 3) @ (3, 3) goes through BLAS; the workers' one thread must not move a point: each
+    output is one 3-term sum whatever the threads' split of the rows."""
+    rng = np.random.default_rng(3)
+    cloud = np.concatenate([rng.normal(0.0, 40.0, (90_701, 3)), rng.uniform(0, 1, (90_701, 1))], 1).astype(dtype)
+    angle = 0.7
+    pose = np.array([[np.cos(angle), -np.sin(angle), 0.01, 12.5], [np.sin(angle), np.cos(angle), -0.02, -3.25],
+                     [-0.01, 0.02, 1.0, 1.9], [0.0, 0.0, 0.0, 1.0]])
+    results = {}
+    for threads in (1, 2, 3, 8):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            results[threads] = transform_points(cloud, pose)
+    for threads, points in results.items():
+        assert np.array_equal(points, results[1]), f"{threads} BLAS threads moved a point"

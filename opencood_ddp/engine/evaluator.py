@@ -26,6 +26,7 @@ from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.samplers import EvalShardSampler
 from opencood_ddp.engine.handover import InBandSmallTensors
+from opencood_ddp.engine.loaders import one_blas_thread
 from opencood_ddp.engine.logs import progress
 from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
 
@@ -69,7 +70,8 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
     sampler = EvalShardSampler(len(spec.dataset), env.world_size, env.rank, sample_costs(spec.dataset))
     indices = list(sampler)
     loader = DataLoader(spec.dataset, batch_size=batch_size, sampler=sampler,
-                        collate_fn=InBandSmallTensors(spec.collate), num_workers=num_workers)
+                        collate_fn=InBandSmallTensors(spec.collate), num_workers=num_workers,
+                        worker_init_fn=one_blas_thread)
     device = torch.device(env.device)
     bar = progress(len(spec.dataset), "evaluating", env.is_main)
     started, records = time.perf_counter(), []

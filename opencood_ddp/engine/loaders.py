@@ -6,11 +6,14 @@ when the worker is forked after it, which is why the trainer used to fork new wo
 travels with every index instead: the batch sampler yields ``(epoch, index)`` keys (`EpochBatches`), and the
 dataset's wrapper (`EpochKeyed`) sets its own copy's epoch from the key before it reads the sample. The samples are
 those of a loader forked for the epoch, bit for bit, and the workers are forked once per run.
+
+Every loader worker runs its BLAS libraries on one thread (`one_blas_thread`), as DataLoader already runs torch's.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
+import threadpoolctl
 from torch.utils.data import DataLoader, Dataset
 
 from opencood_ddp.engine.handover import InBandSmallTensors
@@ -56,10 +59,28 @@ class EpochBatches:
         return len(self.batches)
 
 
+def one_blas_thread(worker_id: int = 0) -> None:
+    """DataLoader worker_init_fn of every loader: the BLAS libraries loaded in this process (numpy's OpenBLAS) run
+    on one thread, as DataLoader runs torch's in a worker; the parallelism across samples is the workers'.
+
+    Why: numpy's OpenBLAS otherwise keeps a pool of as many threads as the machine has cores in every worker, and
+    they spin after each product (a cloud's (N, 3) @ (3, 3) pose transform). On OPV2V-size clouds one worker held
+    two cores' time for one's work, and 2 workers on 2 cores read fewer samples/s than 1 (docs/benchmarks.md,
+    "One BLAS thread per loader worker"). A product's bits do not depend on the thread count
+    (tests/test_loaders.py)."""
+    threadpoolctl.threadpool_limits(limits=1, user_api="blas")
+
+
+def init_training_worker(worker_id: int) -> None:
+    """worker_init_fn of the loaders a run keeps: one BLAS thread, and Ctrl-C left to the main process."""
+    one_blas_thread(worker_id)
+    ignore_interrupts_in_worker(worker_id)
+
+
 def worker_options(workers: int) -> dict:
-    """DataLoader options of every loader a run keeps: `workers` processes that persist over the epochs and
-    leave Ctrl-C to the main process."""
-    return {"num_workers": workers, "worker_init_fn": ignore_interrupts_in_worker if workers else None,
+    """DataLoader options of every loader a run keeps: `workers` processes that persist over the epochs, each on
+    one BLAS thread, leaving Ctrl-C to the main process."""
+    return {"num_workers": workers, "worker_init_fn": init_training_worker if workers else None,
             "persistent_workers": workers > 0}
 
 
@@ -70,4 +91,5 @@ def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: i
                       pin_memory=pin_memory, **worker_options(workers))
 
 
-__all__ = ["EpochKeyed", "EpochBatches", "worker_options", "training_loader"]
+__all__ = ["EpochKeyed", "EpochBatches", "one_blas_thread", "init_training_worker", "worker_options",
+           "training_loader"]

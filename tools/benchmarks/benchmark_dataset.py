@@ -43,6 +43,7 @@ from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import Opv2vYamlLoader, load_yaml_bytes
 from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
 from opencood_ddp.engine.handover import InBandSmallTensors
+from opencood_ddp.engine.loaders import one_blas_thread
 from opencood_ddp.toy.config import split_overrides
 from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
@@ -106,6 +107,7 @@ def throughput(dataset, batch_size: int, workers: int, handover: str = "in_band"
     the engine's (small tensors in the pickled batch, engine/handover.py) or PyTorch's shared memory for all."""
     collate = dataset.collate_batch_train
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                        worker_init_fn=one_blas_thread,
                         collate_fn=InBandSmallTensors(collate) if handover == "in_band" else collate)
     samples = cavs = 0
     start = time.perf_counter()
@@ -125,6 +127,7 @@ def epoch_start(dataset, batch_size: int, workers: int, epochs: int, persistent:
     for _ in range(epochs):
         if loader is None or not persistent:
             loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers, persistent_workers=persistent,
+                                worker_init_fn=one_blas_thread,
                                 collate_fn=InBandSmallTensors(dataset.collate_batch_train))
         start = time.perf_counter()
         batch_iter = iter(loader)
