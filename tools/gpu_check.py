@@ -3,7 +3,8 @@
 `--device cpu` runs the same path on the CPU (`make test` runs a part of it, so that it cannot rot). Writes
 gpu_check.json (every figure) and gpu_check.md (the tables docs/benchmarks.md and docs/model_zoo.md take) into --out.
 
-    python tools/gpu_check.py [--device cuda|cpu] [--out gpu_check] [--configs toy/x ...] [--precisions fp32 ...]
+    python tools/gpu_check.py [--device cuda|cpu] [--out gpu_check] [--work DIR] [--configs toy/x ...]
+        [--precisions fp32 ...]
 
 Checks, each ok / failed / skipped with the reason:
 - device: the device this process gets from the launcher's environment (distributed/devices.py);
@@ -28,7 +29,7 @@ Checks, each ok / failed / skipped with the reason:
   peak at 4 (reserved and allocated), on the full-size AttFuse;
 - loader: how many DataLoader workers one rank needs to keep its device busy, on the full-size AttFuse: the
   training step's samples/s on a batch already on the device, beside the training loader's samples/s (the
-  trainer's own loader: persistent workers, pinned memory on CUDA) at 0, 1, 2, 4 and 8 workers, as many as
+  trainer's own loader: persistent workers, pinned memory on CUDA) at 0, 1, 2, 4, 8 and 12 workers, as many as
   this process has cores. It reads its own toy world, `--loader_scale dense` by default: OPV2V-size clouds (about
   90k points; the small world's have 8k), so that the count holds for OPV2V.
 """
@@ -62,7 +63,7 @@ TOY_CONFIGS = [f"toy/{name}" for name in (
     "point_pillar_where2comm", "second_intermediate_fusion")]
 FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
 PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
-LOADER_WORKERS = (0, 1, 2, 4, 8)  # the worker counts the loader check tries, up to the process's cores
+LOADER_WORKERS = (0, 1, 2, 4, 8, 12)  # the worker counts the loader check tries, up to the process's cores
 PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}  # training flags of each parity run
 # The models whose feature warps go through modules/grid_sampling.py (the ego warp of proj_first: false configs
 # runs the same function): their --deterministic runs must repeat bit for bit.
@@ -87,6 +88,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--out", default="gpu_check", help="folder of the report (created)")
+    parser.add_argument("--work", help="folder of the toy worlds and the runs' folders (default: --out). A lent "
+                                       "device machine returns only a few files from its output folder, so the "
+                                       "report goes there and the work elsewhere")
     parser.add_argument("--configs", nargs="*", default=TOY_CONFIGS, help="hypes under hypes_yaml/, without .yaml")
     parser.add_argument("--full_size", nargs="*", default=[FULL_SIZE],
                         help="full-size configs trained on the toy world's frames (none: leave out)")
@@ -104,7 +108,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                              "so that the worker count it reports holds for OPV2V)")
     parser.add_argument("--scale", choices=SCALES, default="small",
                         help="toy world of the synthetic frames (small: 8 training, 4 test frames)")
-    parser.add_argument("--data", help="toy world folder (default: one under --out, generated)")
+    parser.add_argument("--data", help="toy world folder (default: one under --work, generated)")
     return parser.parse_args(argv)
 
 
@@ -519,13 +523,13 @@ def write_report(out: Path, machine: dict, checks: list[Check]) -> None:
     (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
 
 
-def ensure_data(args: argparse.Namespace, out: Path, scale: str) -> Path:
-    """--data, or the toy world of `scale` under --out (generated once, kept between runs)."""
+def ensure_data(args: argparse.Namespace, work: Path, scale: str) -> Path:
+    """--data, or the toy world of `scale` under --work (generated once, kept between runs)."""
     from opencood_ddp.toy.writer import generate_toy_opv2v
 
     if args.data:
         return Path(args.data)
-    data = out / f"toy_{scale}"
+    data = work / f"toy_{scale}"
     generate_toy_opv2v(data, seed=0, scale=scale)
     return data
 
@@ -537,8 +541,9 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
                          f"{torch.__version__}, CUDA {torch.version.cuda}); pass --device cpu")
     if device.type == "cuda":
         device = with_index(device, torch.cuda.current_device())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, work = Path(args.out), Path(args.work or args.out)
+    for folder in (out, work):
+        folder.mkdir(parents=True, exist_ok=True)
     machine = environment(device)
     checks: list[Check] = []
 
@@ -547,31 +552,31 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         checks.append(check)
         write_report(out, machine, checks)
 
-    data = ensure_data(args, out, args.scale)
+    data = ensure_data(args, work, args.scale)
     record(timed("device", lambda: check_device(device)))
     record(timed("process_group", lambda: check_process_group(device)))
     record(timed("sync_batchnorm", lambda: check_sync_batchnorm(device)))
     record(timed("spconv", lambda: check_spconv(device)))
-    with tempfile.TemporaryDirectory(dir=out) as folder:
-        work = Path(folder)
+    with tempfile.TemporaryDirectory(dir=work) as folder:
+        runs = Path(folder)
         for config in [*args.configs, *args.full_size]:
             for precision in args.precisions:
                 record(timed(f"train {config} {precision}", lambda c=config, p=precision: check_training(
-                    c, p, device, data, work)))
+                    c, p, device, data, runs)))
         trained = [c for c in checks if c.name.startswith("train ") and c.status == "ok"]
         if trained:
             weights = Path(trained[0].figures["weights"])
             record(timed("cpu_weights", lambda: check_cpu_weights(weights)))
         for config in args.repeat_configs:
-            record(timed(f"repeat {config}", lambda c=config: check_repeatable(c, device, data, work)))
+            record(timed(f"repeat {config}", lambda c=config: check_repeatable(c, device, data, runs)))
         if args.parity_config != "none":
             for kernels in args.parity_kernels:
                 record(timed(f"parity {args.parity_config} {kernels}", lambda k=kernels: check_parity(
-                    args.parity_config, device, data, work, k)))
+                    args.parity_config, device, data, runs, k)))
     if args.planner_config != "none":
         record(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device, data)))
     if args.loader_config != "none":
-        loader_data = ensure_data(args, out, args.loader_scale)
+        loader_data = ensure_data(args, work, args.loader_scale)
         record(timed(f"loader {args.loader_config}", lambda: check_loader(args.loader_config, device, loader_data)))
     return checks
 
