@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from opencood_ddp.data.augment import Flip, Rotation, Scaling, WorldAugmentor, WorldTransform, sample_rng
+from opencood_ddp.data.augment import (Flip, Rotation, Scaling, WorldAugmentor, WorldTransform, sample_rng,
+                                       shuffle_points)
 from opencood_ddp.data.datasets import GT_RANGE, build_dataset
 from opencood_ddp.data.ground_truth import upstream_unique_indices
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, ego_points_mask, mask_ego_points,
@@ -116,6 +117,18 @@ def test_sampling_depends_only_on_the_key():
     # A single rotation number a means [-a, a].
     rotation = WorldAugmentor([{"NAME": "random_world_rotation", "WORLD_ROT_ANGLE": 0.1}]).sample(sample_rng(0, 0, 0))
     assert abs(rotation.operations[0].angle) <= 0.1
+
+
+def test_shuffle_points_is_one_permutation_of_the_rows_drawn_from_the_samples_generator():
+    """The rows in the order of one Generator.permutation draw: the draw a sample's key gives stays the same
+    whatever the gather (np.take since the ninth session), and the next draw follows it."""
+    points = np.arange(40, dtype=np.float32).reshape(10, 4)
+    rng, again = sample_rng(1, 2, 3), sample_rng(1, 2, 3)
+    shuffled = shuffle_points(points, rng)
+    order = again.permutation(10)
+    np.testing.assert_array_equal(shuffled, points[order])
+    assert sorted(shuffled[:, 0]) == sorted(points[:, 0]) and shuffled.dtype == np.float32
+    assert rng.random() == again.random()
 
 
 @pytest.mark.parametrize("config,fragment", [

@@ -192,6 +192,18 @@ def test_mask_points_by_range_is_strict():
     np.testing.assert_array_equal(geo.points_in_range_mask(points, RANGE), [1, 0, 0, 1, 0, 0])
 
 
+def test_range_and_ego_masks_drop_and_keep_non_finite_points_as_upstreams_comparisons():
+    """A NaN compares false: the range crop drops a point with a NaN or infinite coordinate, the ego mask keeps it
+    (it is not on the car) and the crop drops it later; float32 clouds, as read_pcd gives them."""
+    points = np.array([[0, 0, 0, 1], [np.nan, 0, 0, 2], [0, np.inf, 0, 3], [0, 0, -np.inf, 4], [1, 1, 0, 5]],
+                      dtype=np.float32)
+    np.testing.assert_array_equal(geo.points_in_range_mask(points, RANGE), [1, 0, 0, 0, 1])
+    np.testing.assert_array_equal(geo.mask_points_by_range(points, RANGE)[:, 3], [1, 5])
+    np.testing.assert_array_equal(geo.ego_points_mask(points), [1, 0, 0, 1, 1])
+    np.testing.assert_array_equal(geo.mask_ego_points(points)[:, 3], [2, 3])
+    assert geo.mask_points_by_range(points, RANGE).dtype == np.float32
+
+
 def test_mask_ego_points_inclusive_box():
     points = np.array([
         [0, 0, 50, 1],        # on the car (z ignored): removed

@@ -147,8 +147,9 @@ def transform_points(points: ArrayLike, matrix: ArrayLike) -> np.ndarray:
         raise ValueError(f"matrix must have shape (4, 4), got {mat.shape}")
     out_dtype = pts.dtype if np.issubdtype(pts.dtype, np.floating) else np.float64
     out = pts.astype(out_dtype, copy=True)
-    xyz = pts[:, :3].astype(np.float64)
-    out[:, :3] = xyz @ mat[:3, :3].T + mat[:3, 3]
+    moved = pts[:, :3].astype(np.float64) @ mat[:3, :3].T
+    moved += mat[:3, 3]  # in place: one (N, 3) float64 array fewer to allocate, the same sums
+    out[:, :3] = moved
     return out
 
 
@@ -252,17 +253,36 @@ def _check_range(lidar_range: ArrayLike) -> np.ndarray:
     return rng
 
 
+# A comparison of a coordinate with a range bound, in float64 whatever the points' dtype (a float32 cloud against
+# float64 bounds, as upstream's array comparison promotes them).
+_IN_FLOAT64 = ("f8", "f8", "?")
+
+
 def points_in_range_mask(points: ArrayLike, lidar_range: ArrayLike) -> np.ndarray:
-    """(N,) bool: x, y, z strictly inside ``[x_min, y_min, z_min, x_max, y_max, z_max]``."""
+    """(N,) bool: x, y, z strictly inside ``[x_min, y_min, z_min, x_max, y_max, z_max]``.
+
+    One column at a time: the (N, 3) form with ``np.all(axis=1)`` took 4.6 ms on a 90,700-point cloud, this one
+    0.6 ms (docs/benchmarks.md, "The loader's row passes"). A NaN compares false either way."""
     rng = _check_range(lidar_range)
-    xyz = np.asarray(points)[:, :3]
-    return np.all((xyz > rng[:3]) & (xyz < rng[3:]), axis=1)
+    pts = np.asarray(points)
+    inside = np.greater(pts[:, 0], rng[0], signature=_IN_FLOAT64)
+    for axis in range(3):
+        if axis:
+            inside &= np.greater(pts[:, axis], rng[axis], signature=_IN_FLOAT64)
+        inside &= np.less(pts[:, axis], rng[axis + 3], signature=_IN_FLOAT64)
+    return inside
+
+
+def rows_where(points: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """``points[keep]`` for a boolean ``keep`` over the rows, by ``np.compress``: the same rows, 7x faster on a
+    90,700 x 4 cloud than boolean indexing (0.25 against 1.8 ms)."""
+    return np.compress(keep, points, axis=0)
 
 
 def mask_points_by_range(points: ArrayLike, lidar_range: ArrayLike) -> np.ndarray:
     """Points strictly inside the range (upstream ``mask_points_by_range``: a point on a face is dropped)."""
     pts = np.asarray(points)
-    return pts[points_in_range_mask(pts, lidar_range)]
+    return rows_where(pts, points_in_range_mask(pts, lidar_range))
 
 
 def ego_points_mask(points: ArrayLike) -> np.ndarray:
@@ -275,7 +295,7 @@ def ego_points_mask(points: ArrayLike) -> np.ndarray:
 def mask_ego_points(points: ArrayLike) -> np.ndarray:
     """Points with the ego car's own hits removed (upstream ``mask_ego_points``; z is not tested)."""
     pts = np.asarray(points)
-    return pts[~ego_points_mask(pts)]
+    return rows_where(pts, ~ego_points_mask(pts))
 
 
 def boxes_in_range_mask(corners: ArrayLike, lidar_range: ArrayLike, min_corners: int = 8) -> np.ndarray:

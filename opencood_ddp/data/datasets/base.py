@@ -85,7 +85,10 @@ def report_non_finite(points: np.ndarray, path: Any) -> int:
     """Say once per file, in this rank's log, how many points have a non-finite x, y or z. They are dropped
     where upstream drops them (the range crop: a NaN compares false), so the data do not change; the user learns
     that the file is damaged. Returns the count."""
-    bad = int(np.count_nonzero(~np.isfinite(points[:, :3]).all(axis=1)))
+    finite = np.isfinite(points[:, :3])
+    if finite.all():  # the usual answer, without the slow reduction along rows of 3 (0.6 against 2.1 ms)
+        return 0
+    bad = len(points) - int(np.count_nonzero(finite.all(axis=1)))
     if bad and str(path) not in _REPORTED_FILES:
         _REPORTED_FILES.add(str(path))
         logging.getLogger("opencood_ddp").warning(
