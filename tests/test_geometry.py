@@ -192,6 +192,21 @@ def test_mask_points_by_range_is_strict():
     np.testing.assert_array_equal(geo.points_in_range_mask(points, RANGE), [1, 0, 0, 1, 0, 0])
 
 
+def test_range_crop_compares_in_the_points_dtype_as_upstreams_python_float_bounds():
+    """Upstream compares a float32 column with a Python float, which NumPy rounds to float32 first. float32(-40.1)
+    = -40.09999847 lies inside -40.1 in float64 but on the face in float32, so upstream drops it; likewise
+    float32(40.1) = 40.09999847 at x_max = 40.1. One float32 step further in stays. Float64 clouds compare in
+    float64, where both points are inside."""
+    lidar_range = [-40.1, -10, -3, 40.1, 10, 1]
+    x = np.array([np.float32(-40.1), np.float32(40.1), np.nextafter(np.float32(-40.1), np.float32(0)),
+                  np.nextafter(np.float32(40.1), np.float32(0))], dtype=np.float32)
+    points = np.stack([x, np.zeros(4, np.float32), np.zeros(4, np.float32), np.arange(4, dtype=np.float32)], 1)
+    assert float(x[0]) > -40.1 and float(x[1]) < 40.1  # inside, read in float64
+    np.testing.assert_array_equal(geo.points_in_range_mask(points, lidar_range), [0, 0, 1, 1])
+    np.testing.assert_array_equal(geo.mask_points_by_range(points, lidar_range)[:, 3], [2, 3])
+    np.testing.assert_array_equal(geo.points_in_range_mask(points.astype(np.float64), lidar_range), [1, 1, 1, 1])
+
+
 def test_range_and_ego_masks_drop_and_keep_non_finite_points_as_upstreams_comparisons():
     """A NaN compares false: the range crop drops a point with a NaN or infinite coordinate, the ego mask keeps it
     (it is not on the car) and the crop drops it later; float32 clouds, as read_pcd gives them."""
