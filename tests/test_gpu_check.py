@@ -47,6 +47,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert loader["step_samples_per_s"] > 0 and all(rate > 0 for rate in loader["loader_samples_per_s"].values())
     fed = [w for w in tried if loader["loader_samples_per_s"][str(w)] >= loader["step_samples_per_s"]]
     assert loader["workers_to_feed"] == (fed[0] if fed else None)
+    assert loader["default_workers"] == 2  # the CPU's default
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table

@@ -1,6 +1,7 @@
 """Training loaders whose workers persist over epochs (engine/loaders.py): each epoch's samples are those a loader
 forked for that epoch reads, bit for bit, augmentation included, and the workers are forked once. Every loader's
-workers run BLAS on one thread, and a cloud's transform has the same bits on any BLAS thread count."""
+workers run BLAS on one thread, and a cloud's transform has the same bits on any BLAS thread count. The default
+worker count follows the rank's device and share of the cores."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,8 @@ from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalSpec, evaluate
 from opencood_ddp.engine.handover import InBandSmallTensors
-from opencood_ddp.engine.loaders import EpochBatches, EpochKeyed, training_loader
+from opencood_ddp.engine.loaders import (MAX_GPU_WORKERS, EpochBatches, EpochKeyed, cores_per_rank, default_workers,
+                                         training_loader, workers_per_rank)
 from test_datasets import SEED, assert_identical, flatten, toy_hypes
 
 EPOCH_BATCHES = {0: [[0, 1], [2, 3]], 1: [[5, 2], [7, 0]], 2: [[3, 6]]}
@@ -134,3 +136,34 @@ def test_a_cloud_transform_has_the_same_bits_on_any_blas_thread_count(dtype):
             results[threads] = transform_points(cloud, pose)
     for threads, points in results.items():
         assert np.array_equal(points, results[1]), f"{threads} BLAS threads moved a point"
+
+
+# ------------------------------------------------------------------------------------------ default worker count
+@pytest.mark.parametrize("environ,launcher,world,cores,share", [
+    ({}, "single", 1, 16, 16),
+    ({"LOCAL_WORLD_SIZE": "4"}, "torchrun", 8, 64, 16),  # 4 ranks on this node of a 2-node job
+    ({"LOCAL_WORLD_SIZE": "3"}, "torchrun", 3, 16, 5),
+    ({"LOCAL_WORLD_SIZE": "8"}, "torchrun", 8, 4, 1),  # more ranks than cores: still one
+    ({}, "torchrun", 2, 16, 16),  # the node's rank count unknown: the whole affinity
+    ({"SLURM_CPUS_PER_TASK": "6", "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_NODEID": "0"}, "slurm", 4, 6, 6),  # bound
+    ({"SLURM_CPUS_PER_TASK": "6", "SLURM_STEP_TASKS_PER_NODE": "4", "SLURM_NODEID": "0"}, "slurm", 4, 32, 6),
+    ({"SLURM_STEP_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "1"}, "slurm", 8, 32, 8),
+])
+def test_a_ranks_share_of_the_cores(environ, launcher, world, cores, share):
+    assert cores_per_rank(environ, launcher, world, cores) == share
+
+
+@pytest.mark.parametrize("device,share,workers", [
+    ("cpu", 1, 2), ("cpu", 64, 2),  # the CPU step is the slow side, whatever the cores
+    ("cuda", 1, 1), ("cuda", 2, 1), ("cuda", 5, 4), ("cuda", 9, MAX_GPU_WORKERS), ("cuda", 64, MAX_GPU_WORKERS),
+])
+def test_default_workers_per_device_and_share(device, share, workers):
+    assert default_workers(device, share) == workers
+
+
+def test_num_workers_given_wins_and_the_default_reads_this_process_affinity():
+    cpu_env, gpu_env = DistEnv(), DistEnv(device="cuda:0")
+    assert workers_per_rank(0, gpu_env) == 0 and workers_per_rank(5, cpu_env) == 5
+    assert workers_per_rank(None, cpu_env, {}) == 2
+    share = len(os.sched_getaffinity(0))
+    assert workers_per_rank(None, gpu_env, {}) == max(1, min(MAX_GPU_WORKERS, share - 1))

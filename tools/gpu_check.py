@@ -30,8 +30,9 @@ Checks, each ok / failed / skipped with the reason:
 - loader: how many DataLoader workers one rank needs to keep its device busy, on the full-size AttFuse: the
   training step's samples/s on a batch already on the device, beside the training loader's samples/s (the
   trainer's own loader: persistent workers, pinned memory on CUDA) at 0, 1, 2, 4, 8 and 12 workers, as many as
-  this process has cores. It reads its own toy world, `--loader_scale dense` by default: OPV2V-size clouds (about
-  90k points; the small world's have 8k), so that the count holds for OPV2V.
+  this process has cores, and the count the default rule gives here (engine/loaders.py `workers_per_rank`). It
+  reads its own toy world, `--loader_scale dense` by default: OPV2V-size clouds (about 90k points; the small
+  world's have 8k), so that the count holds for OPV2V.
 """
 from __future__ import annotations
 
@@ -467,6 +468,7 @@ def _loader_samples_per_second(task, device: torch.device, workers: int, batch_s
 
 def check_loader(config: str, device: torch.device, data: Path, batch_size: int = 2) -> tuple[str, dict]:
     """The fewest DataLoader workers whose samples/s reach the training step's (LOADER_WORKERS, up to the cores)."""
+    from opencood_ddp.engine.loaders import default_workers
     from opencood_ddp.tasks import build_task
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
@@ -477,13 +479,15 @@ def check_loader(config: str, device: torch.device, data: Path, batch_size: int 
     rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
              for workers in LOADER_WORKERS if workers <= cores}
     enough = [workers for workers, rate in rates.items() if rate >= step_rate]
+    default = default_workers(device.type, cores)  # what a 1-rank run on this machine gets without --num_workers
     figures = {"cores": cores, "step_samples_per_s": round(step_rate, 2), "batch_size": batch_size,
                "loader_samples_per_s": {str(w): round(r, 2) for w, r in rates.items()},
-               "workers_to_feed": enough[0] if enough else None}
+               "workers_to_feed": enough[0] if enough else None, "default_workers": default}
     loader = f"{'/'.join(map(str, rates))} workers: {'/'.join(f'{r:.1f}' for r in rates.values())}"
     verdict = (f"{enough[0]} worker(s) keep it fed" if enough else
                f"no worker count up to {max(rates)} keeps it fed on {cores} cores")
-    return f"step {step_rate:.1f} samples/s; loader at {loader} samples/s: {verdict}", figures
+    return (f"step {step_rate:.1f} samples/s; loader at {loader} samples/s: {verdict}; the default gives {default}",
+            figures)
 
 
 # ------------------------------------------------------------------------------------------ report

@@ -17,6 +17,7 @@ from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
+from opencood_ddp.engine.loaders import workers_per_rank
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, parse_eval_options
@@ -95,7 +96,8 @@ def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Opt
     hypes, checkpoint = load_run(options)
     request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=options.model_dir,
                           task_options=options.task)
-    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env, options.process.num_workers)
+    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env,
+                               workers_per_rank(options.process.num_workers, env))
 
 
 def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder, task_options: Optional[type] = None) -> int:

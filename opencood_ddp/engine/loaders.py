@@ -8,14 +8,19 @@ dataset's wrapper (`EpochKeyed`) sets its own copy's epoch from the key before i
 those of a loader forked for the epoch, bit for bit, and the workers are forked once per run.
 
 Every loader worker runs its BLAS libraries on one thread (`one_blas_thread`), as DataLoader already runs torch's.
+How many workers a rank gets when --num_workers is not given is `workers_per_rank`'s rule.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
+import os
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Tuple
 
 import threadpoolctl
+import torch
 from torch.utils.data import DataLoader, Dataset
 
+from opencood_ddp.distributed.devices import node_processes
+from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.preemption import ignore_interrupts_in_worker
 
@@ -59,6 +64,39 @@ class EpochBatches:
         return len(self.batches)
 
 
+# The default worker count (docs/benchmarks.md, "The default worker count"). On a GPU, every core of the rank's
+# share but its own process's, up to upstream OpenCOOD's 8: one worker reads about 8.5 OPV2V-size samples/s of the
+# full-size AttFuse config on a core, and an H200 trains 26 (V2X-ViT) to 100 (AttFuse) samples/s. On the
+# CPU the step is the slow side (0.4 against 8.5 samples/s) and a worker's core is taken from it: 2.
+MAX_GPU_WORKERS = 8
+CPU_WORKERS = 2
+
+
+def cores_per_rank(environ: Mapping[str, str], launcher: str, world_size: int, cores: int) -> int:
+    """This rank's share of the `cores` it may run on (its CPU affinity): SLURM's cores per task where the job
+    asked for them (--cpus-per-task), else the cores divided among the node's ranks (one when not known)."""
+    per_task = environ.get("SLURM_CPUS_PER_TASK", "").strip() if launcher == "slurm" else ""
+    if per_task.isdigit() and int(per_task) > 0:
+        return max(1, min(cores, int(per_task)))
+    return max(1, cores // (node_processes(environ, launcher, world_size) or 1))
+
+
+def default_workers(device_type: str, rank_cores: int) -> int:
+    """Loader workers of a rank with `rank_cores` cores on `device_type`, when --num_workers is not given."""
+    if device_type != "cuda":
+        return CPU_WORKERS
+    return max(1, min(MAX_GPU_WORKERS, rank_cores - 1))
+
+
+def workers_per_rank(requested: Optional[int], env: DistEnv, environ: Mapping[str, str] = os.environ) -> int:
+    """--num_workers when given, else `default_workers` for this rank's device and share of the cores."""
+    if requested is not None:
+        return requested
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return default_workers(torch.device(env.device).type,
+                           cores_per_rank(environ, env.launcher, env.world_size, cores))
+
+
 def one_blas_thread(worker_id: int = 0) -> None:
     """DataLoader worker_init_fn of every loader: the BLAS libraries loaded in this process (numpy's OpenBLAS) run
     on one thread, as DataLoader runs torch's in a worker; the parallelism across samples is the workers'.
@@ -91,5 +129,5 @@ def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: i
                       pin_memory=pin_memory, **worker_options(workers))
 
 
-__all__ = ["EpochKeyed", "EpochBatches", "one_blas_thread", "init_training_worker", "worker_options",
-           "training_loader"]
+__all__ = ["EpochKeyed", "EpochBatches", "MAX_GPU_WORKERS", "CPU_WORKERS", "cores_per_rank", "default_workers",
+           "workers_per_rank", "one_blas_thread", "init_training_worker", "worker_options", "training_loader"]

@@ -26,7 +26,7 @@ from opencood_ddp.engine.step_guard import NONFINITE_POLICIES, NonfinitePolicy
 class ProcessOptions:
     """Process group and data loading, shared by training and evaluation."""
 
-    num_workers: int = 2  # DataLoader workers per process
+    num_workers: Optional[int] = None  # DataLoader workers per process; None: engine/loaders.workers_per_rank's rule
     dist_timeout: float = 30.0  # minutes a collective waits for a stalled or dead peer
     dist_backend: Optional[Literal["nccl", "gloo"]] = None  # None: nccl on CUDA, gloo on CPU
     local_rank: Optional[int] = None  # torch.distributed.launch's flag; torchrun sets LOCAL_RANK instead
@@ -121,7 +121,8 @@ def from_flags(cls: type, parsed: argparse.Namespace, **given: Any) -> Any:
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ProcessOptions``, one help text for both entry points."""
     parser.add_argument("--num_workers", type=int, default=ProcessOptions.num_workers,
-                        help="DataLoader workers per process")
+                        help="DataLoader workers per process (default: 2 on the CPU; on a GPU, the rank's share of "
+                             "the cores less one, at most 8)")
     parser.add_argument("--dist_timeout", type=float, default=ProcessOptions.dist_timeout,
                         help="minutes a collective waits for a stalled or dead peer before every waiting rank "
                              "fails with a message naming the ranks behind")

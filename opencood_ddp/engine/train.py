@@ -130,6 +130,11 @@ def describe_devices(entries: Sequence[tuple[str, str]]) -> str:
     return ", ".join(shown) + more
 
 
+def describe_workers(workers: int, requested: Optional[int]) -> str:
+    chosen = "--num_workers" if requested is not None else "the default for this device and its cores per rank"
+    return f"{workers} loader worker(s) per rank ({chosen})"
+
+
 def describe_start(env: DistEnv, trainer: Trainer, devices: Sequence[tuple[str, str]]) -> str:
     """The plan rank 0 prints before the first step: who trains, on what, with which batch and data."""
     task, setup = trainer.task, trainer.setup
@@ -141,7 +146,7 @@ def describe_start(env: DistEnv, trainer: Trainer, devices: Sequence[tuple[str, 
         f"launcher {env.launcher}: world size {env.world_size}, backend {env.backend}, device {env.device}",
         f"devices: {describe_devices(devices)}",
         trainer.plan.describe(),
-        f"datasets: {sizes}; {steps}",
+        f"datasets: {sizes}; {steps}; {describe_workers(trainer.workers, trainer.options.process.num_workers)}",
         f"sync batch norm: {trainer.sync_bn_kind or 'off'}",
         f"run folder: {setup.run_dir}{' (resuming)' if setup.resume else ''}",
     ])
@@ -222,4 +227,4 @@ def evaluate_last_checkpoint(trainer: Trainer, final: Optional[tuple[EvalRequest
     request.run_dir = str(trainer.setup.run_dir)
     weights = trainer.last_weights or trainer.setup.run_dir / ckpt.weights_name(trainer.settings.epochs)
     # The trainer's last save ends with an agreement: the checkpoint is on disk for every rank.
-    evaluate_checkpoint(spec, request, weights, trainer.env, trainer.options.process.num_workers)
+    evaluate_checkpoint(spec, request, weights, trainer.env, trainer.workers)

@@ -40,7 +40,7 @@ from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch
 from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
-from opencood_ddp.engine.loaders import training_loader, worker_options
+from opencood_ddp.engine.loaders import training_loader, worker_options, workers_per_rank
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler
@@ -125,6 +125,7 @@ class Trainer:
         # Made on first use and kept: their workers are forked once and persist over the epochs (engine/loaders.py)
         self._train_loader: Optional[DataLoader] = None
         self._val_loader: Optional[DataLoader] = None
+        self.workers = workers_per_rank(options.process.num_workers, env)  # each loader's, per rank
 
     @property
     def last_weights(self) -> Optional[Path]:
@@ -306,7 +307,7 @@ class Trainer:
         travels with its epoch, so that the persistent workers draw the epoch's augmentation."""
         if self._train_loader is None:
             self._train_loader = training_loader(self.task.train_set, self.task.collate_train,
-                                                 self.options.process.num_workers, self.device.type == "cuda")
+                                                 self.workers, self.device.type == "cuda")
         self._train_loader.batch_sampler.use(epoch, batches if batches is not None else self.epoch_batches(epoch))
         return self._train_loader
 
@@ -457,7 +458,7 @@ class Trainer:
             sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
             self._val_loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
                                           collate_fn=InBandSmallTensors(self.task.collate_val),
-                                          **worker_options(self.options.process.num_workers))
+                                          **worker_options(self.workers))
         loader = self._val_loader
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()

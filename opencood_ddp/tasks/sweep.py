@@ -35,6 +35,7 @@ from opencood_ddp.data.wild import RANDOM_STATE_SEEDS, DelaySetting, delay_frame
 from opencood_ddp.engine import inference
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
+from opencood_ddp.engine.loaders import workers_per_rank
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, ProcessOptions, eval_parser, from_flags
 from opencood_ddp.errors import ConfigError
@@ -246,7 +247,7 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
                 warn_noise_ignored(spec)
                 warned = True
             results.append(inference.evaluate_checkpoint(spec, request, checkpoint, env,
-                                                         options.eval.process.num_workers))
+                                                         workers_per_rank(options.eval.process.num_workers, env)))
     split = options.eval.dataset_dir or hypes.get("validate_dir")
     return SweepRun(levels, results, checkpoint, split, seed)
 
@@ -377,4 +378,5 @@ def write_sweep(run_dir: Path, table: Mapping) -> List[Path]:
 
 
 __all__ = ["SweepOptions", "Level", "sweep_parser", "parse_sweep_options", "sweep_levels", "level_hypes",
-           "noise_seed", "SweepRun", "evaluate_levels", "run_sweep", "main", "sweep_table", "markdown_table", "write_sweep", "sweep_file_stem"]
+           "noise_seed", "SweepRun", "evaluate_levels", "run_sweep", "main", "sweep_table", "markdown_table",
+           "write_sweep", "sweep_file_stem"]
