@@ -10,7 +10,8 @@ import typing
 import pytest
 
 from opencood_ddp.engine.options import (BatchOptions, EvalOptions, ProcessOptions, LoopOptions, RunOptions,
-                                         TrainOptions, eval_parser, parse_train_options, train_parser)
+                                         TrainOptions, eval_parser, parse_eval_options, parse_train_options,
+                                         train_parser)
 
 GROUPS = {"run": RunOptions, "batch": BatchOptions, "training loop": LoopOptions, "process": ProcessOptions}
 
@@ -84,3 +85,13 @@ def test_kernel_flags_hold_for_the_run_and_are_restored_after_it(monkeypatch):
     assert (torch.are_deterministic_algorithms_enabled(), tf32_flags()) == before
     with kernel_settings(LoopOptions()):
         assert (torch.are_deterministic_algorithms_enabled(), tf32_flags()) == before
+
+
+@pytest.mark.parametrize("value,fragment", [("-1", "-1 is negative; 0 loads in the process itself"),
+                                            ("two", "'two' is not a whole number")])
+def test_a_bad_worker_count_is_one_argparse_line(value, fragment, capsys):
+    for parse in (parse_train_options, parse_eval_options):
+        with pytest.raises(SystemExit) as stopped:
+            parse(["--model_dir", "run", "--num_workers", value])
+        assert stopped.value.code == 2
+        assert f"argument --num_workers: {fragment}" in capsys.readouterr().err

@@ -120,7 +120,7 @@ def from_flags(cls: type, parsed: argparse.Namespace, **given: Any) -> Any:
 # ------------------------------------------------------------------------------------------------ parsers
 def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``ProcessOptions``, one help text for both entry points."""
-    parser.add_argument("--num_workers", type=int, default=ProcessOptions.num_workers,
+    parser.add_argument("--num_workers", type=worker_count, default=ProcessOptions.num_workers,
                         help="DataLoader workers per process (default: 2 on the CPU; on a GPU, the rank's share of "
                              "the cores less one, at most 8)")
     parser.add_argument("--dist_timeout", type=float, default=ProcessOptions.dist_timeout,
@@ -129,6 +129,17 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
     parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
                         help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
+
+
+def worker_count(text: str) -> int:
+    """--num_workers: 0 (load in the process itself) or more; DataLoader would fail later with a traceback."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; 0 loads in the process itself")
+    return value
 
 
 def per_gpu_batch_value(text: str) -> Union[int, str]:
