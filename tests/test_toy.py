@@ -298,3 +298,15 @@ def test_the_dense_scale_has_opv2v_size_clouds(tmp_path):
     assert 60_000 <= summary["points_per_cloud"]["min"] <= summary["points_per_cloud"]["max"] <= 100_000
     cloud = next((tmp_path / "dense" / "train").glob("*/*/*.pcd"))
     assert len(read_pcd(cloud)) >= 60_000
+
+
+def test_a_tool_reads_the_complete_world_in_its_folder_whatever_its_scale(toy_small):
+    """toy_world_in (tools/demo.py, benchmark_dataset.py): a complete small world is read as it is, not replaced
+    by the demo scale the tool would write into an empty folder."""
+    from opencood_ddp.toy.writer import toy_world_in
+
+    manifest = toy_small / "toy_manifest.yaml"
+    before = (manifest.read_bytes(), manifest.stat().st_mtime_ns)
+    summary = toy_world_in(toy_small, scale="demo")
+    assert summary["skipped"] and summary["scale"] == "small"
+    assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before

@@ -56,16 +56,15 @@ def step(title: str, cmd: list[str]) -> float:
 def generate_world(data: Path) -> float:
     """The demo world in `data`, generated unless a complete toy world is there already (of any scale or
     format: one made with tools/make_toy_opv2v.py --binary, or a smaller one for a quick try, is kept)."""
-    from opencood_ddp.toy.manifest import read_toy_manifest
-    from opencood_ddp.toy.writer import format_summary, generate_toy_opv2v
+    from opencood_ddp.toy.writer import format_summary, toy_world_in
 
     print(f"== toy world: {data}", flush=True)
     started = time.perf_counter()
-    manifest = read_toy_manifest(data)
-    if manifest is not None and manifest.get("complete"):
-        print(f"reusing the complete toy world already there (scale {manifest.get('scale')})")
+    summary = toy_world_in(data, scale="demo")
+    if summary["skipped"]:
+        print(f"reusing the complete toy world already there (scale {summary.get('scale')})")
     else:
-        print(format_summary(generate_toy_opv2v(data, seed=0, scale="demo")))
+        print(format_summary(summary))
     return time.perf_counter() - started
 
 

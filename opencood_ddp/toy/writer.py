@@ -27,7 +27,7 @@ from opencood_ddp.data.pcd import write_pcd
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.toy.config import SPLITS, RsuConfig, ToyWorldConfig
 from opencood_ddp.toy.lidar import simulate_scan
-from opencood_ddp.toy.manifest import OPV2V_SET, identity_of, write_toy_set
+from opencood_ddp.toy.manifest import OPV2V_SET, identity_of, read_toy_manifest, write_toy_set
 from opencood_ddp.toy.world import (TIMESTAMP_STEP, RoadSideUnit, ToyScene, build_scene, lidar_pose, place_rsu,
                                     scene_boxes, with_rsu_pole)
 
@@ -66,6 +66,16 @@ def generate_toy_opv2v(out_dir, seed: int, scale: str = "small", binary: bool = 
     identity = identity_of(seed, scale, binary, config)
     return write_toy_set(out, identity, OPV2V_SET, lambda: lambda: dict(
         _write_all_splits(out, seed, binary, config), seed=seed, scale=scale, binary=binary))
+
+
+def toy_world_in(out_dir, scale: str = "demo", seed: int = 0) -> dict:
+    """The summary of the complete toy OPV2V world in out_dir, whatever its scale or format, or of a new one of
+    `scale` written there when it holds none. For the tools whose --data names a world to read: the user's world
+    (a dense or binary one, say) is read as it is, where generate_toy_opv2v would replace it with `scale`'s."""
+    manifest = read_toy_manifest(out_dir)
+    if manifest is not None and manifest.get("complete"):
+        return dict(manifest.get("summary") or {}, out_dir=str(out_dir), skipped=True)
+    return generate_toy_opv2v(out_dir, seed=seed, scale=scale)
 
 
 def format_summary(summary: dict) -> str:

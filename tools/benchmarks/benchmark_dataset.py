@@ -6,8 +6,9 @@ Usage: python tools/benchmarks/benchmark_dataset.py [--data data/toy_opv2v] [--h
                                          [--layouts opv2v opv2v_2cav dairv2x v2v4real [--yaml]
                                           [--upstream OPENCOOD_CHECKOUT]]
 
-The data folder is generated (toy world, demo scale, seed 0) when it holds no toy set yet. Each worker count
-reads the whole split once after a short warm-up in the main process (spconv's first call loads its ops);
+The data folder's complete toy world is read whatever its scale; a folder without one gets the demo world
+(seed 0). Each worker count reads the whole split once after a short warm-up in the main process (spconv's
+first call loads its ops);
 the best of ``--repeats`` passes is reported. Then cProfile runs ``--profile-samples`` samples and their
 collation in the main process and the cumulative time is grouped into stages.
 
@@ -47,7 +48,7 @@ from opencood_ddp.engine.loaders import one_blas_thread
 from opencood_ddp.toy.config import split_overrides
 from opencood_ddp.toy.dairv2x_layout import write_dairv2x_copy
 from opencood_ddp.toy.v2v4real_layout import write_v2v4real_copy
-from opencood_ddp.toy.writer import generate_toy_opv2v
+from opencood_ddp.toy.writer import generate_toy_opv2v, toy_world_in
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -278,7 +279,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.torch_threads > 0:
         torch.set_num_threads(args.torch_threads)
-    summary = generate_toy_opv2v(args.data, seed=0, scale="demo")
+    summary = toy_world_in(args.data, scale="demo")
     data = Path(args.data)
     if args.layouts != ["opv2v"]:
         measure_layouts(args, data)
