@@ -468,13 +468,13 @@ def _loader_samples_per_second(task, device: torch.device, workers: int, batch_s
 
 def check_loader(config: str, device: torch.device, data: Path, batch_size: int = 2) -> tuple[str, dict]:
     """The fewest DataLoader workers whose samples/s reach the training step's (LOADER_WORKERS, up to the cores)."""
-    from opencood_ddp.engine.loaders import default_workers
+    from opencood_ddp.engine.loaders import affinity_cores, default_workers
     from opencood_ddp.tasks import build_task
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
     task = build_task(hypes, for_training=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cores = affinity_cores()
     step_rate = _steps_per_second(task, hypes, device, batch_size)
     rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
              for workers in LOADER_WORKERS if workers <= cores}

@@ -88,13 +88,17 @@ def default_workers(device_type: str, rank_cores: int) -> int:
     return max(1, min(MAX_GPU_WORKERS, rank_cores - 1))
 
 
+def affinity_cores() -> int:
+    """The cores this process may run on: its CPU affinity, or every core where the OS does not say."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def workers_per_rank(requested: Optional[int], env: DistEnv, environ: Mapping[str, str] = os.environ) -> int:
     """--num_workers when given, else `default_workers` for this rank's device and share of the cores."""
     if requested is not None:
         return requested
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return default_workers(torch.device(env.device).type,
-                           cores_per_rank(environ, env.launcher, env.world_size, cores))
+                           cores_per_rank(environ, env.launcher, env.world_size, affinity_cores()))
 
 
 def one_blas_thread(worker_id: int = 0) -> None:
@@ -130,4 +134,4 @@ def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: i
 
 
 __all__ = ["EpochKeyed", "EpochBatches", "MAX_GPU_WORKERS", "CPU_WORKERS", "cores_per_rank", "default_workers",
-           "workers_per_rank", "one_blas_thread", "init_training_worker", "worker_options", "training_loader"]
+           "affinity_cores", "workers_per_rank", "one_blas_thread", "init_training_worker", "worker_options", "training_loader"]
