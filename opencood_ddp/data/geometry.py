@@ -265,10 +265,9 @@ def points_in_range_mask(points: ArrayLike, lidar_range: ArrayLike) -> np.ndarra
     rng = _check_range(lidar_range)
     if np.issubdtype(pts.dtype, np.floating):
         rng = rng.astype(pts.dtype)
-    inside = pts[:, 0] > rng[0]
-    for axis in range(3):
-        if axis:
-            inside &= pts[:, axis] > rng[axis]
+    inside = (pts[:, 0] > rng[0]) & (pts[:, 0] < rng[3])
+    for axis in (1, 2):
+        inside &= pts[:, axis] > rng[axis]
         inside &= pts[:, axis] < rng[axis + 3]
     return inside
 
