@@ -3,6 +3,7 @@ cooperation that helps, and the manifest's reuse / refusal rules."""
 import dataclasses
 import importlib.util
 import re
+import shutil
 from pathlib import Path
 from typing import Dict, List
 
@@ -310,3 +311,19 @@ def test_a_tool_reads_the_complete_world_in_its_folder_whatever_its_scale(toy_sm
     summary = toy_world_in(toy_small, scale="demo")
     assert summary["skipped"] and summary["scale"] == "small"
     assert (manifest.read_bytes(), manifest.stat().st_mtime_ns) == before
+
+
+def test_a_tool_writes_its_world_again_where_one_was_interrupted(toy_small, tmp_path):
+    """toy_world_in (the demo and every benchmark tool): a world whose manifest says it was interrupted is not read
+    as it is, which would time or train on part of a world, but written again in full."""
+    from opencood_ddp.toy.writer import toy_world_in
+
+    out = tmp_path / "toy"
+    shutil.copytree(toy_small, out)
+    manifest = read_toy_manifest(out)
+    (out / MANIFEST_NAME).write_text(yaml.safe_dump(dict(manifest, complete=False)))
+    shutil.rmtree(out / "test")
+    summary = toy_world_in(out, scale="small")
+    assert summary["skipped"] is False and read_toy_manifest(out)["complete"] is True
+    assert sorted(p.relative_to(out) for p in out.rglob("*.pcd")) == \
+        sorted(p.relative_to(toy_small) for p in toy_small.rglob("*.pcd"))

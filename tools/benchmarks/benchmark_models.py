@@ -100,11 +100,11 @@ def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
 
 # ------------------------------------------------------------------------------------------- driver
 def ensure_data(data: Path) -> None:
-    if not (data / "toy_manifest.yaml").is_file():
-        from opencood_ddp.toy.writer import generate_toy_opv2v
+    """The complete toy world in data, whatever its scale; the demo world is written where there is none, or where
+    one was interrupted half-way (a half world would time fewer samples)."""
+    from opencood_ddp.toy.writer import toy_world_in
 
-        print(f"generating the demo toy world in {data} ...", flush=True)
-        generate_toy_opv2v(data, seed=0, scale="demo")
+    print(f"toy world in {data}: {toy_world_in(data, scale='demo')['scale']}", flush=True)
 
 
 def run_all(args: argparse.Namespace, argv: Sequence[str]) -> List[Dict[str, object]]:

@@ -183,10 +183,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         layer_table()
     if args.models or both:
         toy = Path(args.toy)
-        if not (toy / "toy_manifest.yaml").is_file():
-            from opencood_ddp.toy.writer import generate_toy_opv2v
+        from opencood_ddp.toy.writer import toy_world_in
 
-            generate_toy_opv2v(toy, seed=0, scale="small")
+        toy_world_in(toy, scale="small")
         model_table(toy)
     return 0
 

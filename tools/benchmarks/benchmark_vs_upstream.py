@@ -468,11 +468,11 @@ def run_one(config: str, threads: int, args: argparse.Namespace) -> Dict[str, An
 
 # ------------------------------------------------------------------------------------------- driver
 def ensure_data(data: Path) -> None:
-    if not (data / "toy_manifest.yaml").is_file():
-        from opencood_ddp.toy.writer import generate_toy_opv2v
+    """The complete toy world in data, whatever its scale; the small world is written where there is none, or where
+    one was interrupted half-way."""
+    from opencood_ddp.toy.writer import toy_world_in
 
-        print(f"generating the small toy world in {data} ...", flush=True)
-        generate_toy_opv2v(data, seed=0, scale="small")
+    print(f"toy world in {data}: {toy_world_in(data, scale='small')['scale']}", flush=True)
 
 
 def run_subprocess(config: str, threads: int, argv: Sequence[str]) -> Optional[Dict[str, Any]]:

@@ -25,6 +25,7 @@ import yaml
 
 from opencood_ddp.distributed.launch import launcher_prefix
 from opencood_ddp.toy.config import split_set_flags
+from opencood_ddp.toy.writer import toy_world_in
 
 REPO = Path(__file__).resolve().parents[2]
 # model -> (toy and opv2v config name, --fusion_method, fusion kind for the table, extra --set for the toy run)
@@ -107,8 +108,7 @@ def table(rows: list[dict], epochs: int) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if not (Path(args.data) / "toy_manifest.yaml").is_file():
-        run([sys.executable, REPO / "tools" / "make_toy_opv2v.py", "--out", args.data, "--seed", "0"])
+    toy_world_in(args.data, scale="demo")
     rows = []
     for model in args.models:
         row = {"model": model, "fusion": MODELS[model][2], "epochs": args.epochs}
