@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from launch import REPO, clean_environ, explain, python, split_set_flags, train
+from shared_runs import completed_process, made_once, process_record
 from upstream_loop import upstream_step_lrs
 
 from opencood_ddp.checkpoint_files import load_file
@@ -31,11 +32,16 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def parity_runs(toy_small, tmp_path_factory):
-    """tools/parity_check.py at world sizes 1 and 2 on the toy AttFuse config: its output and kept runs."""
-    work = tmp_path_factory.mktemp("parity") / "runs"
-    result = python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1,2", "--steps", str(STEPS),
-                    *split_set_flags(toy_small), "--work_dir", work, timeout=600)
-    return result, work
+    """tools/parity_check.py at world sizes 1 and 2 on the toy AttFuse config: its output and kept runs, made once
+    in the session (shared_runs.py); every test here reads them and writes elsewhere."""
+    flags = split_set_flags(toy_small)
+
+    def make(folder):
+        return process_record(python(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1,2", "--steps",
+                                     str(STEPS), *flags, "--work_dir", folder / "runs", timeout=600))
+
+    folder, record = made_once(tmp_path_factory, "parity_toy_attfuse", make)
+    return completed_process(record), folder / "runs"
 
 
 def test_parity_check_passes_for_one_and_two_processes(parity_runs):

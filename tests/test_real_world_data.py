@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from launch import REPO, WORKERS, dairv2x_overrides, explain, in_process, python, torchrun, train, v2v4real_overrides
+from shared_runs import completed_process, made_once, process_record
 from opencood_ddp.tasks.eval_presets import PRESETS
 from opencood_ddp.tasks.opencood import eval_file_name
 
@@ -41,11 +42,17 @@ def evaluation_split(name: str, request) -> Path:
 
 @pytest.fixture(scope="module", params=["dairv2x", "v2v4real"])
 def parity_runs(request, tmp_path_factory):
-    """tools/parity_check.py at world sizes 1 and 2, 2 steps of the toy AttFuse on the data set's copy."""
-    work = tmp_path_factory.mktemp(f"parity_{request.param}") / "runs"
-    result = python(PARITY, "--hypes_yaml", TOY / "point_pillar_intermediate_fusion.yaml", "--world_sizes", "1,2",
-                    "--steps", str(STEPS), *overrides(request.param, request), "--work_dir", work, timeout=600)
-    return request.param, result, work
+    """tools/parity_check.py at world sizes 1 and 2, 2 steps of the toy AttFuse on the data set's copy, made once
+    in the session (shared_runs.py); the tests read the runs and copy what they evaluate."""
+    flags = overrides(request.param, request)
+
+    def make(folder):
+        return process_record(python(PARITY, "--hypes_yaml", TOY / "point_pillar_intermediate_fusion.yaml",
+                                     "--world_sizes", "1,2", "--steps", str(STEPS), *flags, "--work_dir",
+                                     folder / "runs", timeout=600))
+
+    folder, record = made_once(tmp_path_factory, f"parity_{request.param}", make)
+    return request.param, completed_process(record), folder / "runs"
 
 
 def test_two_ranks_follow_one_process(parity_runs):
