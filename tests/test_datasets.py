@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +164,43 @@ def test_voxelizer_layout_and_determinism():
     assert all(np.array_equal(out[k], again[k]) for k in out)
     batch = collate_voxels([out, out])
     assert batch["voxel_coords"].shape == (6, 4) and batch["voxel_coords"][:, 0].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+SPCONV_BEFORE_THE_FORK = """
+import sys
+import numpy as np
+import torch
+from opencood_ddp.data.voxelize import Voxelizer
+print("spconv.pytorch.utils" in sys.modules)
+voxelizer = Voxelizer([0.4, 0.4, 4], [-48, -24, -3, 48, 24, 1], max_points_per_voxel=2, max_voxels=3)
+print("spconv.pytorch.utils" in sys.modules)
+
+class Probe(torch.utils.data.Dataset):
+    def __len__(self):
+        return 2
+
+    def __getitem__(self, index):
+        loaded = "spconv.pytorch.utils" in sys.modules  # before this worker's first voxelization
+        return loaded and voxelizer(np.full((1, 4), 0.1, np.float32))["voxel_num_points"].tolist() == [1]
+
+print(all(torch.utils.data.DataLoader(Probe(), batch_size=None, num_workers=2, multiprocessing_context="fork")))
+"""
+
+
+def test_spconv_is_loaded_where_the_voxelizer_is_made_not_in_forked_workers():
+    """Importing the data modules loads nothing of spconv; making a Voxelizer (the main process, building the
+    datasets) loads its PointToVoxel, so that forked loader workers inherit it and never load a CUDA build of
+    spconv for the first time after the fork."""
+    done = subprocess.run([sys.executable, "-c", SPCONV_BEFORE_THE_FORK], capture_output=True, text=True, cwd=REPO,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["False", "True", "True"], done.stderr[-2000:]
+
+
+def test_a_missing_spconv_is_one_error_line_when_the_voxelizer_is_made(monkeypatch):
+    monkeypatch.setitem(sys.modules, "spconv.pytorch.utils", None)
+    with pytest.raises(ConfigError) as caught:
+        Voxelizer([0.4, 0.4, 4], [-48, -24, -3, 48, 24, 1], max_points_per_voxel=2, max_voxels=3)
+    assert "needs spconv 2.x" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_voxelizer_picks_max_voxel_by_mode(toy_small):

@@ -15,6 +15,12 @@ size); voxels appear in the order their first point appears; a voxel keeps its f
 the same voxels. The CUDA kernel (``device='cuda'``) fills a hash table with atomics, so its voxel order is
 not guaranteed to be reproducible; the datasets voxelize on CPU inside DataLoader workers.
 
+spconv's compiled module is loaded where a ``Voxelizer`` is made: the main process, which builds the datasets
+before the loaders fork their workers. So a worker never loads a CUDA build of spconv for the first time in a
+child forked from a process that holds a CUDA context (CUDA does not support being set up again after a fork),
+each worker is spared the import, and a missing spconv is one ConfigError line there, not a worker's traceback.
+Importing this module alone still loads nothing of spconv.
+
 ``collate_voxels`` is upstream's ``collate_batch``: concatenate and prepend the sample (or CAV) index.
 """
 from __future__ import annotations
@@ -33,6 +39,18 @@ def _check_triplet(values: Sequence[float], name: str, length: int) -> List[floa
     if len(values) != length or not all(isinstance(v, (int, float)) for v in values):
         raise ConfigError(f"{name} must be {length} numbers, got {values!r}; fix preprocess in the hypes")
     return [float(v) for v in values]
+
+
+def point_to_voxel_class() -> type:
+    """spconv 2.x's ``PointToVoxel``, imported on the first call so that importing the datasets loads none of
+    spconv's compiled ops; one ConfigError line when spconv cannot be imported."""
+    try:
+        from spconv.pytorch.utils import PointToVoxel
+    except ImportError as exc:
+        raise ConfigError(f"voxelization (preprocess.core_method SpVoxelPreprocessor) needs spconv 2.x, and it "
+                          f"cannot be imported ({exc}); install spconv (CPU) or the spconv-cuXXX wheel of your "
+                          f"CUDA") from None
+    return PointToVoxel
 
 
 class Voxelizer:
@@ -59,6 +77,7 @@ class Voxelizer:
         self.num_point_features = int(num_point_features)
         self.device = torch.device(device)
         self._generator = None
+        point_to_voxel_class()  # loaded before any fork (module docstring)
 
     @classmethod
     def from_hypes(cls, preprocess: Mapping, train: bool, device: Union[str, torch.device] = "cpu") -> "Voxelizer":
@@ -81,14 +100,10 @@ class Voxelizer:
 
     def _point_to_voxel(self):
         if self._generator is None:
-            # Imported here so that importing the datasets does not load spconv's compiled ops.
-            from spconv.pytorch.utils import PointToVoxel
-
-            self._generator = PointToVoxel(vsize_xyz=self.voxel_size, coors_range_xyz=self.lidar_range,
-                                           num_point_features=self.num_point_features,
-                                           max_num_voxels=self.max_voxels,
-                                           max_num_points_per_voxel=self.max_points_per_voxel,
-                                           device=self.device)
+            self._generator = point_to_voxel_class()(
+                vsize_xyz=self.voxel_size, coors_range_xyz=self.lidar_range,
+                num_point_features=self.num_point_features, max_num_voxels=self.max_voxels,
+                max_num_points_per_voxel=self.max_points_per_voxel, device=self.device)
         return self._generator
 
     def __call__(self, points: np.ndarray) -> Dict[str, np.ndarray]:
