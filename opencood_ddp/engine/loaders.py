@@ -134,4 +134,5 @@ def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: i
 
 
 __all__ = ["EpochKeyed", "EpochBatches", "MAX_GPU_WORKERS", "CPU_WORKERS", "cores_per_rank", "default_workers",
-           "affinity_cores", "workers_per_rank", "one_blas_thread", "init_training_worker", "worker_options", "training_loader"]
+           "affinity_cores", "workers_per_rank", "one_blas_thread", "init_training_worker", "worker_options",
+           "training_loader"]

@@ -7,9 +7,8 @@ Usage: python tools/benchmarks/benchmark_dataset.py [--data data/toy_opv2v] [--h
                                           [--upstream OPENCOOD_CHECKOUT]]
 
 The data folder's complete toy world is read whatever its scale; a folder without one gets the demo world
-(seed 0). Each worker count reads the whole split once after a short warm-up in the main process (spconv's
-first call loads its ops);
-the best of ``--repeats`` passes is reported. Then cProfile runs ``--profile-samples`` samples and their
+(seed 0). Each worker count reads the whole split once after a short warm-up in the main process (the first
+voxelization builds spconv's generator; the page cache fills); the best of ``--repeats`` passes is reported. Then cProfile runs ``--profile-samples`` samples and their
 collation in the main process and the cumulative time is grouped into stages.
 
 ``--layouts`` measures the data sets' readers side by side in one run, each on its copy of the same toy world
@@ -178,7 +177,7 @@ def measure_layouts(args: argparse.Namespace, data: Path) -> None:
     for layout in args.layouts:
         hypes = load_parsed_hypes(args.hypes, layout_overrides(layout, data))
         datasets[layout] = build_dataset(hypes, args.split, args.train, seed=0)
-        datasets[layout].collate_batch_train([datasets[layout][0], datasets[layout][1]])  # warm-up: spconv, cache
+        datasets[layout].collate_batch_train([datasets[layout][0], datasets[layout][1]])  # warm-up: spconv's generator, cache
     if args.upstream:
         datasets["upstream"] = upstream_dataset(args, data)
     for workers in args.workers:
@@ -293,7 +292,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"train={args.train}, batch {args.batch_size}, ~{clouds} points per cloud")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cpus, python {platform.python_version()}, "
           f"torch {torch.__version__}, torch threads {torch.get_num_threads()}")
-    dataset.collate_batch_train([dataset[0], dataset[1]])  # warm-up: spconv's ops, page cache
+    dataset.collate_batch_train([dataset[0], dataset[1]])  # warm-up: spconv's generator, page cache
     for workers in args.workers:
         best = max(throughput(dataset, args.batch_size, workers)[0] for _ in range(args.repeats))
         print(f"num_workers={workers}: {best:.1f} samples/s")
