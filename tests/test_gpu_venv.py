@@ -1,13 +1,19 @@
 """tools/ci/gpu_venv.py: `make gpu-check WHEELS=...`'s environment on a machine whose torch is preinstalled.
 
-The layer is built for real over this test's own interpreter, which is a venv holding torch: the lent GPU
-machines' layout (their python3 is /opt/torch/.venv/bin/python3), where `venv --system-site-packages` sees no
-torch. What to install is decided from installed versions and a wheel folder; wheel metadata is read from a
-wheel pip built.
+The layer is built for real, with pip denied the network, over a venv shaped like the lent GPU machines' python3
+(/opt/torch/.venv/bin/python3: a venv holding torch, pip, setuptools and wheel), where `venv
+--system-site-packages` sees no torch. What to install is decided from installed versions and a wheel folder;
+wheel metadata is read from a wheel pip built.
 """
+import functools
+import importlib.metadata
 import io
+import json
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import venv
 import zipfile
@@ -104,27 +110,93 @@ def test_a_plain_system_site_venv_of_a_venv_sees_no_torch(tmp_path):
     assert result.returncode != 0
 
 
+@functools.lru_cache(maxsize=None)
+def no_network_prefix() -> tuple[str, ...]:
+    """`unshare -n` (as root) or `unshare -rn` (where user namespaces are allowed): a network namespace without
+    interfaces, where nothing resolves or connects. () where neither runs: the environment alone then denies pip."""
+    for prefix in (("unshare", "-n"), ("unshare", "-rn")):
+        if shutil.which(prefix[0]) and subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
+            return prefix
+    return ()
+
+
+def offline(command: list[object], **kwargs) -> subprocess.CompletedProcess:
+    """`command` with pip denied every package source: no network (no_network_prefix), no pip setting of this
+    machine (its pip.conf and PIP_FIND_LINKS name local wheel folders and indexes), and an index at a closed port."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0",
+               PIP_TIMEOUT="3")
+    return subprocess.run([*no_network_prefix(), *map(str, command)], capture_output=True, text=True, env=env,
+                          timeout=300, **kwargs)
+
+
+def wheel_of_installed(name: str, folder: Path) -> Path:
+    """A wheel of `name` as pip installed it in this venv: its files in site-packages and its dist-info (scripts
+    and bytecode left out). Nothing is downloaded: the machine that runs the suite may reach no index."""
+    dist = importlib.metadata.distribution(name)
+    tag = next(line.split(":", 1)[1].strip() for line in dist.read_text("WHEEL").splitlines()
+               if line.startswith("Tag:"))
+    wheel = folder / f"{dist.metadata['Name'].replace('-', '_')}-{dist.version}-{tag}.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as archive:
+        for file in dist.files:
+            if file.parts[0] != ".." and file.suffix != ".pyc":
+                archive.write(file.locate(), file.as_posix())
+    return wheel
+
+
+def machine_like_base(path: Path, leave_out: set[str]) -> tuple[Path, Path]:
+    """A venv over this system's Python holding torch, pip and setuptools (this venv's, linked: a copy of torch
+    takes minutes), less the project and `leave_out`, like the GPU machines' python3: its python and site-packages."""
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(path)
+    python = path / "bin" / "python"
+    site_dir = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                   capture_output=True, text=True, check=True).stdout.strip())
+    for entry in Path(sysconfig.get_path("purelib")).iterdir():
+        name = entry.name.split("-")[0].lower()
+        if name not in leave_out and "opencood" not in name and entry.name != "__pycache__":
+            (site_dir / entry.name).symlink_to(entry)
+    # Stands for the GPU image's `wheel` package (the device notes list it; it is not on this machine's disk):
+    # pip takes the `setup.py develop` route for an editable install when setuptools and wheel both import.
+    if not (site_dir / "wheel").exists():
+        (site_dir / "wheel").mkdir()
+        (site_dir / "wheel" / "__init__.py").write_text("")
+    return python, site_dir
+
+
 @pytest.mark.slow
-def test_the_layer_over_a_venv_imports_torch_and_the_project(tmp_path):
+def test_the_layer_is_made_with_pip_denied_the_network_and_imports_the_checkout(tmp_path):
+    """The H200 route with no index: the base lacks tqdm, carried as a packed wheel, and the project goes in
+    with no build step. (The editable install through pip failed here: its `setup.py develop` ran a second pip
+    that went to the index for setuptools.)"""
+    base, base_site = machine_like_base(tmp_path / "base", leave_out={"tqdm"})
+    denied = offline([base, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp_path / "got", "tqdm"])
+    assert denied.returncode != 0 and not list(tmp_path.glob("got/*")), "pip still reaches a package source"
     wheels = tmp_path / "wheels"
     wheels.mkdir()
+    wheel_of_installed("tqdm", wheels)
+    archive = tmp_path / f"w{gpu_venv.PACK_SUFFIX}"
+    gpu_venv.pack_wheels(wheels, archive)
     layer = tmp_path / "layer"
-    result = subprocess.run([sys.executable, str(TOOL), "make", str(layer), "--wheels", str(wheels)],
-                            capture_output=True, text=True, cwd=tmp_path)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "installing" not in result.stdout  # this interpreter has every run-time requirement
-    probe = ("import sys, torch, opencood_ddp, importlib.metadata as m\n"
-             "print(sys.prefix); print(torch.__file__); print(opencood_ddp.__file__); print(m.version('torch'))")
-    out = subprocess.run([str(layer / "bin" / "python"), "-c", probe], capture_output=True, text=True, check=True)
-    prefix, torch_file, package_file, torch_version = out.stdout.split()
+    made = offline([base, TOOL, "make", layer, "--wheels", archive], cwd=tmp_path)
+    assert made.returncode == 0, made.stdout + made.stderr
+    (installing,) = [line for line in made.stdout.splitlines() if line.startswith("installing from")]
+    requirements = installing.rsplit(": ", 1)[1].split(", ")
+    assert len(requirements) == 1 and requirements[0].startswith("tqdm")  # only what the base lacks
+    probe = ("import json, sys, torch, tqdm, opencood_ddp, importlib.metadata as m\n"
+             "print(json.dumps([sys.prefix, torch.__file__, tqdm.__file__, opencood_ddp.__file__,\n"
+             "                  m.version('torch'), sys.path]))")
+    out = offline([layer / "bin" / "python", "-c", probe], check=True)
+    prefix, torch_at, tqdm_at, package_at, torch_version, path = json.loads(out.stdout)
     import torch
-    assert Path(prefix) == layer  # pip installs into the layer, not into the machine's environment
-    assert Path(torch_file) == Path(torch.__file__)  # the machine's torch, seen through the layer's .pth
-    assert Path(package_file).parent == REPO / "opencood_ddp"  # the editable project
+    assert Path(prefix) == layer  # pip installed into the layer, not into the machine's environment
+    assert Path(tqdm_at).is_relative_to(layer)  # the carried wheel, installed with no network
+    assert Path(torch_at).resolve() == Path(torch.__file__).resolve()  # the machine's torch, through the layer
+    assert Path(package_at) == REPO / "opencood_ddp" / "__init__.py"  # the checkout itself, not a copy
+    assert path.index(str(REPO)) < path.index(str(base_site))  # the checkout before anything the machine holds
     assert torch_version == torch.__version__  # pip's view too: it will not try to install a torch
-    again = subprocess.run([sys.executable, str(TOOL), "make", str(layer), "--wheels", str(wheels)],
-                           capture_output=True, text=True, cwd=tmp_path)
-    assert again.returncode == 0, again.stderr
+    again = offline([base, TOOL, "make", layer, "--wheels", wheels], cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "installing" not in again.stdout  # the layer has tqdm now
 
 
 def test_a_missing_wheel_folder_is_one_error_line(tmp_path):

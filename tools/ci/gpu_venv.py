@@ -6,7 +6,8 @@
     python3 tools/ci/gpu_venv.py pack WHEELS w.wheels.tar.xz     # one xz file, smaller; make --wheels takes it too
 
 `make` builds a venv layered over the interpreter that runs it (the one holding torch) and installs into it, from
-the folder WHEELS alone, what the project needs and that interpreter lacks; then the project itself (editable).
+the folder WHEELS alone, what the project needs and that interpreter lacks; then the project itself, as a .pth
+line naming the checkout: no build step, so no build backend is needed (see install_checkout).
 `download` fills such a folder for another machine: the wheels of the project's run-time requirements and of
 spconv for that machine's Python and CUDA, with their dependencies, less what the machine already has
 (`have.txt` is its `python3 -m pip list --format=freeze`).
@@ -57,6 +58,9 @@ except ImportError:  # pip vendors it where it is not installed on its own
 
 ROOT = pins.ROOT
 LAYER_PTH = "machine_site.pth"
+# site reads a folder's .pth files in name order: the checkout's line comes before the machine's directories, so an
+# opencood_ddp the machine may hold cannot shadow the checkout.
+CHECKOUT_PTH = "checkout_opencood_ddp.pth"
 WHEEL_NAME = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-[^-]+\.whl$")
 
 
@@ -129,9 +133,13 @@ def make_layer(path: Path) -> Path:
     python = path / "bin" / "python"
     if not python.exists():
         venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(path)
-    purelib = run_in(python, "import sysconfig; print(sysconfig.get_path('purelib'))").strip()
-    (Path(purelib) / LAYER_PTH).write_text("".join(f"{d}\n" for d in interpreter_site_dirs()))
+    (layer_purelib(python) / LAYER_PTH).write_text("".join(f"{d}\n" for d in interpreter_site_dirs()))
     return python
+
+
+def layer_purelib(python: Path) -> Path:
+    """The layer's site-packages, where its .pth files go."""
+    return Path(run_in(python, "import sysconfig; print(sysconfig.get_path('purelib'))").strip())
 
 
 def run_in(python: Path, code: str) -> str:
@@ -160,9 +168,30 @@ def layer_state(python: Path, names: Iterable[str]) -> dict:
     return state
 
 
-def pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", *args],
-                   check=True)
+def pip_install(python: Path, wheels: Path, requirements: Sequence[str]) -> None:
+    """`pip install` into the layer from the folder `wheels` alone, whatever the machine's pip settings say.
+
+    --no-index: no package index. --only-binary=:all: refuses a source archive in the folder rather than build it
+    (a build wants its build dependencies, setuptools first, from an index). --isolated and PIP_CONFIG_FILE=/dev/null:
+    no PIP_* variable and no pip.conf applies, since --no-index leaves their find-links (which may be URLs) and
+    their user/target/prefix (which would install outside the layer) in force."""
+    command = [str(python), "-m", "pip", "--isolated", "install", "-q", "--disable-pip-version-check", "--no-index",
+               "--only-binary=:all:", "--find-links", str(wheels), *requirements]
+    subprocess.run(command, check=True, env=dict(os.environ, PIP_CONFIG_FILE=os.devnull))
+
+
+def install_checkout(python: Path) -> Path:
+    """The project in the layer without pip: a .pth line naming the checkout.
+
+    opencood_ddp is pure Python, with no entry points, compiled parts or package data, and reads no metadata of its
+    own: what an editable install gives it at run time is this sys.path entry (`setup.py develop` wrote the same
+    line before setuptools 80). Through pip it needs a build backend, which the machine may lack or which may route
+    around --no-index: where setuptools and wheel import, pip runs `setup.py develop`, and setuptools 80 and later
+    make that a second `pip install -e . --use-pep517` without the caller's flags, which fetches setuptools from an
+    index for its isolated build (the H200 failure)."""
+    pth = layer_purelib(python) / CHECKOUT_PTH
+    pth.write_text(f"{ROOT}\n")
+    return pth
 
 
 def cmd_make(args: argparse.Namespace) -> int:
@@ -199,9 +228,10 @@ def make_from(wheels: Path, args: argparse.Namespace) -> int:
         return 2
     if todo.install:
         print(f"installing from {wheels}: {', '.join(todo.install)}")
-        pip(python, "--find-links", str(wheels), *todo.install)
-    pip(python, "--no-deps", "--no-build-isolation", "-e", str(ROOT))
-    print(f"ready: {python} imports torch {state['torch']} and opencood_ddp")
+        pip_install(python, wheels, todo.install)
+    pth = install_checkout(python)
+    package = run_in(python, "import opencood_ddp; print(opencood_ddp.__file__)").strip()
+    print(f"ready: {python} imports torch {state['torch']} and {package} (through {pth.name}, no build step)")
     return 0
 
 
