@@ -182,8 +182,10 @@ def test_gt_on_an_anchor_and_its_neighbours(post, anchors):
     assert neg.sum() == ROWS * COLS * NUM - 3 - 4  # every other anchor (diagonal neighbours: 0.41) is negative
     np.testing.assert_array_equal(targets[row, col], np.zeros(14))
     d = math.hypot(1.6, 3.9)
-    np.testing.assert_allclose(targets[row, col + 1, :7], [-0.8 / d, 0, 0, 0, 0, 0, 0], atol=1e-12)
-    assert label["targets"].dtype == np.float64 and targets.shape == (ROWS, COLS, 14)
+    np.testing.assert_allclose(targets[row, col + 1, :7], [-0.8 / d, 0, 0, 0, 0, 0, 0], rtol=0, atol=3e-8)
+    # float32, the dtype the loss reads (upstream's labels are float64: the values rounded once)
+    assert all(label[key].dtype == np.float32 for key in ("pos_equal_one", "neg_equal_one", "targets"))
+    assert targets.shape == (ROWS, COLS, 14)
 
 
 def test_best_anchor_rule_for_a_small_gt(post, anchors):
@@ -200,11 +202,12 @@ def test_best_anchor_rule_for_a_small_gt(post, anchors):
     expected_neg = (iou[:, 0] < 0.45)
     expected_neg[best] = False
     np.testing.assert_array_equal(neg, expected_neg.astype(float))
-    np.testing.assert_allclose(label["targets"].reshape(-1, 7)[best], encode(gt[None], flat[best:best + 1])[0])
+    np.testing.assert_array_equal(label["targets"].reshape(-1, 7)[best],
+                                  encode(gt[None], flat[best:best + 1])[0].astype(np.float32))
 
 
 def dense_rules(gt, anchors, pos_threshold, neg_threshold):
-    """Upstream's label rules stated on the dense (anchors, GT) IoU matrix."""
+    """Upstream's label rules stated on the dense (anchors, GT) IoU matrix, in upstream's float64."""
     flat = anchors.reshape(-1, 7)
     iou = standup_iou(standup_boxes(geo.boxes_to_corners(flat)), standup_boxes(geo.boxes_to_corners(gt)))
     best = np.argmax(iou, axis=0)
@@ -235,7 +238,9 @@ def test_labels_equal_the_dense_rules_on_crowded_frames(anchors, pos_threshold, 
     assert pos.sum() > 40
     np.testing.assert_array_equal(label["pos_equal_one"].reshape(-1), pos)
     np.testing.assert_array_equal(label["neg_equal_one"].reshape(-1), neg)
-    np.testing.assert_array_equal(label["targets"].reshape(-1, 7), targets)
+    # upstream's float64 residuals rounded once to the labels' float32
+    assert label["targets"].dtype == np.float32
+    np.testing.assert_array_equal(label["targets"].reshape(-1, 7), targets.astype(np.float32))
 
 
 def test_no_gt_and_unreachable_gt(post, anchors):
@@ -255,8 +260,12 @@ def test_labels_collate_pickle_and_determinism(post, anchors):
         np.testing.assert_array_equal(first[key], again[key])
     batch = post.collate_batch([first, again])
     assert set(batch) == {"targets", "pos_equal_one", "neg_equal_one"}
-    assert batch["targets"].shape == (2, ROWS, COLS, 14) and batch["targets"].dtype == torch.float64
+    assert batch["targets"].shape == (2, ROWS, COLS, 14)
     assert batch["pos_equal_one"].shape == (2, ROWS, COLS, NUM)
+    assert all(batch[key].dtype == torch.float32 for key in ("targets", "pos_equal_one", "neg_equal_one"))
+    # labels handed in as float64 (upstream's dtype) are collated into the same float32 tensors
+    wide = post.collate_batch([{key: value.astype(np.float64) for key, value in first.items()}, again])
+    assert all(wide[key].dtype == torch.float32 and torch.equal(wide[key], batch[key]) for key in batch)
 
 
 # ---------------------------------------------------------------------------------------- box helpers

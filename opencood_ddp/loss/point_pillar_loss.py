@@ -4,7 +4,8 @@ Upstream counterpart: ``opencood/loss/point_pillar_loss.py`` (``PointPillarLoss`
 ``WeightedSmoothL1Loss``). The arithmetic is upstream's; the departures are about robustness:
 
 - the loss is computed in (at least) float32 with autocast disabled, so a bf16/fp16 forward pass is safe;
-- labels may arrive in any float dtype (the collate makes float64) and are cast to the computation's dtype;
+- labels may arrive in any float dtype (the collate makes float32, upstream's float64) and are cast to the
+  computation's dtype;
 - there is no branch on the presence of positives: a frame without objects contributes through zero weights,
   so every rank of a DDP job builds the same autograd graph and every head parameter receives a gradient;
 - a NaN regression target costs nothing on every code, yaw included (upstream: a NaN yaw target gives a NaN

@@ -74,7 +74,13 @@ def direction_targets(targets: np.ndarray, args: DirectionArgs) -> np.ndarray:
     residual to the anchor (code 6) plus the anchor's yaw. A training label, made beside the regression targets."""
     rows, cols = targets.shape[:2]
     anchors = len(args.anchor_yaw)
-    heading = targets.reshape(rows, cols, anchors, 7)[..., 6] + np.deg2rad(np.asarray(args.anchor_yaw))
+    return heading_sectors(targets.reshape(rows, cols, anchors, 7)[..., 6], np.asarray(args.anchor_yaw), args)
+
+
+def heading_sectors(yaw_residual: np.ndarray, anchor_yaw_deg: np.ndarray, args: DirectionArgs) -> np.ndarray:
+    """int64 sectors of headings ``yaw_residual + anchor yaw`` (arrays that broadcast), one operation at a time
+    per element: any subset of anchors gets the sectors ``direction_targets`` gives them."""
+    heading = yaw_residual + np.deg2rad(anchor_yaw_deg)
     sector = np.floor(limit_period(heading - args.dir_offset, 0.0, 2 * math.pi) / args.period)
     return np.clip(np.nan_to_num(sector), 0, args.num_bins - 1).astype(np.int64)
 
@@ -121,4 +127,4 @@ def check_direction_agreement(hypes: Mapping, source: str) -> None:
 
 
 __all__ = ["DirectionArgs", "apply_direction", "check_direction_agreement", "direction_logits", "direction_targets",
-           "limit_period"]
+           "heading_sectors", "limit_period"]

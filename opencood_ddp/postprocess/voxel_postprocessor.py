@@ -28,7 +28,7 @@ from opencood_ddp.postprocess.direction import (DirectionArgs, apply_direction, 
 from opencood_ddp.postprocess.boxes import (boxes_to_corners, normal_size_mask, normal_z_mask, project_corners,
                                             within_range_mask)
 from opencood_ddp.postprocess.nms import nms_rotated
-from opencood_ddp.postprocess.targets import anchor_standup_boxes, assign_targets
+from opencood_ddp.postprocess.targets import LABEL_DTYPE, Assignment, StandupGrid, assign, dense_labels
 from opencood_ddp.registry import POSTPROCESSORS
 
 # W, H, vw, vh are written by the yaml_parser: required here, but declared optional to the registry so that
@@ -56,6 +56,7 @@ OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
     ("postprocess.dir_args", "dict"),  # the direction classifier's decoding (postprocess/direction.py)
 )
 _PARSER_KEYS = ("W", "H", "vw", "vh")
+FLOAT_LABELS = ("targets", "pos_equal_one", "neg_equal_one")
 
 
 def _fail(source: str, message: str) -> ConfigError:
@@ -134,8 +135,8 @@ class VoxelPostprocessor:
         self.gt_range: Tuple[float, ...] = evaluation_gt_range({"postprocess": self.params}, source)
         direction = self.params.get("dir_args")
         self.direction = None if direction is None else DirectionArgs.read(direction, "postprocess.dir_args", source)
-        # (anchors, their standup boxes) of the last generate_label call; the datasets pass one cached array.
-        self._standup_cache: Optional[Tuple[np.ndarray, np.ndarray]] = None
+        # (anchors, their StandupGrid) of the last generate_label call; the datasets pass one cached array.
+        self._standup_cache: Optional[Tuple[np.ndarray, StandupGrid]] = None
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -150,27 +151,39 @@ class VoxelPostprocessor:
 
     def generate_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray,
                        mask: np.ndarray) -> Dict[str, np.ndarray]:
-        """pos_equal_one, neg_equal_one (H, W, A) and targets (H, W, 7A), float64 (see ``targets``); with
-        ``dir_args`` also dir_targets (H, W, A) int64 (``direction``)."""
+        """pos_equal_one, neg_equal_one (H, W, A) and targets (H, W, 7A), float32 (``LABEL_DTYPE``; upstream's
+        values, the residuals computed in float64 and rounded once, see ``targets``); with ``dir_args`` also
+        dir_targets (H, W, A) int64 (``direction``)."""
+        assignment = self.assignment(gt_box_center, anchors, mask)
+        if self.direction is None:
+            return dense_labels(assignment, LABEL_DTYPE)
+        # The sectors read the float64 yaw residuals (a heading within float32 rounding of a sector boundary
+        # would otherwise change sector): the labels are made in float64 and rounded after them.
+        labels = dense_labels(assignment, np.float64)
+        labels["dir_targets"] = direction_targets(labels["targets"], self.direction)
+        return {key: value.astype(LABEL_DTYPE) if key in FLOAT_LABELS else value for key, value in labels.items()}
+
+    def assignment(self, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> Assignment:
+        """Upstream's target rules on the valid rows of the padded boxes (``targets.assign``)."""
         gt = np.asarray(gt_box_center, dtype=np.float64).reshape(-1, 7)
         valid = gt[np.asarray(mask).reshape(-1) == 1]
-        labels = assign_targets(valid, anchors, self.pos_threshold, self.neg_threshold, self.anchor_standup(anchors))
-        if self.direction is not None:  # (H, W, A) the sector of each anchor's target heading
-            labels["dir_targets"] = direction_targets(labels["targets"], self.direction)
-        return labels
+        return assign(valid, anchors, self.pos_threshold, self.neg_threshold, self.anchor_standup(anchors))
 
-    def anchor_standup(self, anchors: np.ndarray) -> np.ndarray:
-        """Standup boxes of ``anchors``, computed once per anchor array (anchors are never modified in place)."""
+    def anchor_standup(self, anchors: np.ndarray) -> StandupGrid:
+        """The standup boxes of ``anchors`` and their grid bounds, made once per anchor array (anchors are never
+        modified in place)."""
         if self._standup_cache is None or self._standup_cache[0] is not anchors:
-            self._standup_cache = (anchors, anchor_standup_boxes(anchors))
+            self._standup_cache = (anchors, StandupGrid.of(anchors))
         return self._standup_cache[1]
 
     @staticmethod
     def collate_batch(label_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
         """Per-sample label dicts -> {'targets', 'pos_equal_one', 'neg_equal_one'[, 'dir_targets']} with a batch
-        dimension."""
-        return {key: torch.from_numpy(np.array([label[key] for label in label_list]))
-                for key in ("targets", "pos_equal_one", "neg_equal_one", "dir_targets") if key in label_list[0]}
+        dimension; the float labels in ``LABEL_DTYPE`` whatever dtype they come in."""
+        batch = {key: np.stack([label[key] for label in label_list])
+                 for key in FLOAT_LABELS + ("dir_targets",) if key in label_list[0]}
+        return {key: torch.from_numpy(value.astype(LABEL_DTYPE, copy=False) if key in FLOAT_LABELS else value)
+                for key, value in batch.items()}
 
     # ----------------------------------------------------------------------------------- evaluation side
 
@@ -275,4 +288,5 @@ class VoxelPostprocessor:
         return corners[within_range_mask(corners, self.gt_range)]
 
 
-__all__ = ["REQUIRED_KEYS", "OPTIONAL_KEYS", "VoxelPostprocessor", "check_postprocess_hypes"]
+__all__ = ["REQUIRED_KEYS", "OPTIONAL_KEYS", "LABEL_DTYPE", "FLOAT_LABELS", "VoxelPostprocessor",
+           "check_postprocess_hypes"]

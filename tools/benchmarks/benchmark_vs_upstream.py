@@ -157,9 +157,14 @@ def share_weights(ours: torch.nn.Module, theirs: torch.nn.Module) -> str:
 def upstream_input(ego: Mapping[str, Any]) -> Dict[str, Any]:
     """Upstream's ``batch['ego']`` from ours. Our collate writes upstream's keys, shapes and dtypes for every
     key its models read (processed_lidar, record_len, pairwise_t_matrix, spatial_correction_matrix,
-    prior_encoding, label_dict), so the dict is passed as is; a shallow copy keeps upstream's models, some of
-    which add keys to the dict they are given, from touching ours."""
-    return dict(ego)
+    prior_encoding), so those are passed as they are; a shallow copy keeps upstream's models, some of which add
+    keys to the dict they are given, from touching ours. Our labels are float32 (the dtype our loss reads);
+    upstream's loss gets them widened to its float64, so that its regression runs in float64 as on its own
+    labels (the 0/1 labels are exact; the box codes are rounded once to float32)."""
+    upstream = dict(ego)
+    upstream["label_dict"] = {key: value.double() if value.is_floating_point() else value
+                              for key, value in ego["label_dict"].items()}
+    return upstream
 
 
 # ------------------------------------------------------------------------------------------- agreement
