@@ -363,10 +363,10 @@ def test_late_fusion_in_upstream_mode_places_the_current_gt_in_the_sent_frame(wo
 def test_late_fusion_training_reads_the_chosen_cavs_delayed_frame(world):
     data = build_dataset(hypes_for(world, "late", wild_setting=NOISY), "train", True, SEED)
     seed = next(s for s in range(100) if np.random.default_rng(s).integers(3) == SLOTS[CAV])
-    sent, current = data.random_cav(2, np.random.default_rng(seed))
+    sent, current, slot = data.random_cav(2, np.random.default_rng(seed))
     assert (sent.cav_id, sent.meta_path.name, current.meta_path.name) == (CAV, f"{STAMPS[1]}.yaml",
                                                                           f"{STAMPS[2]}.yaml")
-    entry = data.process_cav(sent, current, np.random.default_rng(0))
+    entry = data.process_cav(sent, current, slot, np.random.default_rng(0), 2)
     # object 9 now: (25, -10, 0.9), yaw 30, seen from the CAV's sent pose (frame 1, yaw 80)
     centre = inverse(matrix(POSES[CAV][1])) @ np.array([25.0, -10.0, 0.9, 1.0])
     np.testing.assert_allclose(boxes_by_id(entry)[9], [*centre[:3], 1.6, 1.8, 4.4, math.radians(30 - 80)],

@@ -35,7 +35,8 @@ from opencood_ddp.errors import DataError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-__all__ = ["PcdField", "PcdHeader", "read_pcd", "read_pcd_header", "write_pcd"]
+__all__ = ["PcdField", "PcdHeader", "RED_TO_INTENSITY", "colour_intensity", "read_pcd", "read_pcd_header",
+           "read_pcd_records", "write_pcd"]
 
 # A PCD header is a dozen short lines; anything longer without a DATA line is not a PCD file.
 _MAX_HEADER_BYTES = 1 << 16
@@ -47,7 +48,7 @@ _NUMPY_KINDS = {"F": "f", "I": "i", "U": "u"}
 _VALID_SIZES = {"F": (4, 8), "I": (1, 2, 4, 8), "U": (1, 2, 4, 8)}
 
 # open3d turns the red byte into a double r / 255.0; the table holds that double cast to float32.
-_RED_TO_INTENSITY = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
+RED_TO_INTENSITY = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Header
@@ -320,7 +321,7 @@ def _read_binary(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
     if header.field("intensity") is not None:
         out[:, 3] = _as_double_then_float32(_record_column(records, header, "intensity"))
     elif colour is not None:
-        out[:, 3] = _RED_TO_INTENSITY[_binary_red(raw, header, colour)]
+        out[:, 3] = RED_TO_INTENSITY[_binary_red(raw, header, colour)]
     else:
         out[:, 3] = 0.0
     return out
@@ -450,10 +451,10 @@ def _fill_flagged(raw: bytes, header: PcdHeader, path: PathLike, out: np.ndarray
             out[row, column] = _text_double(text, row + 1, path)
         elif float_colour:
             bits = np.array([_text_float32(text, row + 1, path)], dtype=np.float32).view(np.uint32)
-            out[row, 3] = _RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
+            out[row, 3] = RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
         else:
             bits = _integer_bits(np.array([_text_double(text, row + 1, path)]))
-            out[row, 3] = _RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
+            out[row, 3] = RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -506,6 +507,35 @@ def read_pcd(path: PathLike) -> np.ndarray:
         if header.data == "binary":
             return _read_binary(raw, header, path)
         return _read_compressed(header, path)
+
+
+def read_pcd_records(path: PathLike) -> tuple[np.ndarray, bool]:
+    """The cloud as the file stores it where that is already (N, 4) rows of 4-byte values: OPV2V's binary records
+    (x, y, z float32, then the packed colour), as a read-only (N, 4) float32 view of the file's bytes whose column 3
+    holds the colour's bits, and True; any other file as ``read_pcd`` gives it, and False.
+
+    ``colour_intensity`` turns such a column into ``read_pcd``'s intensity. This spares a DataLoader worker the
+    conversion when the device does it (``preprocess.on_device``, data/device_points.py)."""
+    raw = _read_bytes(path)
+    header = _parse_header(raw, path)
+    colour = _colour_field(header)
+    if header.data == "binary" and header.field("intensity") is None and colour is not None \
+            and (colour.offset, colour.size, colour.count) == (12, 4, 1):
+        _binary_records(raw, header, path)  # the truncation check, before a view that needs every byte
+        records = _four_float_records(raw, header)
+        if records is not None:
+            return records, True
+    with np.errstate(over="ignore"):
+        if header.data == "ascii":
+            return _read_ascii(raw, header, path), False
+        if header.data == "binary":
+            return _read_binary(raw, header, path), False
+        return _read_compressed(header, path), False
+
+
+def colour_intensity(bits: np.ndarray) -> np.ndarray:
+    """The intensity ``read_pcd`` gives for packed colours of these uint32 bits: the red byte / 255 as float32."""
+    return RED_TO_INTENSITY[(np.asarray(bits, dtype=np.uint32) >> np.uint32(16)) & np.uint32(0xFF)]
 
 
 def _red_byte(intensity: np.ndarray) -> np.ndarray:

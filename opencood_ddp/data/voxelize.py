@@ -30,6 +30,7 @@ from typing import Dict, List, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from opencood_ddp.data.sorted_voxels import VoxelGrid
 from opencood_ddp.errors import ConfigError
 
 VOXEL_KEYS = ("voxel_features", "voxel_coords", "voxel_num_points")
@@ -92,6 +93,11 @@ class Voxelizer:
         """(x, y, z) number of voxels, rounded as upstream's SpVoxelPreprocessor."""
         extent = np.array(self.lidar_range[3:]) - np.array(self.lidar_range[:3])
         return np.round(extent / np.array(self.voxel_size)).astype(np.int64)
+
+    def voxel_grid(self) -> VoxelGrid:
+        """These settings as ``sorted_voxels.VoxelGrid``: the device path's voxelizer (``preprocess.on_device``)."""
+        return VoxelGrid(tuple(self.voxel_size), tuple(self.lidar_range), self.max_points_per_voxel,
+                         self.max_voxels, self.num_point_features)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -28,6 +28,7 @@ from opencood_ddp.postprocess.direction import (DirectionArgs, apply_direction, 
 from opencood_ddp.postprocess.boxes import (boxes_to_corners, normal_size_mask, normal_z_mask, project_corners,
                                             within_range_mask)
 from opencood_ddp.postprocess.nms import nms_rotated
+from opencood_ddp.postprocess.sparse_labels import SparseLabelBatch, SparseLabels
 from opencood_ddp.postprocess.targets import LABEL_DTYPE, Assignment, StandupGrid, assign, dense_labels
 from opencood_ddp.registry import POSTPROCESSORS
 
@@ -163,6 +164,12 @@ class VoxelPostprocessor:
         labels["dir_targets"] = direction_targets(labels["targets"], self.direction)
         return {key: value.astype(LABEL_DTYPE) if key in FLOAT_LABELS else value for key, value in labels.items()}
 
+    def generate_sparse_label(self, *, gt_box_center: np.ndarray, anchors: np.ndarray,
+                              mask: np.ndarray) -> SparseLabels:
+        """The labels of ``generate_label`` by index, for the device to spread (``preprocess.on_device``;
+        ``sparse_labels``)."""
+        return SparseLabels.of(self.assignment(gt_box_center, anchors, mask), self.direction)
+
     def assignment(self, gt_box_center: np.ndarray, anchors: np.ndarray, mask: np.ndarray) -> Assignment:
         """Upstream's target rules on the valid rows of the padded boxes (``targets.assign``)."""
         gt = np.asarray(gt_box_center, dtype=np.float64).reshape(-1, 7)
@@ -177,9 +184,12 @@ class VoxelPostprocessor:
         return self._standup_cache[1]
 
     @staticmethod
-    def collate_batch(label_list: Sequence[Mapping[str, np.ndarray]]) -> Dict[str, torch.Tensor]:
+    def collate_batch(label_list: Sequence[Any]) -> Any:
         """Per-sample label dicts -> {'targets', 'pos_equal_one', 'neg_equal_one'[, 'dir_targets']} with a batch
-        dimension; the float labels in ``LABEL_DTYPE`` whatever dtype they come in."""
+        dimension; the float labels in ``LABEL_DTYPE`` whatever dtype they come in. ``SparseLabels`` ->
+        ``SparseLabelBatch``, which the task's ``move_to`` turns into the same dict on the device."""
+        if isinstance(label_list[0], SparseLabels):
+            return SparseLabelBatch.collate(label_list)
         batch = {key: np.stack([label[key] for label in label_list])
                  for key in FLOAT_LABELS + ("dir_targets",) if key in label_list[0]}
         return {key: torch.from_numpy(value.astype(LABEL_DTYPE, copy=False) if key in FLOAT_LABELS else value)

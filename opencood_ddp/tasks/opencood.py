@@ -22,10 +22,11 @@ import torch
 from torch import nn
 
 from opencood_ddp.data.datasets import NO_FUSION, SPLIT_KEYS, build_dataset, fusion_methods
+from opencood_ddp.data.device_points import prepare_batch
 from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.sources import check_split_path
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
-from opencood_ddp.engine.task import LossOutput, Task, move_tensors
+from opencood_ddp.engine.task import LossOutput, Task
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.loss import create_loss
@@ -93,7 +94,7 @@ def build_task(hypes: dict, for_training: bool) -> Task:
     return Task(train_set=train_set, val_set=val_set,
                 collate_train=train_set.collate_batch_train if train_set is not None else None,
                 collate_val=val_set.collate_batch_train, model=model, step=DetectionStep(create_loss(hypes)),
-                batch_size_of=batch_size_of, move_to=move_tensors, parameter_use=take_parameter_use)
+                batch_size_of=batch_size_of, move_to=prepare_batch, parameter_use=take_parameter_use)
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -101,15 +102,19 @@ class EvalCollate:
     """Test batches: ``frames``, one upstream test batch (``collate_batch_test``) per frame, for post-processing,
     GT and pictures; and ``model_input``, the frame itself when alone, else the frames stacked by the training
     collate so that the model runs once per batch (early and intermediate fusion; eval-mode BatchNorm makes
-    each frame's output independent of its batch)."""
+    each frame's output independent of its batch). Frames beside a stacked input carry no ``processed_lidar``:
+    only the model reads it, so it is neither handed over twice nor, under ``preprocess.on_device``, voxelized twice."""
 
     def __init__(self, dataset: Any):
         self.dataset = dataset
 
     def __call__(self, samples: List[Mapping]) -> Dict[str, Any]:
         frames = [self.dataset.collate_batch_test([sample]) for sample in samples]
-        model_input = frames[0] if len(samples) == 1 else self.dataset.collate_batch_train(samples)
-        return {"frames": frames, "model_input": model_input}
+        if len(samples) == 1:
+            return {"frames": frames, "model_input": frames[0]}
+        for frame in frames:
+            frame["ego"].pop("processed_lidar", None)
+        return {"frames": frames, "model_input": self.dataset.collate_batch_train(samples)}
 
 
 class FrameEvaluator:
@@ -373,7 +378,7 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     meter = CommunicationMeter.of(hypes, fusion_method)
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
                     evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
-                    summarize=Summary(convention, meter), move_to=move_tensors, finish=finish,
+                    summarize=Summary(convention, meter), move_to=prepare_batch, finish=finish,
                     result_name=eval_file_name(options.global_sort, convention.preset, fusion_method),
                     report=Report(options, request.run_dir, convention))
 

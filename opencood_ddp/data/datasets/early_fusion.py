@@ -24,9 +24,8 @@ from typing import Any, Dict, Sequence
 
 import numpy as np
 
-from opencood_ddp.data.datasets.base import OpencoodDataset, cav_positions, identity_matrix
+from opencood_ddp.data.datasets.base import OpencoodDataset, cav_positions, collate_lidar, identity_matrix
 from opencood_ddp.data.geometry import transform_points
-from opencood_ddp.data.voxelize import collate_voxels
 from opencood_ddp.registry import DATASETS
 
 
@@ -40,17 +39,27 @@ class EarlyFusionDataset(OpencoodDataset):
         cavs = self.received_cavs(index)
         to_ego = [cav.to_ego for cav in cavs]
         boxes, ids = self.sample_objects(cavs)
-        points = np.concatenate([transform_points(self.load_cav_points(cav.sent, rng), cav.to_ego) for cav in cavs])
+        # The CPU path shuffles each cloud with the sample's Generator before the augmentation draws from it.
+        points = None if self.on_device else np.concatenate(
+            [transform_points(self.load_cav_points(cav.sent, rng), cav.to_ego) for cav in cavs])
 
         transform = self.sample_transform(rng)
         if transform is not None:
-            points, boxes = transform.points(points), transform.boxes(boxes)
-        points = self.crop(points)
+            boxes = transform.boxes(boxes)
+            if points is not None:
+                points = transform.points(points)
         boxes, ids = self.in_range_boxes(boxes, ids)
         center, mask = self.pad_objects(boxes, f"sample {index} of {self.source.root}")
+        if points is None:
+            raw = [self.raw_cloud(cav.sent, cav.slot, index, cav.to_ego, transform) for cav in cavs]
+            lidar: Any = self.raw_lidar(raw, separate=False)
+            points = np.concatenate([self.picture_points(cloud) for cloud in raw]) if self.visualize else None
+        else:
+            points = self.crop(points)
+            lidar = self.voxelizer(points)
 
         ego: Dict[str, Any] = {"object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
-                               "processed_lidar": self.voxelizer(points)}
+                               "processed_lidar": lidar}
         ego.update(self.label_entries(center, mask))
         if self.visualize:
             ego["origin_lidar"] = points
@@ -63,7 +72,7 @@ class EarlyFusionDataset(OpencoodDataset):
         ego_in = batch[0]["ego"]
         ego: Dict[str, Any] = dict(self.stack_objects([ego_in]))
         ego["object_ids"] = ego_in["object_ids"]
-        ego["processed_lidar"] = collate_voxels([ego_in["processed_lidar"]])
+        ego["processed_lidar"] = collate_lidar([ego_in["processed_lidar"]])
         ego["transformation_matrix"] = identity_matrix()
         ego.update(self.test_extras(ego_in))
         ego.update(self.collate_labels([ego_in]))

@@ -55,6 +55,7 @@ import torch
 
 from opencood_ddp.data.datasets.base import (COMMON_OPTIONAL_KEYS, OpencoodDataset, ReceivedCav, cav_positions,
                                              identity_matrix)
+from opencood_ddp.data.device_points import RawLidar, collate_raw
 from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
 from opencood_ddp.errors import ConfigError
@@ -92,24 +93,28 @@ class IntermediateFusionDataset(OpencoodDataset):
         cavs = self.received_cavs(index)
         to_ego = [cav.to_ego for cav in cavs]
         boxes, ids = self.sample_objects(cavs)
-        clouds = []
-        for cav in cavs:
-            points = self.load_cav_points(cav.sent, rng)
-            clouds.append(transform_points(points, cav.to_ego) if self.proj_first else points)
-
+        # The CPU path shuffles each cloud with the sample's Generator before the augmentation draws from it.
+        clouds = None if self.on_device else [self.cav_cloud(cav, rng) for cav in cavs]
         transform = self.sample_transform(rng)
         if transform is not None:
-            clouds = [transform.points(points) for points in clouds]
             boxes = transform.boxes(boxes)
+            if clouds is not None:
+                clouds = [transform.points(points) for points in clouds]
         if transform is not None or self.source.refilters_each_cav:
             boxes, ids = self.in_range_boxes(boxes, ids)
         center, mask = self.pad_objects(boxes, f"sample {index} of {self.source.root}")
-        clouds = [self.crop(points) for points in clouds]
+        if clouds is None:
+            raw = [self.raw_cloud(cav.sent, cav.slot, index, cav.to_ego if self.proj_first else None, transform)
+                   for cav in cavs]
+            lidar: Any = self.raw_lidar(raw, separate=True)
+            clouds = [self.picture_points(cloud) for cloud in raw] if self.visualize else None
+        else:
+            clouds = [self.crop(points) for points in clouds]
+            lidar = merge_voxel_dicts([self.voxelizer(points) for points in clouds])
 
         ego: Dict[str, Any] = {
             "object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
-            "processed_lidar": merge_voxel_dicts([self.voxelizer(points) for points in clouds]),
-            "cav_num": len(cavs), "pairwise_t_matrix": self.pairwise_matrices(to_ego),
+            "processed_lidar": lidar, "cav_num": len(cavs), "pairwise_t_matrix": self.pairwise_matrices(to_ego),
             "prior_encoding": self.prior_encoding(cavs),
             "spatial_correction_matrix": self.spatial_correction_matrices(cavs),
         }
@@ -120,6 +125,11 @@ class IntermediateFusionDataset(OpencoodDataset):
                                                  [transform_points(c, m) for c, m in zip(clouds, to_ego)])
             ego["cav_positions"] = cav_positions(to_ego)
         return OrderedDict(ego=ego)
+
+    def cav_cloud(self, cav: ReceivedCav, rng: np.random.Generator) -> np.ndarray:
+        """The CPU path's cloud of one CAV: shuffled, without the car's hits, projected with proj_first."""
+        points = self.load_cav_points(cav.sent, rng)
+        return transform_points(points, cav.to_ego) if self.proj_first else points
 
     def pairwise_matrices(self, to_ego: Sequence[np.ndarray]) -> np.ndarray:
         """(max_cav, max_cav, 4, 4): entry [i, j] maps CAV i's frame into CAV j's (upstream's layout)."""
@@ -156,9 +166,12 @@ class IntermediateFusionDataset(OpencoodDataset):
         """All CAVs of all samples in one voxel batch; coords' first column is the running CAV index."""
         egos = [sample["ego"] for sample in batch]
         ego: Dict[str, Any] = dict(self.stack_objects(egos))
-        per_cav = [dict(zip(VOXEL_KEYS, arrays)) for e in egos
-                   for arrays in zip(*(e["processed_lidar"][key] for key in VOXEL_KEYS))]
-        ego["processed_lidar"] = collate_voxels(per_cav)
+        lidars = [e["processed_lidar"] for e in egos]
+        if isinstance(lidars[0], RawLidar):  # preprocess.on_device: each CAV its own voxel group, as below
+            ego["processed_lidar"] = collate_raw(lidars)
+        else:
+            ego["processed_lidar"] = collate_voxels([dict(zip(VOXEL_KEYS, arrays)) for lidar in lidars
+                                                     for arrays in zip(*(lidar[key] for key in VOXEL_KEYS))])
         ego["record_len"] = torch.from_numpy(np.array([e["cav_num"] for e in egos], dtype=np.int64))
         ego.update(self.collate_labels(egos))
         # Upstream keeps the first sample's ids only (they are read at inference, where the batch is one sample).

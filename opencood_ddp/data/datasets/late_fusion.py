@@ -31,10 +31,9 @@ from typing import Any, Dict, Mapping, Sequence, Tuple
 import numpy as np
 import torch
 
-from opencood_ddp.data.datasets.base import OpencoodDataset, ReceivedCav
+from opencood_ddp.data.datasets.base import OpencoodDataset, ReceivedCav, collate_lidar
 from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.data.opv2v import CavFrame
-from opencood_ddp.data.voxelize import collate_voxels
 from opencood_ddp.registry import DATASETS
 
 
@@ -46,11 +45,11 @@ class LateFusionDataset(OpencoodDataset):
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         if self.train:
-            return OrderedDict(ego=self.process_cav(*self.random_cav(index, rng), rng))
+            return OrderedDict(ego=self.process_cav(*self.random_cav(index, rng), rng, index))
         sample: "OrderedDict[str, Any]" = OrderedDict()
         cavs = self.received_cavs(index)
         for cav in cavs:
-            processed = self.process_cav(cav.sent, cav.current, rng)
+            processed = self.process_cav(cav.sent, cav.current, cav.slot, rng, index)
             processed["transformation_matrix"] = cav.to_ego
             if cav.noisy:
                 processed["transformation_matrix_clean"] = cav.to_ego_clean
@@ -80,25 +79,35 @@ class LateFusionDataset(OpencoodDataset):
         padded[:len(corners)] = corners
         return padded, mask
 
-    def random_cav(self, index: int, rng: np.random.Generator) -> Tuple[CavFrame, CavFrame]:
+    def random_cav(self, index: int, rng: np.random.Generator) -> Tuple[CavFrame, CavFrame, int]:
         """Upstream's ``random.choice`` over the frame's CAVs (the ego when visualizing): its sent and current
-        frames, one yaml read without delay."""
+        frames, one yaml read without delay, and its slot."""
         frames, delays, _ = self.sample_frames(index)
         slot = 0 if self.visualize else int(rng.integers(len(delays)))
-        return frames.frame(slot, delays[slot]), frames.frame(slot)
+        return frames.frame(slot, delays[slot]), frames.frame(slot), slot
 
-    def process_cav(self, sent: CavFrame, current: CavFrame, rng: np.random.Generator) -> Dict[str, Any]:
+    def process_cav(self, sent: CavFrame, current: CavFrame, slot: int, rng: np.random.Generator,
+                    index: int) -> Dict[str, Any]:
         """One CAV in its own sent frame: its sent cloud, the current frame's objects placed with its sent pose."""
         # Upstream crops before removing the car's own hits; both are point masks, so the order is immaterial.
-        points = self.crop(self.load_cav_points(sent, rng))
+        # The CPU path shuffles the cloud with the sample's Generator before the augmentation draws from it.
+        points = None if self.on_device else self.crop(self.load_cav_points(sent, rng))
         boxes, ids = self.source.own_objects(current, sent.lidar_pose, self.gt_range)
         center, mask = self.pad_objects(boxes, current.meta_path)
         transform = self.sample_transform(rng)
         if transform is not None:
-            points, valid = transform.points(points), transform.boxes(boxes)
+            valid = transform.boxes(boxes)
             center[:len(valid)] = valid
+            if points is not None:
+                points = transform.points(points)
+        if points is None:
+            raw = self.raw_cloud(sent, slot, index, transform=transform)
+            lidar: Any = self.raw_lidar([raw], separate=True, crop_first=True)
+            points = self.picture_points(raw, crop_first=True) if self.visualize else None
+        else:
+            lidar = self.voxelizer(points)
         processed: Dict[str, Any] = {"object_bbx_center": center, "object_bbx_mask": mask, "object_ids": ids,
-                                     "processed_lidar": self.voxelizer(points)}
+                                     "processed_lidar": lidar}
         processed.update(self.label_entries(center, mask))
         if self.visualize:
             processed["origin_lidar"] = points
@@ -113,7 +122,7 @@ class LateFusionDataset(OpencoodDataset):
             entry["object_ids"] = cav["object_ids"]
             if "gt_object_bbx_mask" in cav:
                 entry.update(sample_ground_truth_batch(cav))
-            entry["processed_lidar"] = collate_voxels([cav["processed_lidar"]])
+            entry["processed_lidar"] = collate_lidar([cav["processed_lidar"]])
             for matrix in ("transformation_matrix", "transformation_matrix_clean"):
                 if matrix in cav:
                     entry[matrix] = torch.from_numpy(np.array(cav[matrix])).float()

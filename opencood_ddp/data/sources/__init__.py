@@ -16,7 +16,8 @@ What a dataset asks of a source (``SplitSource``; each method's docstring says w
   earlier frames a delay may reach, and ``frame(slot, lag) -> CavFrame``, slot 0 the ego);
 - ``comm_range(fusion)``: the range a CAV must be within to be received, or None (V2V4Real tests it only in
   intermediate fusion);
-- ``points(frame)``: the (N, 4) float32 cloud of a frame, in its own LiDAR frame;
+- ``points(frame)``: the (N, 4) float32 cloud of a frame, in its own LiDAR frame; ``stored_points(frame)`` the same
+  as the file stores it, for the device to decode;
 - ``ego_speed_kmh(frame)``: V2X-ViT's prior encoding;
 - ``objects(frame, target_pose, gt_range)``: the frame's contribution to the sample's ground truth in the target
   frame, ``merge(per_cav)`` the sample's ground truth from them; ``own_objects`` a CAV's own labels (late fusion);
@@ -35,7 +36,7 @@ import numpy as np
 
 from opencood_ddp.data.ground_truth import upstream_unique_indices
 from opencood_ddp.data.opv2v import CavFrame
-from opencood_ddp.data.pcd import read_pcd
+from opencood_ddp.data.pcd import read_pcd, read_pcd_records
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.registry import SOURCES
 
@@ -95,6 +96,14 @@ class SplitSource:
     def points(self, frame: CavFrame) -> np.ndarray:
         """The frame's (N, 4) float32 cloud ``x, y, z, intensity`` in its LiDAR frame (OPV2V: open3d's reading)."""
         return read_pcd(frame.pcd_path)
+
+    def stored_points(self, frame: CavFrame) -> Tuple[np.ndarray, bool]:
+        """The frame's cloud as ``pcd.read_pcd_records`` reads it for the device (``preprocess.on_device``): (N, 4)
+        float32 rows and whether column 3 still holds packed colour bits. A source whose ``points`` does more than
+        read the file (DAIR-V2X-C's scaling) gives its ``points``."""
+        if type(self).points is not SplitSource.points:
+            return self.points(frame), False
+        return read_pcd_records(frame.pcd_path)
 
     def ego_speed_kmh(self, frame: CavFrame) -> float:
         raise NotImplementedError
