@@ -109,11 +109,12 @@ def test_grid_size_is_spconvs():
 
 
 def lowbias32(x: int) -> int:
-    """The hash in Python's integers, written from its definition: xor-shifts 16, 15, 16 around the multipliers."""
+    """The hash in Python's integers, written from its definition: xor-shifts 16, 15, 16 around the multipliers
+    0x7FEB352D and 0x1B873593, mod 2^32."""
     x ^= x >> 16
     x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x ^= x >> 15
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = (x * 0x1B873593) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 
@@ -429,3 +430,4 @@ def test_stored_records_are_read_pcds_points_once_decoded(tmp_path):
     (tmp_path / "short.pcd").write_bytes((tmp_path / "rgb.pcd").read_bytes()[:-5])
     with pytest.raises(DataError, match="short.pcd: truncated binary data"):
         read_pcd_records(tmp_path / "short.pcd")
+

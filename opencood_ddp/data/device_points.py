@@ -66,27 +66,33 @@ def shuffle_key(seed: int, epoch: int, index: int, slot: int) -> Tuple[int, int]
     return int(words[0]), int(words[1])
 
 
-def _times_mod32(x: torch.Tensor, factor: int) -> torch.Tensor:
-    """(x * factor) mod 2^32 for x in [0, 2^32) held in int64, without an int64 overflow: the low and high 16 bits
-    are multiplied apart (each product below 2^48)."""
-    low, high = x & 0xFFFF, x >> 16
-    return (low * factor + (((high * factor) & 0xFFFF) << 16)) & _MASK32
+# Odd multipliers below 2^31: a product with a value below 2^32 stays below 2^63, so int64 holds it exactly on every
+# device (no overflow to rely on), and the product mod 2^32 is one mask.
+_MULTIPLIERS = (0x7FEB352D, 0x1B873593)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijection of [0, 2^32) that scatters nearby inputs (xor-shifts and odd multipliers, the "lowbias32" form)."""
+    """A bijection of [0, 2^32) that scatters nearby inputs: xor-shifts and odd multipliers mod 2^32 (the form of
+    Wellons' "lowbias32", with multipliers below 2^31)."""
     x = x ^ (x >> 16)
-    x = _times_mod32(x, 0x7FEB352D)
+    x = (x * _MULTIPLIERS[0]) & _MASK32
     x = x ^ (x >> 15)
-    x = _times_mod32(x, 0x846CA68B)
+    x = (x * _MULTIPLIERS[1]) & _MASK32
     return x ^ (x >> 16)
 
 
-def hash_order(lengths: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def cloud_of_points(lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) each point's cloud, for clouds of ``lengths`` laid end to end (``total`` their sum, known on the
+    host, so that no host sync asks for it)."""
+    return torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths, output_size=total)
+
+
+def hash_order(lengths: torch.Tensor, keys: torch.Tensor, cloud: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The shuffled order of clouds of ``lengths`` laid end to end: each cloud's points sorted by
     ``mix32(mix32(i ^ key0) ^ key1)`` of their index ``i`` in the cloud, the clouds kept in their order. The hash
-    is a bijection of ``i``, so no two points tie and the order is the same on every device."""
-    cloud = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths)
+    is a bijection of ``i``, so no two points tie and the order is the same on every device. ``cloud``: each
+    point's cloud, where the caller has it."""
+    cloud = cloud_of_points(lengths, int(lengths.sum())) if cloud is None else cloud
     starts = torch.cumsum(lengths, 0) - lengths
     local = torch.arange(len(cloud), device=lengths.device) - starts[cloud]
     hashed = _mix32(_mix32(local ^ keys[cloud, 0]) ^ keys[cloud, 1])
@@ -157,9 +163,9 @@ class CloudBatch(DeviceWork):
     def on_device(self, device: torch.device) -> Dict[str, torch.Tensor]:
         """The batch's ``processed_lidar`` on ``device`` (module docstring)."""
         lengths = torch.from_numpy(self.lengths).to(device)
-        cloud = torch.repeat_interleave(torch.arange(len(self.lengths), device=device), lengths)
+        cloud = cloud_of_points(lengths, len(self.points))
         points = self.decoded(self.points.to(device, non_blocking=True), cloud)
-        points = points[hash_order(lengths, torch.from_numpy(self.keys).to(device))]
+        points = points[hash_order(lengths, torch.from_numpy(self.keys).to(device), cloud)]
         self.report_non_finite(points, cloud)
         keep = ~ego_hits(points)
         if self.to_ego is not None:
@@ -169,9 +175,8 @@ class CloudBatch(DeviceWork):
         points = self.augmented(points)
         if not self.crop_first:
             keep &= in_range(points, self.grid.lidar_range)
-        kept = torch.nonzero(keep).squeeze(1)
-        groups = torch.from_numpy(self.groups_of_clouds).to(device)[cloud[kept]]
-        return voxelize_groups(points[kept], groups, self.groups, self.grid)
+        groups = torch.from_numpy(self.groups_of_clouds).to(device)[cloud]
+        return voxelize_groups(points, groups, self.groups, self.grid, keep)
 
     def decoded(self, points: torch.Tensor, cloud: torch.Tensor) -> torch.Tensor:
         """Column 3 of the clouds stored with a packed colour turned into ``read_pcd``'s intensity: the red byte
@@ -188,9 +193,9 @@ class CloudBatch(DeviceWork):
         return points
 
     def report_non_finite(self, points: torch.Tensor, cloud: torch.Tensor) -> None:
-        bad = (~torch.isfinite(points[:, :3])).any(dim=1)
-        counts = torch.bincount(cloud, weights=bad.to(torch.float64), minlength=len(self.lengths))
-        for path, count, total in zip(self.paths, counts.cpu().tolist(), self.lengths.tolist()):
+        bad = (~torch.isfinite(points[:, :3])).any(dim=1).to(torch.long)
+        counts = torch.zeros(len(self.lengths), dtype=torch.long, device=points.device).scatter_add_(0, cloud, bad)
+        for path, count, total in zip(self.paths, counts.cpu().tolist(), self.lengths.tolist()):  # one host sync
             tell_non_finite(path, int(count), total)
 
     def augmented(self, points: torch.Tensor) -> torch.Tensor:

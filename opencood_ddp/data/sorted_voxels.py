@@ -21,7 +21,7 @@ grid ``round((high - low) / size)`` in float32 with halves away from zero (``std
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -68,6 +68,11 @@ def _cells(xyz: torch.Tensor, grid: VoxelGrid) -> Tuple[torch.Tensor, torch.Tens
     return cells, inside
 
 
+def _counts(index: torch.Tensor, size: int) -> torch.Tensor:
+    """How often each of 0..size-1 occurs in ``index``: bincount of a known length, which needs no host sync."""
+    return torch.zeros(size, dtype=torch.long, device=index.device).scatter_add_(0, index, torch.ones_like(index))
+
+
 def _first_positions(inverse: torch.Tensor, voxels: int) -> torch.Tensor:
     """Each voxel's first point: the lowest position among the points mapped to it."""
     positions = torch.arange(len(inverse), device=inverse.device)
@@ -78,7 +83,7 @@ def _first_positions(inverse: torch.Tensor, voxels: int) -> torch.Tensor:
 def _slots(inverse: torch.Tensor, voxels: int) -> torch.Tensor:
     """Each point's place among its voxel's points, in point order (a stable sort by voxel keeps that order)."""
     sorted_voxel, order = torch.sort(inverse, stable=True)
-    counts = torch.bincount(inverse, minlength=voxels)
+    counts = _counts(inverse, voxels)
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.empty_like(inverse)
     slot[order] = torch.arange(len(inverse), device=inverse.device) - starts[sorted_voxel]
@@ -88,21 +93,22 @@ def _slots(inverse: torch.Tensor, voxels: int) -> torch.Tensor:
 def _kept_voxels(first: torch.Tensor, voxel_group: torch.Tensor, groups: int, max_voxels: int) -> torch.Tensor:
     """The voxels each group keeps, in output order: by group, then by first point; at most max_voxels a group."""
     order = torch.argsort(first)  # first positions are distinct, and groups are runs of positions
-    per_group = torch.bincount(voxel_group, minlength=groups)
+    per_group = _counts(voxel_group, groups)
     group_start = torch.cumsum(per_group, 0) - per_group
     rank_in_group = torch.arange(len(order), device=order.device) - group_start[voxel_group[order]]
     return order[rank_in_group < max_voxels]
 
 
-def voxelize_groups(points: torch.Tensor, group: torch.Tensor, groups: int,
-                    grid: VoxelGrid) -> Dict[str, torch.Tensor]:
+def voxelize_groups(points: torch.Tensor, group: torch.Tensor, groups: int, grid: VoxelGrid,
+                    keep: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
     """(N, >=F) float32 points whose ``group`` (N,) int64 never decreases -> upstream's collated voxels of the
     ``groups`` groups: ``voxel_features`` (M, P, F) float32, ``voxel_coords`` (M, 4) int32 (group, z, y, x),
-    ``voxel_num_points`` (M,) int32. A group without points has no voxels."""
+    ``voxel_num_points`` (M,) int32. A group without points has no voxels. ``keep`` (N,) bool leaves the other
+    points out, as if they were not there (the device path's masks, in the same pass as the grid's)."""
     device = points.device
     features = points[:, :grid.num_point_features]
     cells, inside = _cells(features[:, :3], grid)
-    position = torch.nonzero(inside).squeeze(1)
+    position = torch.nonzero(inside if keep is None else inside & keep).squeeze(1)
     cells, point_group = cells[position].long(), group[position]
     nx, ny, nz = grid.grid_size
     linear = ((point_group * nz + cells[:, 2]) * ny + cells[:, 1]) * nx + cells[:, 0]
@@ -112,15 +118,16 @@ def voxelize_groups(points: torch.Tensor, group: torch.Tensor, groups: int,
     new_index = torch.full((len(unique),), -1, dtype=torch.long, device=device)
     new_index[kept] = torch.arange(len(kept), device=device)
     slot = _slots(inverse, len(unique))
-    take = (new_index[inverse] >= 0) & (slot < grid.max_points_per_voxel)
-    row, slot, source = new_index[inverse][take], slot[take], position[take]
+    row = new_index[inverse]
+    take = torch.nonzero((row >= 0) & (slot < grid.max_points_per_voxel)).squeeze(1)
+    row, slot, source = row[take], slot[take], position[take]
     voxels = torch.zeros((len(kept), grid.max_points_per_voxel, features.shape[1]), dtype=torch.float32,
                          device=device)
     voxels[row, slot] = features[source].to(torch.float32)
     cell = unique[kept]
     coords = torch.stack([cell // (nx * ny * nz), cell // (nx * ny) % nz, cell // nx % ny, cell % nx], dim=1)
     return {"voxel_features": voxels, "voxel_coords": coords.to(torch.int32),
-            "voxel_num_points": torch.bincount(row, minlength=len(kept)).to(torch.int32)}
+            "voxel_num_points": _counts(row, len(kept)).to(torch.int32)}
 
 
 __all__ = ["VoxelGrid", "voxelize_groups"]
