@@ -431,3 +431,16 @@ def test_stored_records_are_read_pcds_points_once_decoded(tmp_path):
     with pytest.raises(DataError, match="short.pcd: truncated binary data"):
         read_pcd_records(tmp_path / "short.pcd")
 
+
+def test_a_device_task_asks_for_fewer_gpu_workers_only_on_binary_clouds(toy_small, toy_binary):
+    """tasks/opencood.py's Task.gpu_workers: 4 where the workers read binary clouds for the device, else the
+    engine's rule (None), in training and evaluation alike."""
+    from opencood_ddp.engine.evaluator import EvalRequest
+    from opencood_ddp.tasks.opencood import DEVICE_PATH_WORKERS, build_eval, build_task
+
+    for root, on, expected in ((toy_binary, True, DEVICE_PATH_WORKERS), (toy_small, True, None),
+                               (toy_binary, False, None)):
+        overrides = ["preprocess.on_device=true"] if on else []
+        config = hypes("toy/point_pillar_intermediate_fusion", root, *overrides)
+        assert build_task(config, for_training=True).gpu_workers == expected
+        assert build_eval(config, EvalRequest()).gpu_workers == expected

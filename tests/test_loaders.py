@@ -161,6 +161,15 @@ def test_default_workers_per_device_and_share(device, share, workers):
     assert default_workers(device, share) == workers
 
 
+@pytest.mark.parametrize("device,share,task_workers,workers", [
+    ("cuda", 64, 4, 4), ("cuda", 3, 4, 2), ("cuda", 64, None, MAX_GPU_WORKERS), ("cuda", 64, 12, MAX_GPU_WORKERS),
+    ("cpu", 64, 4, 2),  # the CPU's step is the slow side whatever the task's loader needs
+])
+def test_a_tasks_own_need_caps_the_gpu_default(device, share, task_workers, workers):
+    """Task.gpu_workers (a data path whose worker costs less a sample) lowers the GPU default, never raises it."""
+    assert default_workers(device, share, task_workers) == workers
+
+
 def test_num_workers_given_wins_and_the_default_reads_this_process_affinity():
     cpu_env, gpu_env = DistEnv(), DistEnv(device="cuda:0")
     assert workers_per_rank(0, gpu_env) == 0 and workers_per_rank(5, cpu_env) == 5

@@ -55,6 +55,7 @@ class EvalSpec:
     finish: Optional[Callable[[List[Any]], None]] = None
     result_name: str = "eval.yaml"  # the file rank 0 writes the summary to, in the request's run_dir
     report: Callable[["EvalResult"], str] = lambda result: str(result.summary)  # rank 0's text after evaluation
+    gpu_workers: Optional[int] = None  # as Task.gpu_workers
 
 
 @dataclass

@@ -96,8 +96,9 @@ def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Opt
     hypes, checkpoint = load_run(options)
     request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=options.model_dir,
                           task_options=options.task)
-    return evaluate_checkpoint(build_eval(hypes, request), request, checkpoint, env,
-                               workers_per_rank(options.process.num_workers, env))
+    spec = build_eval(hypes, request)
+    return evaluate_checkpoint(spec, request, checkpoint, env,
+                               workers_per_rank(options.process.num_workers, env, task_workers=spec.gpu_workers))
 
 
 def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder, task_options: Optional[type] = None) -> int:

@@ -81,11 +81,12 @@ def cores_per_rank(environ: Mapping[str, str], launcher: str, world_size: int, c
     return max(1, cores // (node_processes(environ, launcher, world_size) or 1))
 
 
-def default_workers(device_type: str, rank_cores: int) -> int:
-    """Loader workers of a rank with `rank_cores` cores on `device_type`, when --num_workers is not given."""
+def default_workers(device_type: str, rank_cores: int, task_workers: Optional[int] = None) -> int:
+    """Loader workers of a rank with `rank_cores` cores on `device_type`, when --num_workers is not given; on a GPU at
+    most `task_workers` where the task says that many feed its step (Task.gpu_workers)."""
     if device_type != "cuda":
         return CPU_WORKERS
-    return max(1, min(MAX_GPU_WORKERS, rank_cores - 1))
+    return max(1, min(task_workers or MAX_GPU_WORKERS, MAX_GPU_WORKERS, rank_cores - 1))
 
 
 def affinity_cores() -> int:
@@ -93,12 +94,14 @@ def affinity_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def workers_per_rank(requested: Optional[int], env: DistEnv, environ: Mapping[str, str] = os.environ) -> int:
-    """--num_workers when given, else `default_workers` for this rank's device and share of the cores."""
+def workers_per_rank(requested: Optional[int], env: DistEnv, environ: Mapping[str, str] = os.environ,
+                     task_workers: Optional[int] = None) -> int:
+    """--num_workers when given, else `default_workers` for this rank's device and share of the cores (and the
+    task's own need, `task_workers`)."""
     if requested is not None:
         return requested
     return default_workers(torch.device(env.device).type,
-                           cores_per_rank(environ, env.launcher, env.world_size, affinity_cores()))
+                           cores_per_rank(environ, env.launcher, env.world_size, affinity_cores()), task_workers)
 
 
 def one_blas_thread(worker_id: int = 0) -> None:

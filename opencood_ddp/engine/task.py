@@ -45,6 +45,9 @@ class Task:
     # call)], the same groups in the same order on every rank, the record cleared. The fit loop gives the groups
     # no rank used grad None, as a graph without them would. None: every parameter is used in every step.
     parameter_use: Optional[Callable[[nn.Module], Sequence[Tuple[Sequence[nn.Parameter], bool]]]] = None
+    # The loader workers per GPU rank that feed this task's step where fewer than the engine's default do (its
+    # data path's per-sample cost, measured); None: engine/loaders.py's rule. --num_workers still wins.
+    gpu_workers: Optional[int] = None
 
 
 class TaskBuilder(Protocol):

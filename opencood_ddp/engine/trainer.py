@@ -125,7 +125,8 @@ class Trainer:
         # Made on first use and kept: their workers are forked once and persist over the epochs (engine/loaders.py)
         self._train_loader: Optional[DataLoader] = None
         self._val_loader: Optional[DataLoader] = None
-        self.workers = workers_per_rank(options.process.num_workers, env)  # each loader's, per rank
+        # each loader's, per rank
+        self.workers = workers_per_rank(options.process.num_workers, env, task_workers=task.gpu_workers)
 
     @property
     def last_weights(self) -> Optional[Path]:

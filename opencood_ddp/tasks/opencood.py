@@ -77,6 +77,18 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
     return int(batch["ego"]["object_bbx_center"].shape[0])
 
 
+# Loader workers per GPU rank under preprocess.on_device with binary clouds. A worker spends about 16 ms of CPU a
+# sample there (docs/benchmarks.md, "What a worker does per sample": 60 samples/s a core), and the fastest baseline
+# step on an H200 (the full-size AttFuse, batch 2) trains 82 samples/s: 2 workers feed it, 4 leave twice that for
+# slower cores and costlier samples. Otherwise (90-140 ms a sample) the engine's rule: the cores, up to 8.
+DEVICE_PATH_WORKERS = 4
+
+
+def gpu_workers(dataset: Any) -> Optional[int]:
+    """Task.gpu_workers of a dataset: DEVICE_PATH_WORKERS where its workers only read binary clouds."""
+    return DEVICE_PATH_WORKERS if dataset.on_device and dataset.clouds_are_binary() else None
+
+
 # The task's keys besides the registry entries': the split folders and the models' common extensions.
 TASK_KEYS = tuple((key, "str") for key in SPLIT_KEYS.values()) + tuple(MODEL_COMMON_KEYS)
 
@@ -94,7 +106,8 @@ def build_task(hypes: dict, for_training: bool) -> Task:
     return Task(train_set=train_set, val_set=val_set,
                 collate_train=train_set.collate_batch_train if train_set is not None else None,
                 collate_val=val_set.collate_batch_train, model=model, step=DetectionStep(create_loss(hypes)),
-                batch_size_of=batch_size_of, move_to=prepare_batch, parameter_use=take_parameter_use)
+                batch_size_of=batch_size_of, move_to=prepare_batch, parameter_use=take_parameter_use,
+                gpu_workers=gpu_workers(train_set if train_set is not None else val_set))
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
@@ -380,7 +393,7 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
                     evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
                     summarize=Summary(convention, meter), move_to=prepare_batch, finish=finish,
                     result_name=eval_file_name(options.global_sort, convention.preset, fusion_method),
-                    report=Report(options, request.run_dir, convention))
+                    report=Report(options, request.run_dir, convention), gpu_workers=gpu_workers(dataset))
 
 
 __all__ = ["build_task", "build_eval", "DetectionEvalOptions", "DetectionStep",

@@ -246,8 +246,8 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
             if not warned and ignores_the_noise(spec, level):
                 warn_noise_ignored(spec)
                 warned = True
-            results.append(inference.evaluate_checkpoint(spec, request, checkpoint, env,
-                                                         workers_per_rank(options.eval.process.num_workers, env)))
+            workers = workers_per_rank(options.eval.process.num_workers, env, task_workers=spec.gpu_workers)
+            results.append(inference.evaluate_checkpoint(spec, request, checkpoint, env, workers))
     split = options.eval.dataset_dir or hypes.get("validate_dir")
     return SweepRun(levels, results, checkpoint, split, seed)
 

@@ -23,6 +23,7 @@ from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.geometry import (boxes_in_range_mask, boxes_to_corners, mask_ego_points,
                                         mask_points_by_range, transform_points, x1_to_x2, xy_distance)
 from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame
+from opencood_ddp.data.pcd import read_pcd_header
 from opencood_ddp.data.preprocessors import build_preprocessor, preprocessor_entry
 from opencood_ddp.data.sources import Objects, SampleFrames, SplitSource, build_source, source_entry
 from opencood_ddp.data.voxelize import collate_voxels
@@ -307,6 +308,11 @@ class OpencoodDataset(Dataset):
         """A sample's ``processed_lidar`` under ``preprocess.on_device``: each cloud voxelized on its own (``separate``)
         or all together."""
         return RawLidar(clouds, self.voxel_grid, separate, crop_first)
+
+    def clouds_are_binary(self) -> bool:
+        """Whether the split's clouds are binary .pcd, judged by the first sample's ego cloud (a data set is
+        converted whole, tools/convert_pcd.py): what a loader worker's cost per sample hangs on."""
+        return read_pcd_header(self.source.sample_frames(0, self.epoch).frame(0).pcd_path).data != "ascii"
 
     def picture_points(self, cloud: RawCloud, crop_first: bool = False) -> np.ndarray:
         """A raw cloud's points as the CPU path leaves them, in the file's order: pictures and --save_npy under
