@@ -43,11 +43,13 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert set(planner["probes"]) == {"1", "2", "4"} and planner["ratio"] > 0
     loader = checks[f"loader {TOY}"]["figures"]
     tried = [w for w in (0, 1, 2, 4, 8, 12) if w <= loader["cores"]]
-    assert list(loader["loader_samples_per_s"]) == [str(w) for w in tried]
-    assert loader["step_samples_per_s"] > 0 and all(rate > 0 for rate in loader["loader_samples_per_s"].values())
-    fed = [w for w in tried if loader["loader_samples_per_s"][str(w)] >= loader["step_samples_per_s"]]
-    assert loader["workers_to_feed"] == (fed[0] if fed else None)
-    assert loader["default_workers"] == 2  # the CPU's default
+    assert loader["step_samples_per_s"] > 0 and loader["default_workers"] == 2  # the CPU's default
+    assert list(loader["paths"]) == ["ascii", "binary", "on_device"]  # the CPU path on both formats; the device's
+    for path in loader["paths"].values():
+        assert list(path["loader_samples_per_s"]) == [str(w) for w in tried]
+        assert all(rate > 0 for rate in path["loader_samples_per_s"].values())
+        fed = [w for w in tried if path["loader_samples_per_s"][str(w)] >= loader["step_samples_per_s"]]
+        assert path["workers_to_feed"] == (fed[0] if fed else None)
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table

@@ -29,10 +29,13 @@ Checks, each ok / failed / skipped with the reason:
   peak at 4 (reserved and allocated), on the full-size AttFuse;
 - loader: how many DataLoader workers one rank needs to keep its device busy, on the full-size AttFuse: the
   training step's samples/s on a batch already on the device, beside the training loader's samples/s (the
-  trainer's own loader: persistent workers, pinned memory on CUDA) at 0, 1, 2, 4, 8 and 12 workers, as many as
-  this process has cores, and the count the default rule gives here (engine/loaders.py `workers_per_rank`). It
-  reads its own toy world, `--loader_scale dense` by default: OPV2V-size clouds (about 90k points; the small
-  world's have 8k), so that the count holds for OPV2V.
+  trainer's own loader: persistent workers, pinned memory on CUDA; each batch moved to the device by the task's
+  move_to, which under preprocess.on_device does the point work and the labels there) at 0, 1, 2, 4, 8 and 12
+  workers, as many as this process has cores, and the count the default rule gives here (engine/loaders.py
+  `workers_per_rank`), for each data path of `--loader_paths`: the CPU path on ascii clouds, on binary clouds (the
+  world's binary mirror, tools/convert_pcd.py's), and `preprocess.on_device` on binary clouds. It reads its own toy
+  world, `--loader_scale dense` by default: OPV2V-size clouds (about 90k points; the small world's have 8k), so
+  that the count holds for OPV2V.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ TOY_CONFIGS = [f"toy/{name}" for name in (
 FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
 PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
 LOADER_WORKERS = (0, 1, 2, 4, 8, 12)  # the worker counts the loader check tries, up to the process's cores
+# The loader check's data paths: (cloud format, preprocess.on_device).
+LOADER_PATHS = {"ascii": ("ascii", False), "binary": ("binary", False), "on_device": ("binary", True)}
 PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}  # training flags of each parity run
 # The models whose feature warps go through modules/grid_sampling.py (the ego warp of proj_first: false configs
 # runs the same function): their --deterministic runs must repeat bit for bit.
@@ -104,6 +109,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="configs trained twice with --deterministic --no_tf32, which must repeat bit for bit")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--loader_config", default=FULL_SIZE, help="config of the loader check ('none': leave out)")
+    parser.add_argument("--loader_paths", nargs="+", choices=list(LOADER_PATHS), default=list(LOADER_PATHS),
+                        help="the data paths the loader check measures (module docstring)")
     parser.add_argument("--loader_scale", choices=SCALES, default="dense",
                         help="toy world the loader check reads when --data is not given (dense: OPV2V-size clouds, "
                              "so that the worker count it reports holds for OPV2V)")
@@ -447,8 +454,9 @@ def _steps_per_second(task, hypes: dict, device: torch.device, batch_size: int) 
 
 
 def _loader_samples_per_second(task, device: torch.device, workers: int, batch_size: int) -> float:
-    """samples/s of the trainer's training loader at `workers`, once every worker has delivered a batch (a run's
-    persistent workers start once), over 4 batches per worker (4 in the main process)."""
+    """samples/s of the trainer's training loader at `workers`, each batch moved to the device by the task's
+    move_to as the trainer moves it, once every worker has delivered a batch (a run's persistent workers start
+    once), over 4 batches per worker (4 in the main process)."""
     from opencood_ddp.engine.loaders import training_loader
 
     warm, timed_batches = max(workers, 1), 4 * max(workers, 1)
@@ -457,37 +465,71 @@ def _loader_samples_per_second(task, device: torch.device, workers: int, batch_s
     loader.batch_sampler.use(0, [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)])
     batches = iter(loader)
     for _ in range(warm):
-        next(batches)
+        task.move_to(next(batches), device)
+    _synchronize(device)
     started = time.perf_counter()
     for _ in range(timed_batches):
-        next(batches)
+        task.move_to(next(batches), device)
+    _synchronize(device)
     elapsed = time.perf_counter() - started
     del batches, loader  # stops the workers
     return timed_batches * batch_size / elapsed
 
 
-def check_loader(config: str, device: torch.device, data: Path, batch_size: int = 2) -> tuple[str, dict]:
-    """The fewest DataLoader workers whose samples/s reach the training step's (LOADER_WORKERS, up to the cores)."""
-    from opencood_ddp.engine.loaders import affinity_cores, default_workers
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _loader_path(config: str, data: Path, on_device: bool):
+    """The trainer's task over `data` with preprocess.on_device as given."""
     from opencood_ddp.tasks import build_task
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
-    task = build_task(hypes, for_training=True)
+    overrides = split_overrides(data) + [f"preprocess.on_device={str(on_device).lower()}"]
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", overrides)
+    return build_task(hypes, for_training=True), hypes
+
+
+def binary_copy(data: Path) -> Path:
+    """The world's binary mirror beside it, made (or completed) by tools/convert_pcd.py's library."""
+    from opencood_ddp.data.pcd_convert import plan_conversion, run_conversion
+
+    mirror = data.with_name(f"{data.name}_binary")
+    summary = run_conversion(plan_conversion(data, mirror))
+    if summary.failed:
+        raise RuntimeError(f"converting {data} into {mirror} failed for {summary.failed[0]}")
+    return mirror
+
+
+def check_loader(config: str, device: torch.device, data: Path, batch_size: int = 2,
+                 paths: Sequence[str] = tuple(LOADER_PATHS)) -> tuple[str, dict]:
+    """For each data path, the fewest DataLoader workers whose samples/s reach the training step's (LOADER_WORKERS,
+    up to the cores)."""
+    from opencood_ddp.engine.loaders import affinity_cores, default_workers
+
     cores = affinity_cores()
+    task, hypes = _loader_path(config, data, on_device=False)
     step_rate = _steps_per_second(task, hypes, device, batch_size)
-    rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
-             for workers in LOADER_WORKERS if workers <= cores}
-    enough = [workers for workers, rate in rates.items() if rate >= step_rate]
     default = default_workers(device.type, cores)  # what a 1-rank run on this machine gets without --num_workers
-    figures = {"cores": cores, "step_samples_per_s": round(step_rate, 2), "batch_size": batch_size,
-               "loader_samples_per_s": {str(w): round(r, 2) for w, r in rates.items()},
-               "workers_to_feed": enough[0] if enough else None, "default_workers": default}
-    loader = f"{'/'.join(map(str, rates))} workers: {'/'.join(f'{r:.1f}' for r in rates.values())}"
-    verdict = (f"{enough[0]} worker(s) keep it fed" if enough else
-               f"no worker count up to {max(rates)} keeps it fed on {cores} cores")
-    return (f"step {step_rate:.1f} samples/s; loader at {loader} samples/s: {verdict}; the default gives {default}",
-            figures)
+    figures: dict = {"cores": cores, "step_samples_per_s": round(step_rate, 2), "batch_size": batch_size,
+                     "default_workers": default, "paths": {}}
+    roots = {"ascii": data, "binary": binary_copy(data) if any(LOADER_PATHS[p][0] == "binary" for p in paths)
+             else None}
+    lines = []
+    for path in paths:
+        clouds, on_device = LOADER_PATHS[path]
+        task, _ = _loader_path(config, roots[clouds], on_device)
+        rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
+                 for workers in LOADER_WORKERS if workers <= cores}
+        enough = [workers for workers, rate in rates.items() if rate >= step_rate]
+        figures["paths"][path] = {"loader_samples_per_s": {str(w): round(r, 2) for w, r in rates.items()},
+                                  "workers_to_feed": enough[0] if enough else None}
+        verdict = (f"{enough[0]} worker(s) keep it fed" if enough else
+                   f"no worker count up to {max(rates)} keeps it fed on {cores} cores")
+        lines.append(f"{path}: {'/'.join(f'{r:.1f}' for r in rates.values())} samples/s at "
+                     f"{'/'.join(map(str, rates))} workers, {verdict}")
+    return f"step {step_rate:.1f} samples/s; {'; '.join(lines)}; the default gives {default}", figures
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -581,7 +623,8 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         record(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device, data)))
     if args.loader_config != "none":
         loader_data = ensure_data(args, work, args.loader_scale)
-        record(timed(f"loader {args.loader_config}", lambda: check_loader(args.loader_config, device, loader_data)))
+        record(timed(f"loader {args.loader_config}",
+                     lambda: check_loader(args.loader_config, device, loader_data, paths=args.loader_paths)))
     return checks
 
 
