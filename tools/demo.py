@@ -35,6 +35,9 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=2, help="processes for training and evaluation")
     parser.add_argument("--epochs", type=int, help="override train_params.epoches (default: the hypes' 16)")
     parser.add_argument("--min_ap", type=float, default=0.1, help="AP@0.5 the demo must reach (default 0.1)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a hypes override for the training, as train_ddp.py's --set (repeatable): e.g. "
+                             "train_params.seed=1, or preprocess.on_device=true; evaluation reads the run's config")
     return parser.parse_args(argv)
 
 
@@ -84,6 +87,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                   *data_overrides(data)]
     if args.epochs is not None:
         train_args += ["--set", f"train_params.epoches={args.epochs}"]
+    for override in args.overrides:
+        train_args += ["--set", override]
     timings["training"] = step(f"training AttFuse on {args.nproc} processes",
                                torchrun(args.nproc, "tools/train_ddp.py", *train_args))
     timings["evaluation"] = step(
