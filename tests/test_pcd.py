@@ -344,6 +344,23 @@ def test_ascii_float_colour_near_float32_midpoints(tmp_path: Path) -> None:
     _assert_same(read_pcd(path), _open3d_read(path))
 
 
+def test_ascii_float_colour_at_float32s_overflow_threshold(tmp_path: Path) -> None:
+    # strtof gives FLT_MAX below FLT_MAX + half its last step (2^128 - 2^103) and infinity from there on; a double
+    # on the way may already round a decimal just below up to the threshold.
+    from decimal import Decimal, getcontext
+
+    getcontext().prec = 80
+    threshold = Decimal(2 ** 128 - 2 ** 103)
+    values = [Decimal(float(np.finfo(np.float32).max)), Decimal("3.4028235677973366e38"), threshold,
+              threshold - Decimal("1e-30"), threshold + Decimal("1e-30")]
+    rows = [f"0 0 0 {sign}{value}" for value in values for sign in ("", "-")]
+    path = _write_text(tmp_path / "edge.pcd", _header("x y z rgb", "4 4 4 4", "F F F F", "1 1 1 1", len(rows)), rows)
+    with np.errstate(over="ignore"):
+        bits = [int(np.array([pcd._text_float32(row.split()[3].encode(), 0, "t")]).view(np.uint32)[0]) for row in rows]
+    assert bits[:4] == [0x7F7FFFFF, 0xFF7FFFFF] * 2 and bits[4:6] == [0x7F800000, 0xFF800000]  # by hand
+    _assert_same(read_pcd(path), _open3d_read(path))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The compiled parser against exact per-token arithmetic: same bits, errors in the same order
 # --------------------------------------------------------------------------------------------------------------

@@ -356,11 +356,19 @@ def _text_double(text: bytes, row: int, path: PathLike) -> float:
         ) from None
 
 
+_FLOAT32_OVERFLOW = Fraction(2 ** 128 - 2 ** 103)  # the decimals strtof rounds to infinity: from here on
+
+
 def _nearest_float32(text: bytes) -> np.float32:
     """strtof: the float32 nearest to the exact decimal, ties to even."""
     exact = Fraction(text.decode("ascii"))
     guess = np.float32(float(exact))
     if not np.isfinite(guess):
+        # The double may round up to float32's overflow threshold (FLT_MAX plus half its last step) while the
+        # decimal lies below it, where strtof gives FLT_MAX: only from the threshold on (a tie rounds to the even
+        # neighbour, infinity) is the answer infinite.
+        if abs(exact) < _FLOAT32_OVERFLOW:
+            return np.float32(np.copysign(np.finfo(np.float32).max, float(exact)))
         return guess
     neighbour = np.nextafter(guess, np.float32(np.inf) if Fraction(float(guess)) < exact else np.float32(-np.inf))
     gap_guess = abs(exact - Fraction(float(guess)))
