@@ -360,6 +360,24 @@ def test_mirror_resume_rule_redoes_a_changed_source_and_a_stale_output(tmp_path:
         _assert_bit_equal(read_pcd(mirror / name), read_pcd(root / name))
 
 
+def test_binary_mirror_beside_a_data_set_is_made_then_reused(tmp_path: Path) -> None:
+    """binary_mirror (benchmark_dataset, gpu_check): <root>_binary, completed where a run stopped; a failure names
+    the file."""
+    from opencood_ddp.data.pcd_convert import binary_mirror
+
+    root = tmp_path / "world"
+    for name in ("a.pcd", "b.pcd"):
+        _write(root / name, b"")
+        write_pcd(root / name, _cloud(30, seed=len(name)))
+    mirror = binary_mirror(root, workers=1)
+    assert mirror == tmp_path / "world_binary" and read_pcd_header(mirror / "a.pcd").data == "binary"
+    (mirror / "b.pcd").unlink()  # a run that stopped before b
+    assert binary_mirror(root, workers=1) == mirror and read_pcd_header(mirror / "b.pcd").data == "binary"
+    (root / "c.pcd").write_bytes(b"VERSION 0.7\nnot a cloud\n")
+    with pytest.raises(DataError, match="c.pcd"):
+        binary_mirror(root, workers=1)
+
+
 def test_dry_run_writes_nothing(tmp_path: Path) -> None:
     root = tmp_path / "data"
     write_pcd(_write(root / "s" / "a.pcd", b""), _cloud(30))

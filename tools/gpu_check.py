@@ -491,21 +491,11 @@ def _loader_path(config: str, data: Path, on_device: bool):
     return build_task(hypes, for_training=True), hypes
 
 
-def binary_copy(data: Path) -> Path:
-    """The world's binary mirror beside it, made (or completed) by tools/convert_pcd.py's library."""
-    from opencood_ddp.data.pcd_convert import plan_conversion, run_conversion
-
-    mirror = data.with_name(f"{data.name}_binary")
-    summary = run_conversion(plan_conversion(data, mirror))
-    if summary.failed:
-        raise RuntimeError(f"converting {data} into {mirror} failed for {summary.failed[0]}")
-    return mirror
-
-
 def check_loader(config: str, device: torch.device, data: Path, batch_size: int = 2,
                  paths: Sequence[str] = tuple(LOADER_PATHS)) -> tuple[str, dict]:
     """For each data path, the fewest DataLoader workers whose samples/s reach the training step's (LOADER_WORKERS,
     up to the cores)."""
+    from opencood_ddp.data.pcd_convert import binary_mirror
     from opencood_ddp.engine.loaders import affinity_cores, default_workers
 
     cores = affinity_cores()
@@ -514,7 +504,7 @@ def check_loader(config: str, device: torch.device, data: Path, batch_size: int 
     default = default_workers(device.type, cores)  # what a 1-rank run on this machine gets without --num_workers
     figures: dict = {"cores": cores, "step_samples_per_s": round(step_rate, 2), "batch_size": batch_size,
                      "default_workers": default, "paths": {}}
-    roots = {"ascii": data, "binary": binary_copy(data) if any(LOADER_PATHS[p][0] == "binary" for p in paths)
+    roots = {"ascii": data, "binary": binary_mirror(data) if any(LOADER_PATHS[p][0] == "binary" for p in paths)
              else None}
     lines = []
     for path in paths:

@@ -59,8 +59,8 @@ from opencood_ddp.data.pcd import PcdHeader, read_pcd
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.numerics.jit import jit
 
-__all__ = ["ConversionPlan", "FileResult", "Summary", "convert_file", "default_workers", "format_summary",
-           "plan_conversion", "run_conversion"]
+__all__ = ["ConversionPlan", "FileResult", "Summary", "binary_mirror", "convert_file", "default_workers",
+           "format_summary", "plan_conversion", "run_conversion"]
 
 TEMP_SUFFIX = ".pcd-convert.tmp"
 CONVERTED, BINARY, DONE, FAILED = "converted", "binary", "done", "failed"
@@ -705,3 +705,16 @@ def format_summary(summary: Summary) -> str:
     if summary.failed:
         lines.append(f"{len(summary.failed)} files failed (listed above); fix them and run the same command again")
     return "\n".join(lines)
+
+
+def binary_mirror(root, workers: Optional[int] = None) -> Path:
+    """The binary mirror of the data set ``root`` beside it (``<root>_binary``), made, or completed where a run
+    stopped, by ``run_conversion``: what the benchmarks and gpu_check read binary clouds from. A file that fails is
+    a DataError naming it."""
+    root = Path(root)
+    mirror = root.with_name(f"{root.name}_binary")
+    summary = run_conversion(plan_conversion(root, mirror), workers)
+    if summary.failed:
+        raise DataError(f"converting {root} into {mirror} failed: {summary.failed[0]}")
+    return mirror
+

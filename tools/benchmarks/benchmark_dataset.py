@@ -388,17 +388,6 @@ def device_part_seconds(dataset, collate, indices: Sequence[int], batch_size: in
     return (time.process_time() - start) / len(indices)
 
 
-def binary_mirror(data: Path) -> Path:
-    """The toy world's binary copy beside it, made once by the converter (complete, or made again)."""
-    from opencood_ddp.data.pcd_convert import plan_conversion, run_conversion
-
-    mirror = data.with_name(f"{data.name}_binary")
-    summary = run_conversion(plan_conversion(data, mirror))
-    if summary.failed:
-        raise SystemExit(f"error: converting {data} into {mirror} failed for {summary.failed[0]}")
-    return mirror
-
-
 def stage_column(args: argparse.Namespace, root: Path, on_device: bool) -> Dict[str, float]:
     """One column of the --stages table: ms per sample of each stage and the totals, bytes handed over."""
     overrides = layout_overrides("opv2v", root) + [f"preprocess.on_device={str(on_device).lower()}"]
@@ -427,6 +416,8 @@ def stage_column(args: argparse.Namespace, root: Path, on_device: bool) -> Dict[
 
 def measure_stages(args: argparse.Namespace, data: Path) -> None:
     """The --stages table: one column per cloud format and value of preprocess.on_device."""
+    from opencood_ddp.data.pcd_convert import binary_mirror
+
     roots = {"ascii": data, "binary": binary_mirror(data) if "binary" in args.clouds else None}
     columns = {f"{clouds}, on_device {mode}": stage_column(args, roots[clouds], mode == "on")
                for clouds in args.clouds for mode in args.on_device}
