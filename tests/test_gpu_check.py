@@ -22,7 +22,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
                     "--data", toy_small,
                     "--configs", TOY, "--full_size", "--precisions", "fp32", "fp16", "bf16",
                     "--parity_kernels", "strict", "--repeat_configs", WARPING, "--planner_config", TOY,
-                    "--loader_config", TOY,
+                    "--loader_config", TOY, "--feed_config", TOY, "--feed_workers", "2", "--feed_steps", "8",
                     timeout=1200)
     assert result.returncode == 0, explain(result)
     # The report alone in --out (a lent device machine returns a few files), the runs' folders under --work.
@@ -31,7 +31,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     checks = {c["name"]: c for c in report["checks"]}
     assert all(c["status"] == "ok" for c in checks.values()), checks
     assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
-            f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}"} <= set(checks)
+            f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}", f"feed {TOY}", "voxelizer"} <= set(checks)
     assert checks[f"repeat {WARPING}"]["figures"]["tensors"] > 0
     for precision in ("fp32", "fp16", "bf16"):
         figures = checks[f"train {TOY} {precision}"]["figures"]
@@ -50,6 +50,10 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
         assert all(rate > 0 for rate in path["loader_samples_per_s"].values())
         fed = [w for w in tried if path["loader_samples_per_s"][str(w)] >= loader["step_samples_per_s"]]
         assert path["workers_to_feed"] == (fed[0] if fed else None)
+    feed = checks[f"feed {TOY}"]["figures"]  # a real train_ddp run on the device path, 2 workers, 8 steps
+    assert feed["steps"] == 8 and feed["workers"] == 2 and feed["train_samples_per_s"] > 0
+    assert feed["ratio"] == pytest.approx(feed["train_samples_per_s"] / feed["step_samples_per_s"], rel=0.01)
+    assert checks["voxelizer"]["figures"]["sorted_device_equals_cpu"] is True
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table

@@ -35,7 +35,13 @@ Checks, each ok / failed / skipped with the reason:
   `workers_per_rank`), for each data path of `--loader_paths`: the CPU path on ascii clouds, on binary clouds (the
   world's binary mirror, tools/convert_pcd.py's), and `preprocess.on_device` on binary clouds. It reads its own toy
   world, `--loader_scale dense` by default: OPV2V-size clouds (about 90k points; the small world's have 8k), so
-  that the count holds for OPV2V.
+  that the count holds for OPV2V;
+- feed: a tools/train_ddp.py run of the full-size AttFuse on the device path (`preprocess.on_device`, the loader
+  check's world in binary, `--feed_workers` loader workers): its samples/s over the steps after the first epoch,
+  beside the step alone on a batch already on the device (issue 51 asks for 90 %);
+- voxelizer: the device path's pillars (data/sorted_voxels.py) on the device against the same code on the CPU,
+  bit for bit, on an OPV2V-size cloud; and whether spconv's voxelizer on the device gives the same voxels in the
+  same order twice, and the CPU generator's voxels (reported to depend on its threads' timing).
 """
 from __future__ import annotations
 
@@ -111,6 +117,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--loader_config", default=FULL_SIZE, help="config of the loader check ('none': leave out)")
     parser.add_argument("--loader_paths", nargs="+", choices=list(LOADER_PATHS), default=list(LOADER_PATHS),
                         help="the data paths the loader check measures (module docstring)")
+    parser.add_argument("--feed_config", default=FULL_SIZE, help="config of the feed check ('none': leave out)")
+    parser.add_argument("--feed_workers", type=int, default=4, help="loader workers of the feed check's run")
+    parser.add_argument("--feed_steps", type=int, default=40, help="optimizer steps of the feed check's run")
     parser.add_argument("--loader_scale", choices=SCALES, default="dense",
                         help="toy world the loader check reads when --data is not given (dense: OPV2V-size clouds, "
                              "so that the worker count it reports holds for OPV2V)")
@@ -522,6 +531,77 @@ def check_loader(config: str, device: torch.device, data: Path, batch_size: int 
     return f"step {step_rate:.1f} samples/s; {'; '.join(lines)}; the default gives {default}", figures
 
 
+def check_feed(config: str, device: torch.device, data: Path, work: Path, workers: int,
+               steps: int) -> tuple[str, dict]:
+    """train_ddp on the device path with `workers` loader workers: the median samples/s of its steps after the first
+    epoch (train_steps.csv: loading, the device's part and the step) against the step alone."""
+    from statistics import median
+
+    from opencood_ddp.data.pcd_convert import binary_mirror
+    from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
+
+    binary = binary_mirror(data)
+    task, hypes = _loader_path(config, binary, on_device=False)
+    batch = int(hypes["train_params"]["batch_size"])
+    step_rate = _steps_per_second(task, hypes, device, batch)
+    per_epoch = len(task.train_set) // batch
+    run_dir = work / f"feed_{config.replace('/', '_')}"
+    run_training(["--hypes_yaml", REPO / "hypes_yaml" / f"{config}.yaml", "--model_dir", run_dir,
+                  "--set", "preprocess.on_device=true", "--set", f"train_params.epoches={steps // per_epoch + 1}",
+                  "--max_steps", steps, "--num_workers", workers, *split_set_flags(binary)], device)
+    rows = read_step_log(run_dir / STEP_LOG_NAME)
+    later = [float(row["samples_per_s"]) for row in rows[per_epoch:]] or [float(rows[-1]["samples_per_s"])]
+    rate = median(later)
+    ratio = rate / step_rate
+    figures = {"step_samples_per_s": round(step_rate, 2), "train_samples_per_s": round(rate, 2),
+               "ratio": round(ratio, 3), "workers": workers, "steps": len(rows), "batch_size": batch,
+               "data_share": round(median(float(r["data_seconds"]) / float(r["seconds"]) for r in rows[per_epoch:])
+                                   if len(rows) > per_epoch else float("nan"), 3)}
+    verdict = "at or above" if ratio >= 0.9 else "below"
+    return (f"train_ddp on the device path with {workers} workers: {rate:.1f} samples/s over steps "
+            f"{per_epoch + 1}-{len(rows)}, {ratio:.2f} of the step alone ({step_rate:.1f}): {verdict} issue 51's 0.9",
+            figures)
+
+
+def _voxels_equal(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[key].cpu().view(torch.int32), b[key].cpu().view(torch.int32)) for key in a)
+
+
+def check_voxelizer(device: torch.device, data: Path) -> tuple[str, dict]:
+    """The sorted voxelizer on `device` against itself on the CPU (bit for bit), and spconv's voxelizer on `device`:
+    whether it repeats itself, and whether it finds the CPU generator's voxels, on one OPV2V-size cloud."""
+    from opencood_ddp.data.pcd import read_pcd
+    from opencood_ddp.data.sorted_voxels import VoxelGrid, voxelize_groups
+    from opencood_ddp.data.voxelize import Voxelizer
+
+    cloud = torch.from_numpy(read_pcd(sorted(data.glob("train/*/*/*.pcd"))[0]))
+    grid = VoxelGrid((0.4, 0.4, 4.0), (-140.8, -40.0, -3.0, 140.8, 40.0, 1.0), 32, 32000)
+    group = torch.zeros(len(cloud), dtype=torch.long)
+    on_cpu = voxelize_groups(cloud, group, 1, grid)
+    on_device = voxelize_groups(cloud.to(device), group.to(device), 1, grid)
+    figures = {"points": len(cloud), "voxels": len(on_cpu["voxel_coords"]),
+               "sorted_device_equals_cpu": _voxels_equal(on_device, on_cpu)}
+    if not figures["sorted_device_equals_cpu"]:
+        raise AssertionError(f"the sorted voxelizer on {device} differs from the same code on the CPU")
+    if device.type != "cuda":
+        return f"sorted voxelizer on {device}: {figures['voxels']} pillars, equal to the CPU's", figures
+    args = (grid.voxel_size, grid.lidar_range, grid.max_points_per_voxel, grid.max_voxels)
+    spconv_cpu = Voxelizer(*args)(cloud.numpy())
+    spconv_gpu = [Voxelizer(*args, device=device)(cloud.numpy()) for _ in range(2)]
+    as_tensors = [{key: torch.from_numpy(value) for key, value in run.items()} for run in spconv_gpu]
+    coords = [set(map(tuple, run["voxel_coords"].tolist())) for run in spconv_gpu]
+    cpu_coords = spconv_cpu["voxel_coords"]
+    same_order = cpu_coords.shape == spconv_gpu[0]["voxel_coords"].shape and \
+        bool((spconv_gpu[0]["voxel_coords"] == cpu_coords).all())
+    figures.update(spconv_cuda_repeats=_voxels_equal(as_tensors[0], as_tensors[1]),
+                   spconv_cuda_same_pillars_as_cpu=coords[0] == set(map(tuple, cpu_coords.tolist())),
+                   spconv_cuda_same_order_as_cpu=same_order)
+    return (f"sorted voxelizer on {device}: {figures['voxels']} pillars, bit for bit the CPU's; spconv on {device}: "
+            f"repeats itself {figures['spconv_cuda_repeats']}, the CPU's pillars "
+            f"{figures['spconv_cuda_same_pillars_as_cpu']}, in its order {figures['spconv_cuda_same_order_as_cpu']}",
+            figures)
+
+
 # ------------------------------------------------------------------------------------------ report
 def environment(device: torch.device) -> dict:
     info = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "python": platform.python_version(),
@@ -611,10 +691,14 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
                     args.parity_config, device, data, runs, k)))
     if args.planner_config != "none":
         record(timed(f"planner {args.planner_config}", lambda: check_planner(args.planner_config, device, data)))
+    loader_data = ensure_data(args, work, args.loader_scale)
     if args.loader_config != "none":
-        loader_data = ensure_data(args, work, args.loader_scale)
         record(timed(f"loader {args.loader_config}",
                      lambda: check_loader(args.loader_config, device, loader_data, paths=args.loader_paths)))
+    if args.feed_config != "none":
+        record(timed(f"feed {args.feed_config}", lambda: check_feed(
+            args.feed_config, device, loader_data, work, args.feed_workers, args.feed_steps)))
+    record(timed("voxelizer", lambda: check_voxelizer(device, loader_data)))
     return checks
 
 
