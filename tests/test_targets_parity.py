@@ -30,14 +30,14 @@ import torch
 from launch import REPO
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.geometry import boxes_to_corners
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.loss import create_loss
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
 from opencood_ddp.postprocess.direction import direction_targets
 from opencood_ddp.postprocess.targets import StandupGrid, assign_targets, standup_boxes, standup_iou_pairs
 from opencood_ddp.postprocess.voxel_postprocessor import FLOAT_LABELS
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.toy.config import split_overrides
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 SEED = 3
 AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
@@ -182,8 +182,8 @@ def assert_label_matches_the_oracle(post, inputs: dict, labels: dict) -> Tuple[i
 
 
 def toy_world_hypes(config: str, root: Path, *overrides: str, **blocks) -> dict:
-    dirs = [f"root_dir={root / 'train'}", f"validate_dir={root / 'validate'}", f"test_dir={root / 'test'}"]
-    hypes = run_yaml_parser(apply_overrides(load_hypes(REPO / "hypes_yaml" / f"{config}.yaml"), dirs + list(overrides)))
+    """The config pointed at the toy world ``root``, read as training reads it (``load_parsed_hypes``)."""
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(root) + list(overrides))
     hypes.update(copy.deepcopy(blocks))
     return hypes
 
@@ -191,8 +191,7 @@ def toy_world_hypes(config: str, root: Path, *overrides: str, **blocks) -> dict:
 def dair_hypes(data_dir: Path) -> dict:
     overrides = ["fusion.dataset=dairv2x", f"data_dir={data_dir}", f"root_dir={data_dir / 'train.json'}",
                  f"validate_dir={data_dir / 'val.json'}", f"test_dir={data_dir / 'test.json'}"]
-    return run_yaml_parser(apply_overrides(load_hypes(REPO / "hypes_yaml" / "dairv2x" /
-                                                      "point_pillar_intermediate_fusion.yaml"), overrides))
+    return load_parsed_hypes(REPO / "hypes_yaml" / "dairv2x" / "point_pillar_intermediate_fusion.yaml", overrides)
 
 
 def recorded_labels(hypes: dict, split: str, train: bool, epochs: Sequence[int]) -> Tuple[object, List[tuple]]:
@@ -467,7 +466,7 @@ def loss_and_gradients(loss, outputs, labels):
 
 @pytest.mark.parametrize("config", ["opencood", "coalign_direction"])
 def test_the_loss_is_bit_identical_on_float32_labels(config):
-    hypes = run_yaml_parser(load_hypes(REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"))
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml")
     if config == "coalign_direction":  # the DAIR-V2X-C config's loss and dir_args on the toy grid (a quarter of its
         coalign = dair_hypes(Path("unused"))  # anchors): pos_cls_weight, neg_equal_one's negatives, the direction term
         hypes["loss"] = coalign["loss"]

@@ -61,13 +61,12 @@ def _load_batch(config: str, data: Path, batch_size: int):
 def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
     from opencood_ddp.engine.memory import PeakMemory
     from opencood_ddp.engine.step import Precision
-    from opencood_ddp.engine.task import move_tensors
 
     torch.manual_seed(0)
     device = torch.device(args.device)
     task, batch = _load_batch(config, Path(args.data), args.batch_size)
     model = task.model.to(device).train()
-    batch = move_tensors(batch, device)
+    batch = task.move_to(batch, device)  # the task's own move (preprocess.on_device: the point work there)
     precision = Precision(args.half, device)
 
     def step() -> float:
