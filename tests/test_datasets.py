@@ -522,3 +522,22 @@ def test_a_samples_cost_is_its_scenarios_cav_folders(kind, toy_small):
         scenario, _ = dataset.source.index.locate_position(index)
         on_disk = sum(1 for p in scenario.folder.iterdir() if p.is_dir() and p.name.lstrip("-").isdigit())
         assert dataset.sample_cost(index) == on_disk
+
+
+@pytest.mark.parametrize("reader, good", [("opv2v", [1.0, 2.0, 0.0, 0.0, 90.0, 0.0]),
+                                          ("v2v4real", np.identity(4).tolist())])
+def test_one_pose_check_refuses_a_missing_misshapen_or_non_finite_pose(reader, good):
+    """OPV2V's 6-number pose and V2V4Real's 4x4 matrix through the one check (data/opv2v.py checked_pose): a NaN
+    pose used to pass OPV2V's reader and put every point of the frame at NaN."""
+    from opencood_ddp.data.opv2v import lidar_pose_of
+    from opencood_ddp.data.sources.v2v4real import pose_matrix_of
+
+    read = lidar_pose_of if reader == "opv2v" else pose_matrix_of
+    assert np.array_equal(read({"lidar_pose": good}, "f.yaml"), np.asarray(good))
+    bad = np.asarray(good)
+    bad.flat[1] = np.nan
+    for params, fragment in (({}, "no 'lidar_pose'"), ({"lidar_pose": [1, 2]}, "must be"),
+                             ({"lidar_pose": bad.tolist()}, "finite"), ({"lidar_pose": "x"}, "must be")):
+        with pytest.raises(DataError, match=f"f.yaml: .*{fragment}") as error:
+            read(params, "f.yaml")
+        assert "\n" not in str(error.value)

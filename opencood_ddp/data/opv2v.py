@@ -37,7 +37,7 @@ import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import yaml
@@ -143,19 +143,26 @@ def ego_speed_of(params: Dict[str, Any], path: PathLike) -> float:
     return float(speed)
 
 
-def lidar_pose_of(params: Dict[str, Any], path: PathLike) -> np.ndarray:
-    """The frame's ``lidar_pose`` as float64 (6,); DataError naming ``path`` when absent or malformed."""
+def checked_pose(params: Mapping[str, Any], path: PathLike, shape: Tuple[int, ...], what: str, fix: str) -> np.ndarray:
+    """A frame's ``lidar_pose`` as finite float64 of ``shape``, the one check of every reader: a DataError line naming
+    ``path`` and ``what`` a pose is there when it is absent, of another shape or not finite (a NaN pose would place
+    every point and box at NaN and train on nothing)."""
     if "lidar_pose" not in params:
-        raise DataError(f"{path}: no 'lidar_pose' [x, y, z, roll, yaw, pitch]; this is not an OPV2V frame "
-                        f"yaml: re-export it or remove the timestamp")
+        raise DataError(f"{path}: no 'lidar_pose' ({what}); {fix}")
     try:
         pose = np.asarray(params["lidar_pose"], dtype=np.float64)
     except (TypeError, ValueError):
         pose = np.empty(0)
-    if pose.shape != (6,):
-        raise DataError(f"{path}: 'lidar_pose' must be 6 numbers [x, y, z, roll, yaw, pitch], got "
-                        f"{params['lidar_pose']!r}; re-export the frame yaml")
+    if pose.shape != shape or not np.isfinite(pose).all():
+        got = f"shape {pose.shape}" if pose.size and pose.shape != shape else repr(params["lidar_pose"])
+        raise DataError(f"{path}: 'lidar_pose' must be {what}, finite, got {got}; {fix}")
     return pose
+
+
+def lidar_pose_of(params: Dict[str, Any], path: PathLike) -> np.ndarray:
+    """The frame's ``lidar_pose`` as float64 (6,); DataError naming ``path`` when absent or malformed."""
+    return checked_pose(params, path, (6,), "6 numbers [x, y, z, roll, yaw, pitch]",
+                        "this is not an OPV2V frame yaml as it should be: re-export it or remove the timestamp")
 
 
 # ---------------------------------------------------------------------------------------- index

@@ -48,7 +48,7 @@ import yaml
 
 from opencood_ddp.data.geometry import project_local_objects, x1_to_x2
 from opencood_ddp.data.opv2v import (CavFrame, CavRecord, Opv2vIndex, Opv2vYamlLoader, Scenario,
-                                     check_cav_timestamps, load_opv2v_yaml)
+                                     check_cav_timestamps, checked_pose, load_opv2v_yaml)
 from opencood_ddp.data.sources import Objects
 from opencood_ddp.data.sources.opv2v import Opv2vSource, boxes_and_ids, vehicles_of
 from opencood_ddp.errors import ConfigError, DataError
@@ -279,18 +279,9 @@ V2V4RealYamlLoader.fast_yaml_key_routes = (dumped_ndarray_key,)
 
 def pose_matrix_of(params: Mapping[str, Any], path: Any) -> np.ndarray:
     """The frame's ``lidar_pose`` as a float64 (4, 4) matrix; one DataError line naming ``path`` otherwise."""
-    if "lidar_pose" not in params:
-        raise DataError(f"{path}: no 'lidar_pose' (V2V4Real's 4x4 LiDAR-to-world matrix); re-export the frame yaml "
-                        f"or remove the timestamp")
-    try:
-        pose = np.asarray(params["lidar_pose"], dtype=np.float64)
-    except (TypeError, ValueError):
-        pose = np.empty(0)
-    if pose.shape != (4, 4) or not np.isfinite(pose).all():
-        raise DataError(f"{path}: 'lidar_pose' must be a finite 4x4 LiDAR-to-world matrix (V2V4Real), got "
-                        f"{'shape ' + str(pose.shape) if pose.size else repr(params['lidar_pose'])}; this is not a "
-                        f"V2V4Real frame: re-export it, or set fusion.dataset to the data set it belongs to")
-    return pose
+    return checked_pose(params, path, (4, 4), "a 4x4 LiDAR-to-world matrix (V2V4Real)",
+                        "this is not a V2V4Real frame as it should be: re-export it, or set fusion.dataset to the "
+                        "data set it belongs to")
 
 
 def read_v2v4real_frame(cav: CavRecord, timestamp: str, ego: bool) -> CavFrame:
@@ -370,4 +361,5 @@ class V2V4RealSource(Opv2vSource):
                             f"folders 0 and 1 as V2V4Real does") from None
 
 
-__all__ = ["GT_TRANSFORMS", "GT_TRANSFORM_KEY", "V2V4REAL_GT_RANGE", "V2V4RealSource", "V2V4RealYamlLoader", "pose_matrix_of", "read_v2v4real_frame"]
+__all__ = ["GT_TRANSFORMS", "GT_TRANSFORM_KEY", "V2V4REAL_GT_RANGE", "V2V4RealSource", "V2V4RealYamlLoader",
+           "pose_matrix_of", "read_v2v4real_frame"]
