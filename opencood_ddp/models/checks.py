@@ -218,8 +218,19 @@ def check_anchor_stride(hypes: Mapping, source: str, stride: Optional[float]) ->
                        f"map ({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
 
 
-__all__ = ["refuse", "positive_ints", "backbone_channels", "shrink_header", "head_channels", "head_stride",
-           "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_anchor_stride", "level_map_sizes",
-           "shrunk_map_size", "backbone_compression_steps", "refuse_compression", "check_feature_compression",
-           "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS",
-           "COMPRESSION", "BACKBONE_COMPRESSION"]
+def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: float, cols: float, how: str) -> None:
+    """Each window size of ``key`` divides both sides of the fused map (``rows`` x ``cols``, made as ``how`` says):
+    the windowed attentions of CoBEVT and V2X-ViT tile the map exactly."""
+    bad = [w for w in windows if rows != int(rows) or cols != int(cols) or int(rows) % w or int(cols) % w]
+    if bad:
+        refuse(source, f"{key} {list(windows) if len(windows) > 1 else windows[0]} must divide both sides of the "
+                       f"fused BEV map ({rows:g} rows x {cols:g} columns: {how}); {bad} do not: change the window "
+                       f"size or lidar_range")
+
+
+__all__ = ["refuse", "check_windows_divide", "positive_ints", "backbone_channels", "shrink_header", "head_channels",
+           "head_stride", "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_anchor_stride",
+           "level_map_sizes", "shrunk_map_size", "backbone_compression_steps", "refuse_compression",
+           "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK",
+           "SHRINK_LISTS", "SHRINK_HEADER_KEYS", "COMPRESSION", "BACKBONE_COMPRESSION"]
+

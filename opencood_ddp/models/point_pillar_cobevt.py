@@ -19,7 +19,7 @@ from typing import Mapping, Tuple
 import torch
 
 from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride, check_max_cav, check_shrink_neck,
-                                        head_stride, refuse)
+                                        check_windows_divide, head_stride, refuse)
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
 from opencood_ddp.models.modules.ego_warp import to_ego_frame
@@ -70,11 +70,8 @@ def _check_map(hypes: Mapping, source: str) -> None:
     check_anchor_stride(hypes, source, stride)
     grid = args["point_pillar_scatter"]["grid_size"]
     sides = (grid[0] / stride, grid[1] / stride)  # (W, H) cells of the fused map
-    window = args["fax_fusion"]["window_size"]
-    if any(side != int(side) or int(side) % window for side in sides):
-        refuse(source, f"{FAX}.window_size ({window}) must divide both sides of the fused BEV map "
-                       f"({sides[1]:g} x {sides[0]:g}: model.args.point_pillar_scatter.grid_size {list(grid[:2])} "
-                       f"over the stride {stride:g}); change window_size or lidar_range")
+    check_windows_divide(source, f"{FAX}.window_size", [args["fax_fusion"]["window_size"]], sides[1], sides[0],
+                         f"model.args.point_pillar_scatter.grid_size {list(grid[:2])} over the stride {stride:g}")
 
 
 def check_cobevt_args(hypes: Mapping, source: str) -> None:

@@ -19,8 +19,8 @@ from typing import Mapping, Tuple
 
 import torch
 
-from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_max_cav, check_shrink_neck, positive_ints, refuse,
-                                        shrink_header, shrunk_map_size)
+from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_max_cav, check_shrink_neck, check_windows_divide,
+                                        positive_ints, refuse, shrink_header, shrunk_map_size)
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_encoder import V2XTransformer
@@ -103,11 +103,8 @@ def _check_geometry(hypes: Mapping, args: Mapping, source: str) -> None:
         refuse(source, f"{_ENC}sttf.downsample_rate ({sttf['downsample_rate']}) must be the fused map's stride: "
                        f"point_pillar_scatter.grid_size {grid[0]} x {grid[1]} becomes {width} x {height} after "
                        f"the backbone and shrink_header")
-    bad = [s for s in win["window_size"] if height % s or width % s]
-    if bad:
-        refuse(source, f"{_WIN}window_size {win['window_size']} must divide the fused map ({height} rows x "
-                       f"{width} columns: model.args.lidar_range / voxel_size / sttf.downsample_rate); "
-                       f"{bad} do not: change window_size or lidar_range")
+    check_windows_divide(source, f"{_WIN}window_size", win["window_size"], height, width,
+                         "model.args.lidar_range / voxel_size / sttf.downsample_rate")
 
 
 def check_v2xvit_args(hypes: Mapping, source: str) -> None:
