@@ -1,4 +1,4 @@
-"""OpenCOOD-schema hypes YAML: load, override (--set a.b=c), run its yaml_parser, validate, save.
+"""OpenCOOD-schema hypes YAML: load, override (--set a.b=c), validate, save (yaml_parsers.py runs its yaml_parser).
 
 The loader reads floats written as `1e-3` (PyYAML's YAML 1.1 resolver would leave them strings), as upstream's
 loader does. Validation reports every missing or ill-typed key of a run in one line naming the file.
