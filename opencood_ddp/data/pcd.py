@@ -507,7 +507,11 @@ def read_pcd(path: PathLike) -> np.ndarray:
     garbled, truncated or inconsistent file, naming the file and the fix.
     """
     raw = _read_bytes(path)
-    header = _parse_header(raw, path)
+    return _decoded(raw, _parse_header(raw, path), path)
+
+
+def _decoded(raw: bytes, header: PcdHeader, path: PathLike) -> np.ndarray:
+    """The (N, 4) cloud of a file's bytes, by its DATA type."""
     # A double beyond float32's range becomes inf, as in open3d's points cast to float32: no warning for that.
     with np.errstate(over="ignore"):
         if header.data == "ascii":
@@ -533,12 +537,7 @@ def read_pcd_records(path: PathLike) -> tuple[np.ndarray, bool]:
         records = _four_float_records(raw, header)
         if records is not None:
             return records, True
-    with np.errstate(over="ignore"):
-        if header.data == "ascii":
-            return _read_ascii(raw, header, path), False
-        if header.data == "binary":
-            return _read_binary(raw, header, path), False
-        return _read_compressed(header, path), False
+    return _decoded(raw, header, path), False
 
 
 def colour_intensity(bits: np.ndarray) -> np.ndarray:
