@@ -77,10 +77,11 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
     return int(batch["ego"]["object_bbx_center"].shape[0])
 
 
-# Loader workers per GPU rank under preprocess.on_device with binary clouds. A worker spends about 16 ms of CPU a
-# sample there (docs/benchmarks.md, "What a worker does per sample": 60 samples/s a core), and the fastest baseline
-# step on an H200 (the full-size AttFuse, batch 2) trains 82 samples/s: 2 workers feed it, 4 leave twice that for
-# slower cores and costlier samples. Otherwise (90-140 ms a sample) the engine's rule: the cores, up to 8.
+# Loader workers per GPU rank under preprocess.on_device with binary clouds. A worker spends 12.8 ms of CPU a
+# sample there (12.0-15.8 over 3 runs; docs/benchmarks.md, "What a worker does per sample": about 78 samples/s a
+# core), and the fastest baseline step on an H200 (the full-size AttFuse, batch 2) trains 82 samples/s: 2 workers
+# feed it, 4 leave twice that for slower cores and costlier samples. Otherwise (72-139 ms a sample) the engine's
+# rule: the cores, up to 8.
 DEVICE_PATH_WORKERS = 4
 
 
