@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.numerics.jit import jit
+from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
 from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
 
 
@@ -130,7 +131,7 @@ def row_view(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 def _rows_for_kernel(x: torch.Tensor) -> Optional[np.ndarray]:
     rows = row_view(x)
-    if rows is None or x.dtype not in _COMPILED_DTYPES or x.device.type != "cpu":
+    if rows is None or x.dtype not in _COMPILED_DTYPES or x.device.type != "cpu" or not cpu_kernels_enabled():
         return None
     return rows.detach().numpy()
 
