@@ -91,7 +91,7 @@ def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, devi
     meter = PeakMemory(device)
     meter.start()
     model = task.model.to(device).train()
-    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]))
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
     precision = Precision(half, device)
     scaler = precision.new_scaler()
     moved = task.move_to(batch, device)

@@ -43,7 +43,7 @@ from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
 from opencood_ddp.engine.loaders import training_loader, worker_options, workers_per_rank
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.loss_sums import LossSums
-from opencood_ddp.engine.optim import build_optimizer, build_scheduler
+from opencood_ddp.engine.optim import build_optimizer, build_scheduler, load_optimizer_state
 from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import RunSetup
@@ -108,7 +108,8 @@ class Trainer:
         # Every parameter, where upstream passes the trainable ones only: a frozen one (backbone_fix) never has a
         # gradient, so torch's optimizers skip it alike, and the saved optimizer state keeps one layout whatever
         # is frozen (a resume that freezes the backbone loads it).
-        self.optimizer = build_optimizer(hypes, self.model_without_ddp.parameters(), plan.effective_lr)
+        self.optimizer = build_optimizer(hypes, self.model_without_ddp.parameters(), plan.effective_lr,
+                                         kernels_for=self.device)
         self.precision = Precision(self.loop.half, self.device)
         self.scaler = self.precision.new_scaler()
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
@@ -183,7 +184,7 @@ class Trainer:
             self.progress = Progress(epoch=epoch, global_step=epoch * self.steps_per_epoch)
             self._restore_schedule(None, saved)
             return
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])
         if self.scaler is not None and state.get("scaler") is not None:
             self.scaler.load_state_dict(state["scaler"])
         self._restore_position(state)
