@@ -67,7 +67,7 @@ def test_a_cav_map_beyond_the_range_adds_nothing():
 def test_with_proj_first_no_map_is_resampled_and_the_output_is_opencoods(toy_small, config):
     batch, model, _ = toy_batch(TOY / config, toy_small)
     ego = batch["ego"]
-    assert batch_ego_warp(ego, model.lidar_range, "cpu") is None  # the dataset's identity transforms
+    assert batch_ego_warp(ego, model.lidar_range) is None  # the dataset's identity transforms
     model.eval()
     without = {key: value for key, value in ego.items() if key != "pairwise_t_matrix"}  # nothing to warp from
     with torch.no_grad():
@@ -79,7 +79,7 @@ def test_with_proj_first_no_map_is_resampled_and_the_output_is_opencoods(toy_sma
 def test_without_proj_first_the_maps_are_warped_and_every_parameter_trains(toy_small, config):
     batch, model, task = toy_batch(TOY / config, toy_small, 2, "fusion.args.proj_first=false")
     ego = batch["ego"]
-    warp = batch_ego_warp(ego, model.lidar_range, "cpu")
+    warp = batch_ego_warp(ego, model.lidar_range)
     assert warp is not None and not bool(warp.is_ego.all())  # the toy CAVs stand apart: their maps move
     model.train()
     out = task.step(model, batch)
@@ -107,7 +107,7 @@ def test_a_map_made_in_the_cavs_frame_and_warped_lines_up_with_the_map_made_afte
     model.eval()
     with torch.no_grad():
         reference, own = model.encode(projected["ego"]), model.encode(own_frames["ego"])
-    warp = batch_ego_warp(own_frames["ego"], model.lidar_range, "cpu")
+    warp = batch_ego_warp(own_frames["ego"], model.lidar_range)
     square = torch.cat([warp.theta, warp.theta.new_tensor([0.0, 0.0, 1.0]).expand(len(warp.theta), 1, 3)], dim=1)
     warped = warp_to_ego(own, warp.theta, warp.is_ego)
     backwards = warp_to_ego(own, torch.linalg.inv(square)[:, :2], warp.is_ego)

@@ -310,10 +310,17 @@ def collate_raw(lidars: Sequence[RawLidar]) -> CloudBatch:
                       crop_first=first.crop_first)
 
 
+# The batch keys that stay on the host: the few numbers per sample that say how its CAVs are laid out and where
+# they stand. The models derive indices and decisions from them (models/modules/cav_layout.py); on the host that
+# is arithmetic on a few hundred bytes, on a GPU each read would stall the step until the device caught up.
+HOST_KEYS = frozenset({"record_len", "pairwise_t_matrix", "prior_encoding", "spatial_correction_matrix"})
+
+
 def prepare_batch(batch: Any, device: torch.device) -> Any:
-    """The task's ``move_to``: every tensor of a nested batch moved to ``device``, and every ``DeviceWork`` done
-    there (a ``CloudBatch`` voxelized, ``postprocess/sparse_labels``' labels spread). A batch that holds the same
-    entry twice (an evaluation batch of one frame is both the frame and the model's input) is done once."""
+    """The task's ``move_to``: every tensor of a nested batch moved to ``device``, but those under ``HOST_KEYS``,
+    and every ``DeviceWork`` done there (a ``CloudBatch`` voxelized, ``postprocess/sparse_labels``' labels spread).
+    A batch that holds the same entry twice (an evaluation batch of one frame is both the frame and the model's
+    input) is done once."""
     done: Dict[int, Any] = {}
 
     def walk(value: Any) -> Any:
@@ -325,7 +332,7 @@ def prepare_batch(batch: Any, device: torch.device) -> Any:
             return done[id(value)]
         if isinstance(value, Mapping):
             if id(value) not in done:
-                done[id(value)] = {key: walk(item) for key, item in value.items()}
+                done[id(value)] = {key: item if key in HOST_KEYS else walk(item) for key, item in value.items()}
             return done[id(value)]
         if isinstance(value, (list, tuple)):
             return type(value)(walk(item) for item in value)

@@ -138,8 +138,10 @@ class Trainer:
     def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.env.distributed:
             return model
-        device_ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids,
+        # No device_ids: DDP would move the batch again, and put the keys the task keeps on the host
+        # (data/device_points.HOST_KEYS) on the device, where every read of them stalls the step. The task's
+        # move_to has put the rest where the module is.
+        return DistributedDataParallel(model, device_ids=None,
                                        find_unused_parameters=self.settings.find_unused_parameters)
 
     def open_run(self) -> list[tuple[int, str]]:

@@ -34,6 +34,7 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.loss.terms import LossTerms
+from opencood_ddp.numerics.autocast import autocast_off
 from opencood_ddp.registry import LOSSES
 
 FOCAL_ALPHA = 0.25
@@ -135,7 +136,7 @@ class PointPillarLoss(nn.Module):
         psm, rm = output_dict["psm"], output_dict["rm"]
         dtype = _compute_dtype(psm, rm)
         # Autocast would run some of the element-wise ops below in bf16/fp16; the loss is cheap, keep it exact.
-        with torch.autocast(device_type=psm.device.type, enabled=False):
+        with autocast_off(psm.device.type):
             positives = self._positives(label_dict["pos_equal_one"], psm, dtype)
             normalizer = torch.clamp(positives.sum(dim=1, keepdim=True), min=1.0)  # (B, 1): per sample
             cls_loss = self._cls_loss(psm.to(dtype), positives, normalizer, self._cls_weights(label_dict, positives))

@@ -43,6 +43,7 @@ from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backb
                                         check_backbone_compression, check_shrink_neck, level_map_sizes,
                                         refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
+from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
@@ -157,22 +158,22 @@ class PointPillar(nn.Module):
     def num_images(data_dict: Mapping) -> Optional[int]:
         """How many BEV maps the batch has: CAVs when grouped by record_len, else samples."""
         if data_dict.get("record_len") is not None:
-            return int(data_dict["record_len"].sum().item())
+            return sum(counts(data_dict["record_len"]))
         if data_dict.get("object_bbx_center") is not None:
             return int(data_dict["object_bbx_center"].shape[0])
         return None
 
-    def ego_warp(self, data_dict: Mapping, device: torch.device) -> Optional[EgoWarp]:
+    def ego_warp(self, data_dict: Mapping) -> Optional[EgoWarp]:
         """How the batch's CAV maps move into their ego's frame; None for a model that does not warp here, or
         when no map moves (proj_first: true)."""
-        return batch_ego_warp(data_dict, self.lidar_range, device) if self.warps_to_ego else None
+        return batch_ego_warp(data_dict, self.lidar_range) if self.warps_to_ego else None
 
     def encode(self, data_dict: Mapping) -> torch.Tensor:
         lidar = data_dict["processed_lidar"]
         batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
                  "voxel_num_points": lidar["voxel_num_points"], "record_len": data_dict.get("record_len")}
         if self.fusion_factory is not None:  # fused inside the backbone, level by level
-            batch["ego_warp"] = self.ego_warp(data_dict, lidar["voxel_features"].device)
+            batch["ego_warp"] = self.ego_warp(data_dict)
         batch = self.pillar_vfe(batch)
         batch = self.scatter(batch, self.num_images(data_dict))
         return self.backbone(batch)["spatial_features_2d"]
@@ -252,7 +253,7 @@ class PointPillarFCooper(ShrinkNeck, PointPillar):
 
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         features = self.shrink_and_compress(features)
-        return self.fusion_net(features, data_dict["record_len"], self.ego_warp(data_dict, features.device))
+        return self.fusion_net(features, data_dict["record_len"], self.ego_warp(data_dict))
 
 
 @MODELS.register("point_pillar_opv2v", fusion="intermediate (attention, on the shrunk map)", required=PILLAR_KEYS,

@@ -22,6 +22,7 @@ from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride,
                                         check_windows_divide, head_stride, refuse)
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.swap_fusion import SwapFusionEncoder
+from opencood_ddp.models.modules.cav_layout import counts, sample_and_slot, to_device
 from opencood_ddp.models.modules.ego_warp import to_ego_frame
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
@@ -89,18 +90,18 @@ def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[tor
     """(N, C, H, W) CAV maps -> ((B, slots, C, H, W) zero-padded, (B, slots) bool: the slot holds a CAV).
 
     The slots are laid out channels-last (each cell's C values together), the layout the fusion works in."""
-    counts = record_len.to(device=x.device, dtype=torch.long)
-    if int(counts.max()) > slots:
-        raise ValueError(f"a sample has {int(counts.max())} CAVs, more than max_cav = {slots}")
-    sample = torch.repeat_interleave(torch.arange(len(counts), device=x.device), counts)
-    local = torch.arange(x.shape[0], device=x.device) - (torch.cumsum(counts, 0) - counts)[sample]
-    index = sample * slots + local
-    channels, height, width = x.shape[1:]
-    cells = x.new_zeros(len(counts) * slots, height, width, channels).index_copy(0, index, x.permute(0, 2, 3, 1))
-    present = torch.zeros(len(counts) * slots, dtype=torch.bool, device=x.device)
+    samples = len(record_len)
+    if max(counts(record_len), default=0) > slots:
+        raise ValueError(f"a sample has {max(counts(record_len))} CAVs, more than max_cav = {slots}")
+    sample, slot = sample_and_slot(record_len)  # where record_len is (the host: modules/cav_layout.py)
+    index = sample * slots + slot
+    present = torch.zeros(samples * slots, dtype=torch.bool, device=index.device)
     present[index] = True
-    return cells.view(len(counts), slots, height, width, channels).permute(0, 1, 4, 2, 3), \
-        present.view(len(counts), slots)
+    index = to_device(index, x.device)
+    channels, height, width = x.shape[1:]
+    cells = x.new_zeros(samples * slots, height, width, channels).index_copy(0, index, x.permute(0, 2, 3, 1))
+    return cells.view(samples, slots, height, width, channels).permute(0, 1, 4, 2, 3), \
+        to_device(present, x.device).view(samples, slots)
 
 
 @MODELS.register("point_pillar_cobevt", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
@@ -120,6 +121,6 @@ class PointPillarCoBEVT(ShrinkNeck, PointPillar):
 
     def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
         features = self.shrink_and_compress(features)
-        features = to_ego_frame(features, self.ego_warp(data_dict, features.device))
+        features = to_ego_frame(features, self.ego_warp(data_dict))
         slots, present = to_slots(features, data_dict["record_len"], self.max_cav)
         return self.fusion_net(slots, present)

@@ -23,6 +23,7 @@ from typing import Mapping
 import torch
 
 from opencood_ddp.models.checks import SHRINK_HEADER_KEYS, check_anchor_stride, check_shrink_neck, head_stride, refuse
+from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
@@ -105,5 +106,5 @@ class PointPillarV2VNet(ShrinkNeck, PointPillar):
 def cav_delays(prior_encoding: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
     """(B, max_cav, 3) [speed, delay, infra] -> (sum(record_len),) each CAV's delay in whole 100 ms frames,
     truncated as the fork's ``.to(torch.int)``."""
-    rows = [prior_encoding[b, :int(n), 1] for b, n in enumerate(record_len.tolist())]
+    rows = [prior_encoding[b, :n, 1] for b, n in enumerate(counts(record_len))]
     return torch.cat(rows).to(torch.int)

@@ -54,7 +54,7 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, validate
 from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride, check_max_cav, check_shrink_neck,
                                         head_stride, level_map_sizes, refuse)
-from opencood_ddp.models.modules.ego_warp import ego_rows
+from opencood_ddp.models.modules.ego_warp import EgoWarp, ego_rows
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar, check_pillar_args
@@ -253,7 +253,7 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         return self.shrink(self.backbone({"spatial_features": spatial})["spatial_features_2d"])
 
     def fuse_levels(self, spatial: torch.Tensor, psm_single: torch.Tensor, record_len: torch.Tensor,
-                    theta: torch.Tensor, is_ego: torch.Tensor) -> Tuple[torch.Tensor, Rates]:
+                    warp: EgoWarp, is_ego: torch.Tensor) -> Tuple[torch.Tensor, Rates]:
         """Upstream's multi-scale path: the backbone's levels again, level 0 masked, every level fused."""
         backbone, x, ups = self.backbone, spatial, []
         rates = None
@@ -262,7 +262,7 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
             if level == 0:  # the masked maps also feed the deeper levels, as upstream
                 mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len, tuple(x.shape[-2:]))
                 x = x if mask is None else x * mask
-            fused = self.fusion_net.fuse(level, x, record_len, theta, is_ego)
+            fused = self.fusion_net.fuse(level, x, record_len, warp)
             ups.append(backbone.deblocks[level](fused) if len(backbone.deblocks) > 0 else fused)
         x = torch.cat(ups, dim=1) if len(ups) > 1 else ups[0]
         if len(backbone.deblocks) > len(backbone.blocks):
@@ -273,17 +273,16 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         record_len = data_dict["record_len"]
         spatial = self.bev(data_dict)
         is_ego = ego_rows(record_len, spatial.device)
-        theta = self.fusion_net.affines(data_dict["pairwise_t_matrix"].to(spatial.device), record_len)
+        warp = self.fusion_net.ego_warp(data_dict["pairwise_t_matrix"], record_len)
         if self.multi_scale:
             with torch.no_grad():  # feeds a threshold only: no gradient would flow back through it
                 psm_single = self.cls_head(self.single_maps(spatial))
-            fused, rates = self.fuse_levels(spatial, psm_single, record_len, theta, is_ego)
+            fused, rates = self.fuse_levels(spatial, psm_single, record_len, warp, is_ego)
         else:
             features = self.single_maps(spatial)
             with torch.no_grad():
                 psm_single = self.cls_head(features)  # the confidence comes from the uncompressed map, as upstream
             features = self.compress(features)
             mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len)
-            fused = self.fusion_net.fuse(0, features if mask is None else features * mask, record_len, theta,
-                                         is_ego)
+            fused = self.fusion_net.fuse(0, features if mask is None else features * mask, record_len, warp)
         return {**self.heads(fused), "comm_rate": rates.comm_rate, "com": rates.com}

@@ -27,6 +27,7 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import check_backbone_compression
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
+from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.ego_warp import batch_ego_warp
 from opencood_ddp.models.modules.fusion import AttFusion
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
@@ -199,8 +200,8 @@ class SecondIntermediate(nn.Module):
         batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
                  "voxel_num_points": lidar["voxel_num_points"], "record_len": record_len,
                  # Every CAV gets a map, a trailing one without voxels included (upstream: sum(record_len)).
-                 "num_images": int(record_len.sum().item()),
-                 "ego_warp": batch_ego_warp(data_dict, self.lidar_range, record_len.device)}
+                 "num_images": sum(counts(record_len)),
+                 "ego_warp": batch_ego_warp(data_dict, self.lidar_range)}
         batch = self.mean_vfe(batch)
         batch = self.backbone_3d(batch)
         batch = self.height_compression(batch)

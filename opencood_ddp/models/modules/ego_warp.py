@@ -19,28 +19,29 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from opencood_ddp.models.modules.cav_layout import sample_and_slot, to_device
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
 
 
 class EgoWarp(NamedTuple):
-    """What ``warp_to_ego`` needs for one batch's CAV maps, at any backbone level."""
+    """What ``warp_to_ego`` needs for one batch's CAV maps, at any backbone level; where the batch's
+    ``record_len`` and ``pairwise_t_matrix`` are (the host in our batches: modules/cav_layout.py)."""
 
     theta: torch.Tensor  # (sum(record_len), 2, 3) float64 affine_grid matrices (ego_frame_affines)
     is_ego: torch.Tensor  # (sum(record_len),) bool (ego_rows)
 
 
 def ego_rows(record_len: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """(sum(record_len),) bool: True at each sample's first CAV, its ego."""
-    counts = record_len.to(device=device, dtype=torch.long)
-    is_ego = torch.zeros(int(counts.sum()), dtype=torch.bool, device=device)
-    is_ego[torch.cumsum(counts, 0) - counts] = True
-    return is_ego
+    """(sum(record_len),) bool on ``device``: True at each sample's first CAV, its ego (derived where record_len
+    is, then moved)."""
+    return to_device(sample_and_slot(record_len)[1] == 0, torch.device(device))
 
 
 def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
                       lidar_range: Sequence[float]) -> torch.Tensor:
-    """(B, L, L, 4, 4) pairwise transforms -> (sum(record_len), 2, 3) ``affine_grid`` matrices, float64.
+    """(B, L, L, 4, 4) pairwise transforms -> (sum(record_len), 2, 3) ``affine_grid`` matrices, float64, on the
+    pairwise matrices' device.
 
     Row k maps the ego's normalised BEV coordinates (-1..1 over ``lidar_range``, x along the width, y along
     the height) to those of CAV k's map: ``pairwise[b, 0, j]`` takes the ego's frame (CAV 0) to CAV j's, and
@@ -50,10 +51,8 @@ def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
     diagonal holds (the dataset writes the identity there; a batch from elsewhere may not).
     """
     device = pairwise_t_matrix.device
-    counts = record_len.to(device=device, dtype=torch.long)
-    sample = torch.repeat_interleave(torch.arange(len(counts), device=device), counts)
-    local = torch.arange(int(counts.sum()), device=device) - (torch.cumsum(counts, 0) - counts)[sample]
-    matrix = pairwise_t_matrix.to(torch.float64)[sample, 0, local]  # (N, 4, 4)
+    sample, slot = (to_device(t, device) for t in sample_and_slot(record_len))
+    matrix = pairwise_t_matrix.to(torch.float64)[sample, 0, slot]  # (N, 4, 4)
     rotation, translation = matrix[:, :2, :2], matrix[:, :2, 3]
     x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
     half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
@@ -62,7 +61,7 @@ def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
     shift = (rotation @ centre + translation - centre) / half
     theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)
     identity = torch.eye(2, 3, dtype=theta.dtype, device=device).expand_as(theta)
-    return torch.where(ego_rows(counts, device).view(-1, 1, 1), identity, theta)
+    return torch.where((slot == 0).view(-1, 1, 1), identity, theta)
 
 
 def moving_rows(theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
@@ -75,13 +74,17 @@ def moving_rows(theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
 def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame (bilinear, zeros outside).
 
-    The egos' maps, and every map whose matrix is exactly the identity, are passed through untouched.
+    The egos' maps, and every map whose matrix is exactly the identity, are passed through untouched. Which maps
+    move is decided where ``theta`` and ``is_ego`` are (the host: no wait for the device); only those maps'
+    matrices go to the maps' device.
     """
-    others = torch.nonzero(moving_rows(theta, is_ego)).squeeze(1)
+    others = torch.nonzero(moving_rows(theta, is_ego.to(theta.device))).squeeze(1)
     if others.numel() == 0:
         return x
-    warped = in_full_precision(_resample, x.index_select(0, others), theta.index_select(0, others))
-    return x.index_copy(0, others, warped.to(x.dtype))
+    moving = to_device(others, x.device)
+    warped = in_full_precision(_resample, x.index_select(0, moving), to_device(theta.index_select(0, others),
+                                                                                x.device))
+    return x.index_copy(0, moving, warped.to(x.dtype))
 
 
 def _resample(maps: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -90,14 +93,14 @@ def _resample(maps: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     return grid_sample(maps, grid, mode="bilinear", align_corners=False)
 
 
-def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float], device: torch.device) -> Optional[EgoWarp]:
-    """The batch's EgoWarp from its ``record_len`` and ``pairwise_t_matrix``; None when it has neither (no
-    fusion) or when no CAV's map moves (proj_first: true), so that nothing is computed per level."""
+def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float]) -> Optional[EgoWarp]:
+    """The batch's EgoWarp from its ``record_len`` and ``pairwise_t_matrix``, where those are; None when it has
+    neither (no fusion) or when no CAV's map moves (proj_first: true), so that nothing is computed per level."""
     record_len, pairwise = data_dict.get("record_len"), data_dict.get("pairwise_t_matrix")
     if record_len is None or pairwise is None:
         return None
-    theta = ego_frame_affines(pairwise.to(device), record_len, lidar_range)
-    is_ego = ego_rows(record_len, device)
+    theta = ego_frame_affines(pairwise, record_len, lidar_range)
+    is_ego = ego_rows(record_len, theta.device)
     if not bool(moving_rows(theta, is_ego).any()):
         return None
     return EgoWarp(theta, is_ego)

@@ -14,13 +14,14 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.ego_warp import EgoWarp, to_ego_frame
 from opencood_ddp.models.modules.precision import in_full_precision
 
 
 def regroup(x: torch.Tensor, record_len: torch.Tensor) -> List[torch.Tensor]:
     """(sum(record_len), C, H, W) -> one (record_len[b], C, H, W) tensor per sample."""
-    return list(torch.split(x, [int(n) for n in record_len.tolist()]))
+    return list(torch.split(x, list(counts(record_len))))
 
 
 class AttFusion(nn.Module):

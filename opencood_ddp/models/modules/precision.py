@@ -19,14 +19,16 @@ from typing import Callable, TypeVar
 
 import torch
 
+from opencood_ddp.numerics.autocast import autocast_enabled, autocast_off
+
 T = TypeVar("T")
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def in_full_precision(fn: Callable[..., T], *tensors: torch.Tensor) -> T:
     device_type = tensors[0].device.type
-    autocast = torch.is_autocast_enabled(device_type)
+    autocast = autocast_enabled(device_type)
     if not autocast and not any(t.dtype in HALF_DTYPES for t in tensors):
         return fn(*tensors)
-    with torch.autocast(device_type, enabled=False):
+    with autocast_off(device_type):
         return fn(*(t.float() if t.dtype in HALF_DTYPES else t for t in tensors))

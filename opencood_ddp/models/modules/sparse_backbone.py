@@ -27,6 +27,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from opencood_ddp.models.modules.precision import in_full_precision
 from opencood_ddp.models.modules.spconv_compat import load_spconv
+from opencood_ddp.numerics.autocast import autocast_enabled, autocast_off
 
 Triple = Tuple[int, int, int]
 DEFAULT_NUM_FEATURES_OUT = 128  # upstream's conv_out width unless backbone_3d.num_features_out says otherwise
@@ -108,10 +109,10 @@ def _sparse_conv(layer: nn.Module, x: Any) -> Any:
     """The convolution under --half: spconv's kernels take float16 on CUDA, but neither bfloat16 nor any 16-bit
     type on the CPU (a KeyError deep in spconv), so there the convolution runs in float32."""
     device_type = x.features.device.type
-    if not torch.is_autocast_enabled(device_type) or (
+    if not autocast_enabled(device_type) or (
             device_type == "cuda" and torch.get_autocast_dtype(device_type) == torch.float16):
         return layer(x)
-    with torch.autocast(device_type, enabled=False):
+    with autocast_off(device_type):
         return layer(x.replace_feature(x.features.float()))
 
 

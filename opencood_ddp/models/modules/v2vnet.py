@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opencood_ddp.models.modules.cav_layout import to_device
 from opencood_ddp.models.modules.fusion import regroup
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
@@ -137,7 +138,7 @@ def field_of_view(theta: torch.Tensor, h: int, w: int) -> torch.Tensor:
 
 def identity_samples(thetas: torch.Tensor, counts: Sequence[int]) -> List[bool]:
     """(B, L, L, 2, 3) affines, each sample's CAV count -> whether all of sample b's n x n are the identity
-    (one host read for the batch)."""
+    (one read for the batch, free where the affines are on the host)."""
     identity = torch.eye(2, 3, dtype=thetas.dtype, device=thetas.device)
     flags = [(thetas[b, :n, :n] == identity).all() for b, n in enumerate(counts)]
     return torch.stack(flags).tolist() if flags else []
@@ -184,7 +185,7 @@ class V2VNetFusion(nn.Module):
     def encode_delays(self, x: torch.Tensor, delays: torch.Tensor) -> torch.Tensor:
         """The fork's temporal encoding: ``cnn`` of each map with its delay (frames) as one more channel."""
         n, _, h, w = x.shape
-        delay_map = delays.to(device=x.device, dtype=x.dtype).view(n, 1, 1, 1).expand(n, 1, h, w)
+        delay_map = to_device(delays, x.device).to(x.dtype).view(n, 1, 1, 1).expand(n, 1, h, w)
         return self.cnn(torch.cat([x, delay_map], dim=1))
 
     def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: torch.Tensor,
@@ -194,9 +195,11 @@ class V2VNetFusion(nn.Module):
         if self.cnn is not None:
             x = self.encode_delays(x, delays)
         h, w = x.shape[-2:]
-        thetas = pairwise_affines(pairwise_t_matrix.to(x.device), self.lidar_range)
+        # Which samples need no warp is decided where the pairwise matrices are (the host: cav_layout.py).
+        thetas = pairwise_affines(pairwise_t_matrix, self.lidar_range)
         groups = regroup(x, record_len)
         identities = identity_samples(thetas, [nodes.shape[0] for nodes in groups])
+        thetas = to_device(thetas, x.device)
         egos: List[torch.Tensor] = []
         for b, nodes in enumerate(groups):
             n = nodes.shape[0]

@@ -18,9 +18,12 @@ Per CAV the batch may carry (upstream's keys; absent, OPV2V's case: vehicles onl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Optional, Tuple
+from functools import cached_property
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
+
+from opencood_ddp.models.modules.cav_layout import sample_and_slot, to_device
 
 VEHICLE, INFRASTRUCTURE = 0, 1
 NUM_KINDS = 2
@@ -29,7 +32,10 @@ PRIOR_DELAY, PRIOR_INFRA = 1, 2
 
 @dataclass(frozen=True)
 class Agents:
-    """The packed CAVs of one batch (see the module docstring); every tensor has one entry per CAV."""
+    """The packed CAVs of one batch (see the module docstring); every tensor has one entry per CAV, on the maps'
+    device. ``kinds`` and ``delays`` are the same as Python ints: the rows of each kind and the delays' range
+    are read from them, so that nothing waits for the device (``from_batch`` fills them from the host's copy;
+    left empty, they are read back from the tensors once)."""
 
     record_len: Tuple[int, ...]
     sample: torch.Tensor  # (N,) long
@@ -37,6 +43,14 @@ class Agents:
     delay: torch.Tensor  # (N,) long, in frames
     kind: torch.Tensor  # (N,) long, VEHICLE or INFRASTRUCTURE
     to_ego: torch.Tensor  # (N, 4, 4) into the ego's current frame; identity for the ego
+    kinds: Tuple[int, ...] = ()
+    delays: Tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if len(self.kinds) != len(self.kind):
+            object.__setattr__(self, "kinds", tuple(int(k) for k in self.kind.tolist()))
+        if len(self.delays) != len(self.delay):
+            object.__setattr__(self, "delays", tuple(int(d) for d in self.delay.tolist()))
 
     @property
     def num_samples(self) -> int:
@@ -46,16 +60,25 @@ class Agents:
     def max_len(self) -> int:
         return max(self.record_len)
 
-    @property
-    def ego_rows(self) -> torch.Tensor:
-        return (self.slot == 0).nonzero().squeeze(1)
+    def _rows(self, rows: Sequence[int]) -> torch.Tensor:
+        return to_device(torch.tensor(list(rows), dtype=torch.long), self.slot.device)
 
-    @property
+    @cached_property
+    def ego_rows(self) -> torch.Tensor:
+        return self._rows(_starts(self.record_len))
+
+    @cached_property
     def other_rows(self) -> torch.Tensor:
-        return (self.slot > 0).nonzero().squeeze(1)
+        egos = set(_starts(self.record_len))
+        return self._rows(r for r in range(len(self.kinds)) if r not in egos)
+
+    @cached_property
+    def rows_of_kind(self) -> Tuple[torch.Tensor, ...]:
+        """The rows of each kind, VEHICLE first (empty where a kind is absent)."""
+        return tuple(self._rows(r for r, k in enumerate(self.kinds) if k == kind) for kind in range(NUM_KINDS))
 
     def kinds_present(self) -> Tuple[int, ...]:
-        return tuple(int(k) for k in torch.unique(self.kind).tolist())
+        return tuple(sorted(set(self.kinds)))
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """(N, ...) -> (B, L, ...), zeros in the padded slots."""
@@ -69,14 +92,14 @@ class Agents:
 
     @classmethod
     def from_batch(cls, data_dict: Mapping, max_cav: int, device: torch.device) -> "Agents":
-        """From the batch's record_len and the optional per-CAV keys (defaults when absent)."""
-        record_len = tuple(int(n) for n in data_dict["record_len"].tolist())
+        """From the batch's record_len and the optional per-CAV keys (defaults when absent), worked out where
+        record_len is (the host in our batches: modules/cav_layout.py) and moved to ``device``."""
+        record_len_tensor = data_dict["record_len"]
+        record_len = tuple(int(n) for n in record_len_tensor.tolist())
         if not record_len or min(record_len) < 1 or max(record_len) > max_cav:
             raise ValueError(f"record_len {list(record_len)}: every sample needs 1 to max_cav ({max_cav}) CAVs; "
                              f"set model.args.max_cav to the dataset's train_params.max_cav")
-        sample = torch.repeat_interleave(torch.arange(len(record_len)), torch.tensor(record_len))
-        slot = torch.cat([torch.arange(n) for n in record_len])
-        sample, slot = sample.to(device), slot.to(device)
+        sample, slot = sample_and_slot(record_len_tensor)
         prior = _per_cav(data_dict.get("prior_encoding"), sample, slot, "prior_encoding", (3,))
         delay = kind = torch.zeros_like(slot)
         if prior is not None:
@@ -84,7 +107,18 @@ class Agents:
             kind = _whole(prior[:, PRIOR_INFRA], "prior_encoding infrastructure flag (column 2)", VEHICLE,
                           INFRASTRUCTURE)
         to_ego = _to_ego(data_dict, sample, slot)
-        return cls(record_len, sample, slot, delay, kind, to_ego)
+        kinds, delays = tuple(int(k) for k in kind.tolist()), tuple(int(d) for d in delay.tolist())
+        device = torch.device(device)
+        return cls(record_len, *(to_device(t, device) for t in (sample, slot, delay, kind, to_ego)), kinds, delays)
+
+
+def _starts(record_len: Sequence[int]) -> List[int]:
+    """The row of each sample's ego."""
+    starts, row = [], 0
+    for n in record_len:
+        starts.append(row)
+        row += n
+    return starts
 
 
 def _per_cav(value: Optional[torch.Tensor], sample: torch.Tensor, slot: torch.Tensor, key: str,

@@ -15,7 +15,7 @@ attention, 1: MSwin}``, ``encoder.layers.{d}.1`` (feed-forward), ``encoder.rte.e
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -72,14 +72,14 @@ class DelayEmbedding(nn.Module):
             self.emb.weight[:, 1::2] = torch.cos(position * frequency) / math.sqrt(dim)
         self.lin = nn.Linear(dim, dim)
 
-    def forward(self, delay: torch.Tensor) -> torch.Tensor:
-        """(N,) delays in frames -> (N, C). RTE_ratio converts frames to table rows (2: 100 ms frames, 50 ms rows)."""
-        index = delay * self.ratio
+    def forward(self, delay: torch.Tensor, delays: Sequence[int]) -> torch.Tensor:
+        """(N,) delays in frames, and the same as Python ints (Agents.delays: checked without reading the device)
+        -> (N, C). RTE_ratio converts frames to table rows (2: 100 ms frames, 50 ms rows)."""
         rows = self.emb.num_embeddings
-        if bool(((index < 0) | (index >= rows)).any()):
+        if any(not 0 <= d * self.ratio < rows for d in delays):
             raise ValueError(f"time delay x RTE_ratio must be in 0..{rows - 1} (V2X-ViT's delay table), got delays "
-                             f"{delay.tolist()} with RTE_ratio {self.ratio}")
-        return self.lin(self.emb(index))
+                             f"{list(delays)} with RTE_ratio {self.ratio}")
+        return self.lin(self.emb(delay * self.ratio))
 
 
 class RelativeTemporalEncoding(nn.Module):
@@ -89,8 +89,8 @@ class RelativeTemporalEncoding(nn.Module):
         super().__init__()
         self.emb = DelayEmbedding(dim, ratio)
 
-    def forward(self, x: torch.Tensor, delay: torch.Tensor) -> torch.Tensor:
-        return x + self.emb(delay)[:, None, None, :].to(x.dtype)
+    def forward(self, x: torch.Tensor, agents: Agents) -> torch.Tensor:
+        return x + self.emb(agents.delay, agents.delays)[:, None, None, :].to(x.dtype)
 
 
 class V2XFusionBlock(nn.Module):
@@ -139,7 +139,7 @@ class V2XEncoder(nn.Module):
 
     def forward(self, x: torch.Tensor, agents: Agents) -> torch.Tensor:
         if self.rte is not None:
-            x = self.rte(x, agents.delay)
+            x = self.rte(x, agents)
         x, visible = self.sttf(x, agents.to_ego, agents.other_rows)
         if not self.use_roi_mask:
             visible = torch.ones_like(visible)

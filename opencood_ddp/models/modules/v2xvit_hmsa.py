@@ -19,6 +19,8 @@ the gradients of a kind that no rank met to None before the optimizer step (``mo
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import nn
 
@@ -28,11 +30,10 @@ from opencood_ddp.models.parameter_use import TracksParameterUse
 from opencood_ddp.numerics.dropout import Dropout
 
 
-def typed_linear(x: torch.Tensor, kind: torch.Tensor, linears: nn.ModuleList) -> torch.Tensor:
-    """Row r of x (N, ...) through ``linears[kind[r]]``."""
+def typed_linear(x: torch.Tensor, rows_of_kind: Sequence[torch.Tensor], linears: nn.ModuleList) -> torch.Tensor:
+    """Row r of x (N, ...) through ``linears[k]`` for the k whose ``rows_of_kind[k]`` holds r (Agents')."""
     out = None
-    for k, linear in enumerate(linears):
-        rows = (kind == k).nonzero().squeeze(1)
+    for rows, linear in zip(rows_of_kind, linears):
         part = linear(x[rows])
         if out is None:
             out = part.new_zeros((x.shape[0],) + tuple(part.shape[1:]))
@@ -99,7 +100,7 @@ class HeteroCavAttention(nn.Module, TracksParameterUse):
 
     def forward(self, x: torch.Tensor, agents: Agents, visible: torch.Tensor) -> torch.Tensor:
         """x (N, H, W, C) packed CAV maps -> (N, H, W, C)."""
-        q, k, v = (split_heads(agents.pad(typed_linear(x, agents.kind, linears)), self.heads)
+        q, k, v = (split_heads(agents.pad(typed_linear(x, agents.rows_of_kind, linears)), self.heads)
                    for linears in (self.q_linears, self.k_linears, self.v_linears))
         mask = key_mask(agents, visible)
         query_kind = agents.pad(agents.kind)[:, :, None, None, None, None]  # (B, L, 1, 1, 1, 1)
@@ -111,7 +112,7 @@ class HeteroCavAttention(nn.Module, TracksParameterUse):
             messages = gather_messages(attend(q, k_edge, mask, self.scale), v_edge)
             out = torch.where(query_kind == kind, messages, out)
         out = agents.unpad(out.flatten(-2))
-        return self.drop_out(typed_linear(out, agents.kind, self.a_linears))
+        return self.drop_out(typed_linear(out, agents.rows_of_kind, self.a_linears))
 
 
 class CavAttention(nn.Module):

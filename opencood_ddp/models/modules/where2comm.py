@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opencood_ddp.models.modules.ego_warp import ego_frame_affines, warp_to_ego
+from opencood_ddp.models.modules.cav_layout import sample_and_slot, to_device
+from opencood_ddp.models.modules.ego_warp import EgoWarp, ego_frame_affines, ego_rows, to_ego_frame
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 
 AGGREGATORS = {"ATTEN": AttFusion, "MAX": MaxFusion}
@@ -86,30 +87,31 @@ def keep_egos_whole(mask: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
 def communication_rate(mask: Optional[torch.Tensor], is_ego: torch.Tensor) -> torch.Tensor:
     """0-d float32, detached: the share of the non-ego CAVs' cells sent (mask > 0), over the whole batch.
 
-    ``mask`` None means everything is sent. A batch without a non-ego CAV sends nothing: rate 0.
+    ``mask`` None means everything is sent. A batch without a non-ego CAV sends nothing: rate 0. Counted without
+    reading anything back to the host: the sum of 0/1 cells is exact in float32 below 2^24 cells, so the rate is
+    the mean's to the bit.
     """
     others = ~is_ego
-    if not bool(others.any()):
-        return torch.zeros((), device=is_ego.device)
+    senders = others.sum()
     if mask is None:
-        return torch.ones((), device=is_ego.device)
-    return (mask.detach()[others] > 0).float().mean()
+        return (senders > 0).float()
+    sent = ((mask.detach() > 0) & others.view(-1, 1, 1, 1)).sum().float()
+    cells = senders * mask[0].numel()
+    return torch.where(senders > 0, sent / cells.clamp(min=1).float(), sent.new_zeros(()))
 
 
-def opencood_com(selected: Optional[torch.Tensor], record_len: torch.Tensor) -> torch.Tensor:
+def opencood_com(selected: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
     """0-d float32, detached: OpenCOOD's ``com`` (``where2comm_fuse.py``'s ``communication_rates``).
 
     Per sample: the cells above the threshold over all its L CAVs, the ego's own map included (counted before
     the ego is kept whole), divided by L x H x W, on the heads' grid; then the mean over the batch's samples.
-    ``selected`` None (everything sent: ``fully``, no communication block) gives 1, as upstream's ``fully``.
+    Everything sent (``fully``, no communication block) is 1, as upstream's ``fully`` (``Where2commFusion``).
     """
-    if selected is None:
-        return torch.ones((), device=record_len.device)
-    counts = record_len.to(device=selected.device, dtype=torch.long)
-    sample = torch.repeat_interleave(torch.arange(len(counts), device=selected.device), counts)
+    device = selected.device
+    sample = to_device(sample_and_slot(record_len)[0], device)
     per_cav = (selected.detach() > 0).flatten(1).float().mean(dim=1)  # every CAV's map has H x W cells
-    per_sample = torch.zeros(len(counts), device=selected.device).index_add_(0, sample, per_cav) / counts
-    return per_sample.mean()
+    per_sample = torch.zeros(len(record_len), device=device).index_add_(0, sample, per_cav)
+    return (per_sample / to_device(record_len, device)).mean()
 
 
 class Rates(NamedTuple):
@@ -136,8 +138,10 @@ class Where2commFusion(nn.Module):
         self.communicates = communication is not None and not fully
         self.lidar_range = [float(v) for v in lidar_range]
 
-    def affines(self, pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
-        return ego_frame_affines(pairwise_t_matrix, record_len, self.lidar_range)
+    def ego_warp(self, pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor) -> EgoWarp:
+        """Every level's warp, where the batch's pairwise matrices are (the host: modules/cav_layout.py)."""
+        theta = ego_frame_affines(pairwise_t_matrix, record_len, self.lidar_range)
+        return EgoWarp(theta, ego_rows(record_len, theta.device))
 
     def communicate(self, psm_single: torch.Tensor, is_ego: torch.Tensor, record_len: torch.Tensor,
                     size: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Rates]:
@@ -147,7 +151,7 @@ class Where2commFusion(nn.Module):
         cell there counts as sent when its mask is non-zero. OpenCOOD's ``com`` is counted on the heads' grid.
         """
         if not self.communicates:
-            return None, Rates(communication_rate(None, is_ego), opencood_com(None, record_len))
+            return None, Rates(communication_rate(None, is_ego), torch.ones((), device=is_ego.device))
         selected = self.naive_communication.selected(psm_single)
         mask = keep_egos_whole(selected, is_ego)
         com = opencood_com(selected, record_len)
@@ -155,7 +159,6 @@ class Where2commFusion(nn.Module):
             mask = F.interpolate(mask, size=tuple(size), mode="bilinear", align_corners=False)
         return mask, Rates(communication_rate(mask, is_ego), com)
 
-    def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, theta: torch.Tensor,
-             is_ego: torch.Tensor) -> torch.Tensor:
+    def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, warp: EgoWarp) -> torch.Tensor:
         """(sum(record_len), C, H, W) masked CAV maps -> (B, C, H, W): warped to the ego, fused per sample."""
-        return self.fuse_modules[level](warp_to_ego(x, theta, is_ego), record_len)
+        return self.fuse_modules[level](to_ego_frame(x, warp), record_len)

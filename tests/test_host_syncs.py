@@ -1,0 +1,138 @@
+"""No model's training step waits for its device: nothing in forward, loss or backward reads a device tensor back.
+
+A GPU step whose forward reads a value back (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``) or runs
+an operator whose output's shape depends on the values (``nonzero``, boolean-mask indexing, ``masked_select``,
+``unique``, ``repeat_interleave`` without ``output_size``) stops the host until the device has caught up, and the
+launches after it are no longer hidden behind the device's work (issue 52). On a GPU,
+``torch.cuda.set_sync_debug_mode("error")`` finds them (tools/gpu_check.py); here torch's ``meta`` device stands for
+the GPU: its tensors have shapes and no values, so none of these can run on it, and an operation that mixes a host
+tensor into the device's work fails as it would on CUDA.
+
+Each model's toy batch goes through the task's own ``move_to`` to ``meta``, which keeps
+``data/device_points.HOST_KEYS`` on the host (the models derive their indices from those there:
+models/modules/cav_layout.py), and the model is moved there too. Two modes count every read-back call and every
+value-shaped operator on a device tensor, with the model's line that made it: the Python-level calls (a function
+mode) and the operators autograd's backward dispatches (a dispatch mode). The count must be 0. A control run with
+``record_len`` moved to the device, as upstream's batches have it, shows that the counter sees such reads.
+
+SECOND is not here: spconv has no meta kernels, and its CUDA convolutions read their output's voxel count back by
+design.
+"""
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.zoo import toy_batch
+
+TOY = Path(__file__).resolve().parents[1] / "hypes_yaml" / "toy"
+META = torch.device("meta")
+READ_BACKS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+              "masked_select", "unique", "unique_consecutive", "argwhere"}
+VALUE_SHAPED_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+                    "aten::unique_consecutive", "aten::unique_dim"}
+
+
+def _on_device(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
+
+
+def _site() -> str:
+    """The innermost frame of this package that made the call."""
+    frames = [f for f in traceback.extract_stack() if "/opencood_ddp/" in f.filename]
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+class HostReads(TorchFunctionMode):
+    """Records each read-back call on a device tensor (its name and site) and stops the step there."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: List[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        hit = name in READ_BACKS and _on_device(args[0] if args else None)
+        if name == "__getitem__" and _on_device(args[0]):
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            hit = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+        if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) > 1 \
+                and _on_device(args[1]):
+            hit = True
+        if hit:
+            self.seen.append(f"{name} at {_site()}")
+            raise AssertionError(f"the step reads a device tensor back: {self.seen[-1]}")
+        return func(*args, **kwargs)
+
+
+class ValueShapedOps(TorchDispatchMode):
+    """Records each operator whose output shape needs the device's values, as dispatched (backward included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        device_args = [a for a in args if _on_device(a)]
+        hit = bool(device_args) and name in VALUE_SHAPED_OPS
+        if name == "aten::index" and device_args:
+            hit = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+        if name == "aten::_to_copy" and device_args and kwargs.get("device") == torch.device("cpu"):
+            hit = True
+        if hit:
+            self.seen.append(f"{name} at {_site()}")
+            raise AssertionError(f"the step runs an operator shaped by device values: {self.seen[-1]}")
+        return func(*args, **kwargs)
+
+
+def _step_on_meta(task, model, batch) -> tuple[list, list]:
+    """Forward, loss and backward of the task's step on the meta device; the two modes' records."""
+    model = model.to(META).train()
+    reads, ops = HostReads(), ValueShapedOps()
+    with reads, ops:
+        out = task.step(model, batch)
+        out.total.backward()
+    assert out.total.device == META
+    assert any(p.grad is not None and p.grad.device == META for p in model.parameters())
+    return reads.seen, ops.seen
+
+
+PILLAR_MODELS = ["point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
+                 "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_cobevt", "point_pillar_where2comm"]
+
+
+@pytest.mark.parametrize("config", PILLAR_MODELS)
+def test_a_pillar_models_step_reads_nothing_back_from_its_device(toy_small, config):
+    batch, model, task = toy_batch(TOY / f"{config}.yaml", toy_small)
+    moved = task.move_to(batch, META)
+    if "record_len" in moved["ego"]:  # the fusion models' batches: HOST_KEYS stay where the collate put them
+        assert moved["ego"]["record_len"].device.type == "cpu"
+    reads, ops = _step_on_meta(task, model, moved)
+    assert (reads, ops) == ([], [])
+
+
+def test_v2xvit_with_road_side_units_reads_nothing_back(toy_small_rsu):
+    """V2X-ViT's typed layers and delays (prior_encoding), with infrastructure CAVs in the batch."""
+    batch, model, task = toy_batch(TOY / "point_pillar_v2xvit.yaml", toy_small_rsu)
+    prior = batch["ego"]["prior_encoding"]
+    assert bool((prior[..., 2] == 1).any())  # the toy world's road-side units are in this batch
+    reads, ops = _step_on_meta(task, model, task.move_to(batch, META))
+    assert (reads, ops) == ([], [])
+
+
+def test_a_record_len_on_the_device_is_seen(toy_small):
+    """The control: upstream's way, record_len on the device, is a read-back where the fusion splits the maps."""
+    batch, model, task = toy_batch(TOY / "point_pillar_intermediate_fusion.yaml", toy_small)
+    moved = task.move_to(batch, META)
+    moved["ego"]["record_len"] = moved["ego"]["record_len"].to(META)
+    with pytest.raises(AssertionError, match="reads a device tensor back"):
+        _step_on_meta(task, model, moved)
