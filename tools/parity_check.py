@@ -4,9 +4,10 @@
     python tools/parity_check.py --hypes_yaml hypes_yaml/x.yaml --world_sizes 1,2,4 --steps 20
 
 Each world size runs the user-facing `tools/train_ddp.py --max_steps K` (plain `python` for 1, torchrun for
-more; on CUDA one GPU per process, else gloo on CPU) in its own folder under --work_dir. Against world size 1
-it compares the loss curve (`train_steps.csv`: the loss all-reduced over ranks, per step) and the weights after
-K steps (`net_step{K}.pth`, ||a - b|| / ||b|| over all parameters).
+more; on CUDA one GPU per process, else gloo on CPU) in its own folder under --work_dir, with this tool's
+training flags (--set, --per_gpu_batch, --seed, --half, --num_workers: train_ddp.py's own) and --train_args.
+Against world size 1 it compares the loss curve (`train_steps.csv`: the loss all-reduced over ranks, per step)
+and the weights after K steps (`net_step{K}.pth`, ||a - b|| / ||b|| over all parameters).
 
 Training is chaotic: a change of float summation order alone makes two runs drift apart, and an N-rank run
 sums in another order. So a second world-size-1 run feeds each batch in reverse order (the same training in
@@ -20,6 +21,7 @@ not, 2 on a bad input or a failed run.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import shlex
@@ -35,8 +37,9 @@ from opencood_ddp import hypes as hypes_lib
 from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import environ_without_launcher
-from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
+from opencood_ddp.distributed.launch import launcher_prefix, parse_world_sizes
 from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
+from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 from opencood_ddp.yaml_parsers import load_parsed_hypes
@@ -45,17 +48,15 @@ TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
 NOISE_RUN = "world1_reversed"
 
 
+# The training flags every run gets, as tools/train_ddp.py reads them (--half: expect larger gaps).
+TRAINING_FLAGS = ("hypes_yaml", "overrides", "per_gpu_batch", "seed", "half", "num_workers")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hypes_yaml", required=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     parents=[training_flags(*TRAINING_FLAGS, required=("hypes_yaml",))])
     parser.add_argument("--world_sizes", default="1,2", help="comma-separated; world size 1 is added as reference")
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
-                        help="hypes override passed to every run; repeatable")
-    parser.add_argument("--per_gpu_batch", type=int, help="passed to every run (accumulation instead of batch)")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--num_workers", type=int, default=0)
-    parser.add_argument("--half", action="store_true", help="mixed precision in every run (expect larger gaps)")
     parser.add_argument("--train_args", default="", metavar="'FLAGS'",
                         help="more tools/train_ddp.py flags for every run, e.g. --train_args='--no_sync_bn' to "
                              "see the gap that per-rank BatchNorm makes")
@@ -75,9 +76,11 @@ def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
     hypes = load_parsed_hypes(args.hypes_yaml, args.overrides)
     batch = hypes_lib.get_key(hypes, "train_params.batch_size", None)
     lr = float(hypes_lib.get_key(hypes, "optimizer.lr", 0.0))
+    # 'auto' measures in each run and picks a per-process batch that splits the batch: only the split is checked.
+    per_gpu_batch = None if args.per_gpu_batch == "auto" else args.per_gpu_batch
     for world in world_sizes:
         try:
-            make_batch_plan(batch, world, lr, per_gpu_batch=args.per_gpu_batch)
+            make_batch_plan(batch, world, lr, per_gpu_batch=per_gpu_batch)
         except ConfigError as exc:
             raise ConfigError(f"{args.hypes_yaml}: {exc} (or pick --world_sizes that divide it, or pass "
                               f"--set train_params.batch_size=B)") from None
@@ -85,12 +88,12 @@ def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
 
 
 def command(world: int, args: argparse.Namespace, run_dir: Path, reverse: bool = False) -> list[str]:
-    cmd = launcher_prefix(world, torchrun=world > 1) + [
-        str(TRAIN), "--hypes_yaml", args.hypes_yaml, "--model_dir", str(run_dir), "--max_steps", str(args.steps),
-        "--num_workers", str(args.num_workers), *forwarded_training_flags(args)]
-    if reverse:
-        cmd.append("--reverse_batch_order")
-    return cmd + shlex.split(args.train_args)
+    options = train_options_of(args)
+    options = dataclasses.replace(
+        options, run=dataclasses.replace(options.run, model_dir=str(run_dir)),
+        loop=dataclasses.replace(options.loop, max_steps=args.steps, reverse_batch_order=reverse))
+    return launcher_prefix(world, torchrun=world > 1) + [str(TRAIN), *train_argv(options),
+                                                         *shlex.split(args.train_args)]
 
 
 def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, reverse: bool = False) -> Path:

@@ -15,29 +15,31 @@ the allocator's cache. Exit 0 with a plan, 1 when none fits (and what would), 2 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import shlex
 import sys
 from typing import Optional, Sequence
 
 import torch
 
 from opencood_ddp.engine import batch_fit
+from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
 from opencood_ddp.tasks import build_task
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hypes_yaml", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    # The training flags the measured step depends on, as tools/train_ddp.py reads them; the plan's command
+    # passes them on.
+    parents = [training_flags("hypes_yaml", "overrides", "half", required=("hypes_yaml",))]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=parents)
     parser.add_argument("--gpus", type=int, required=True, help="how many GPUs (processes) will train")
     parser.add_argument("--gpu_mem_gib", type=float, required=True, help="memory of one GPU, GiB")
-    parser.add_argument("--half", action="store_true", help="mixed precision (fp16 on CUDA, bf16 on CPU)")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of each GPU kept free (default 0.1)")
     parser.add_argument("--largest_probe", type=int, default=4, help="largest per-GPU batch to measure")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE",
-                        help="override a hypes value (e.g. root_dir of frames to measure on)")
-    return parser.parse_args(argv)
+    return parser
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -54,6 +56,13 @@ def print_probe(probe: batch_fit.Probe) -> None:
           flush=True)
 
 
+def plan_flags(args: argparse.Namespace, chosen: batch_fit.PlanOption) -> list[str]:
+    """tools/train_ddp.py's flags for the chosen plan: this tool's training flags and the per-GPU batch."""
+    options = train_options_of(args)
+    return train_argv(dataclasses.replace(options, batch=dataclasses.replace(options.batch,
+                                                                             per_gpu_batch=chosen.per_rank)))
+
+
 def plan(args: argparse.Namespace) -> int:
     check_args(args)
     hypes = load_parsed_hypes(args.hypes_yaml, args.overrides)
@@ -61,7 +70,7 @@ def plan(args: argparse.Namespace) -> int:
     capacity = args.gpu_mem_gib * batch_fit.GIB * (1 - args.headroom)
     device = torch.device(args.device)
     sizes = batch_fit.probe_sizes(batch_size, args.gpus, args.largest_probe)
-    print(f"measuring {args.hypes_yaml} on {device}{' (--half)' if args.half else ''}: per-GPU batch "
+    print(f"measuring {args.hypes_yaml} on {device}{f' (--half {args.half})' if args.half else ''}: per-GPU batch "
           f"{', '.join(map(str, sizes))}", flush=True)
     probes = batch_fit.measure(hypes, build_task, sizes, device, args.half, report=print_probe)
     model = batch_fit.fit(probes)
@@ -74,9 +83,7 @@ def plan(args: argparse.Namespace) -> int:
         return 1
     print(f"plan: {chosen.world} GPU(s) x per-GPU batch {chosen.per_rank} x {chosen.accumulation} accumulation "
           f"step(s) = batch_size {batch_size}, peak about {batch_fit.gib(chosen.predicted_bytes)} per GPU: "
-          f"torchrun --nproc_per_node={chosen.world} tools/train_ddp.py --hypes_yaml {args.hypes_yaml} "
-          f"--per_gpu_batch {chosen.per_rank}{' --half' if args.half else ''}"
-          + "".join(f" --set {override}" for override in args.overrides))
+          f"torchrun --nproc_per_node={chosen.world} tools/train_ddp.py {shlex.join(plan_flags(args, chosen))}")
     note = batch_fit.accumulation_note(chosen, batch_size)
     if note:
         print(note)
@@ -84,7 +91,7 @@ def plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         return plan(args)
     except OpencoodDdpError as error:  # one line, as every tool of ours

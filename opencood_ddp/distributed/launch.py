@@ -1,11 +1,11 @@
 """Command lines for whatever starts training processes itself: the tools (parity check, benchmarks, demo,
 gpu check) and the tests, all through `launcher_prefix`.
 
-The processes are started the way users start them: plain `python` for one process, torchrun for more.
+The processes are started the way users start them: plain `python` for one process, torchrun for more. The
+training flags a tool passes on are engine/options.py's (`train_argv`): this layer knows no flag of training.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
@@ -38,13 +38,3 @@ def parse_world_sizes(text: str) -> list[int]:
         raise ConfigError(f"--world_sizes {text!r}: world sizes must be positive")
     return sizes
 
-
-def forwarded_training_flags(args: argparse.Namespace) -> list[str]:
-    """The training flags a tool passes on to every run it starts: --set, --per_gpu_batch, --seed, --half."""
-    flags = [word for override in args.overrides for word in ("--set", override)]
-    for name in ("per_gpu_batch", "seed"):
-        if getattr(args, name) is not None:
-            flags += [f"--{name}", str(getattr(args, name))]
-    if isinstance(args.half, str):  # a tool that forwards --half [fp16|bf16] as given
-        return flags + ["--half", args.half]
-    return flags + (["--half"] if args.half else [])

@@ -1,7 +1,10 @@
 """The run options: the command line, parsed once into frozen dataclasses that the engine takes unchanged (never
 argparse's Namespace, never a copy). A field's name is its flag's ``dest`` and its type's choices are the flag's
-choices, so that adding a flag is two edits: its ``add_argument`` in the group of its dataclass, and its field
-(then its use). Programs that call the engine (benchmarks, checks) build the dataclasses directly.
+choices, so that adding a flag is three edits: its ``add_argument`` in the group of its dataclass, its field, and
+its use. The flags are declared here only: a tool that takes training flags builds its parser on
+``training_flags(...)`` (argparse's ``parents=``; one more word, the dest, per tool that takes the new flag) and
+passes them on to the runs it starts with ``train_argv``, so a flag means the same in every tool. Programs that
+call the engine (benchmarks, checks) build the dataclasses directly or read them with ``train_options_of``.
 
 - ``ProcessOptions``: what every process needs for its group and its data loaders (``add_process_arguments``).
 - ``TrainOptions``: tools/train_ddp.py (``train_parser``), in four groups: ``run`` (which run: folder, hypes,
@@ -249,3 +252,57 @@ def parse_eval_options(argv: Optional[Sequence[str]], task_options: Optional[typ
     parsed = eval_parser(task_options).parse_args(argv)
     task = from_flags(task_options, parsed) if task_options is not None else None
     return from_flags(EvalOptions, parsed, task=task)
+
+
+# ------------------------------------------------------------------------------------------------ tools
+def training_flags(*dests: str, required: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """A parent parser (``argparse.ArgumentParser(parents=[...])``) holding the training flags of the given dests,
+    in their groups: the very actions `train_parser` declares (same option strings, type, choices, default,
+    help), so that a tool cannot give a training flag another meaning. ``required``: dests the tool cannot do
+    without (a tool's runs need --hypes_yaml; training alone may resume a --model_dir instead)."""
+    full = train_parser()
+    unknown = ({*dests, *required} - {action.dest for action in full._actions}) | (set(required) - set(dests))
+    if unknown:
+        raise ValueError(f"not among the training flags asked for: {', '.join(sorted(unknown))}")
+    parent = argparse.ArgumentParser(add_help=False)
+    # argparse offers no public way to take some of a parser's actions; parents= itself shares the action
+    # objects as _add_action does here. `full` is this call's own, so setting `required` changes no other parser.
+    for group in full._action_groups:
+        chosen = [action for action in group._group_actions if action.dest in dests]
+        target = parent.add_argument_group(f"training flags: {group.title}") if chosen else None
+        for action in chosen:
+            action.required = action.dest in required
+            target._add_action(action)
+    return parent
+
+
+def train_options_of(parsed: argparse.Namespace) -> TrainOptions:
+    """The TrainOptions of a tool's parsed flags: the training flags it took (`training_flags`), the training
+    defaults for the others; the tool's own flags are ignored."""
+    defaults = vars(train_parser().parse_args([]))
+    return from_flags(TrainOptions, argparse.Namespace(**{**defaults, **vars(parsed)}))
+
+
+def train_argv(options: TrainOptions) -> list[str]:
+    """The tools/train_ddp.py flags that parse back into `options` (parse_train_options(train_argv(o)) == o): each
+    flag whose value is not its default, in train_parser's order. How a tool passes training flags on."""
+    groups = [getattr(options, group.name) for group in dataclasses.fields(options)]
+    values = {item.name: getattr(group, item.name) for group in groups for item in dataclasses.fields(group)}
+    argv: list[str] = []
+    for action in train_parser()._actions:
+        default = tuple(action.default) if isinstance(action.default, list) else action.default
+        if action.dest in values and values[action.dest] != default:
+            argv += flag_words(action, values[action.dest])
+    return argv
+
+
+def flag_words(action: argparse.Action, value: Any) -> list[str]:
+    """The words that give `action`'s dest `value` (not its default)."""
+    flag = action.option_strings[0]
+    if action.nargs == 0:  # a switch (store_true, store_false): not its default, so set
+        return [flag]
+    if isinstance(value, tuple):  # an appended flag (--set): once per value, in order
+        return [word for item in value for word in (flag, str(item))]
+    if action.nargs == "?" and value == action.const:  # a bare --half is "auto"
+        return [flag]
+    return [flag, str(value)]

@@ -3,7 +3,8 @@
 flags (engine/options.py: TrainOptions) -> detect launcher -> process group -> the run's set-up, decided once on
 rank 0 and broadcast (engine/run_dir.py `decide_run`: folder, resume, hypes; after a torchrun restart the first
 attempt's folder) -> seed -> batch plan -> task -> trainer (SyncBN, DDP, optimizer, schedule: a refused value
-fails before anything is on disk) -> claim the folder (create, lock) -> resume from the newest checkpoint
+fails before anything is on disk); these are `prepare_trainer`, the benchmarks' set-up too -> [the evaluation of
+--eval_after_training, built now] -> claim the folder (create, lock) -> resume from the newest checkpoint
 that loads, then config.yaml (Trainer.open_run: nothing of an existing run is written before its checkpoint
 loaded) -> log file, TensorBoard -> Trainer.fit, stopping cleanly on SIGTERM/SIGINT -> [evaluation of the last
 checkpoint on the test split, all ranks]. From tools/train_ddp.py to optimizer.step() the stack is six frames in
@@ -153,6 +154,23 @@ def describe_start(env: DistEnv, trainer: Trainer, devices: Sequence[tuple[str, 
 
 
 # ------------------------------------------------------------------------------------------------ main
+def prepare_trainer(options: TrainOptions, env: DistEnv, build_task: TaskBuilder, with_hooks: bool = True
+                    ) -> Trainer:
+    """The one set-up of a training, for train_ddp.py and the benchmarks: the run decided once on rank 0 and
+    broadcast (nothing is created; claiming the folder is the caller's, which a benchmark never does), seed,
+    batch plan, task, and the Trainer complete (SyncBN, DDP, optimizer, a StopSignal the caller may enter).
+    `with_hooks`: train_ddp.py's default_hooks; False for a program that drives Trainer.steps itself and
+    records nothing into the run folder."""
+    setup = comm.on_main_then_broadcast(lambda: decide_run(options.run, os.environ))
+    seed = resolve_seed(setup.hypes, options.loop.seed)
+    plan = plan_batches(setup.hypes, options.batch, env.world_size,
+                        choose_per_gpu_batch(options, setup.hypes, env, build_task))
+    seed_everything(seed)  # after the 'auto' measurement, whose models draw random numbers
+    task = build_task(setup.hypes, for_training=True)
+    hooks = default_hooks(setup.run_dir, env.is_main) if with_hooks else None
+    return Trainer(task, plan, env, options, setup, hooks, StopSignal())
+
+
 def plan_final_evaluation(options: TrainOptions, hypes: dict,
                           build_eval: Optional[EvalBuilder]) -> Optional[tuple[EvalRequest, EvalSpec]]:
     """--eval_after_training: build the test-split evaluation now, so that a missing split or a task without
@@ -172,15 +190,12 @@ def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Opt
         env = run.env
         if options.loop.max_steps is not None and options.loop.max_steps < 1:
             raise ConfigError(f"--max_steps {options.loop.max_steps}: give a positive number of optimizer steps")
-        setup = comm.on_main_then_broadcast(lambda: decide_run(options.run, os.environ))
-        seed = resolve_seed(setup.hypes, options.loop.seed)
-        plan = plan_batches(setup.hypes, options.batch, env.world_size,
-                            choose_per_gpu_batch(options, setup.hypes, env, build_task))
-        seed_everything(seed)
-        task = build_task(setup.hypes, for_training=True)
+        # Both built before the folder exists: a value torch refuses (optimizer.lr -0.1) or a missing test split
+        # fails here and leaves nothing. The Trainer draws no random number, so building the evaluation after it
+        # leaves the training's draws as they were.
+        trainer = prepare_trainer(options, env, build_task)
+        setup = trainer.setup
         final = plan_final_evaluation(options, setup.hypes, build_eval)
-        # Built before the folder exists: a value torch refuses (optimizer.lr -0.1) fails here and leaves nothing.
-        trainer = Trainer(task, plan, env, options, setup, default_hooks(setup.run_dir, env.is_main), StopSignal())
         comm.on_main_then_broadcast(lambda: claim_run(setup))
         try:
             open_and_log(trainer)

@@ -13,7 +13,9 @@ each larger world size. Per run, over --steps timed steps after --warmup:
   samples/s per rank against what the model consumes, to tell a loader bottleneck;
 - peak memory per rank (CUDA: allocated by tensors; CPU: growth of the resident set) at B/N per rank.
 On CPU each process gets --threads threads (default 1, as torchrun sets): one core per rank, like one GPU
-per rank.
+per rank. The training flags (--set, --per_gpu_batch, --seed, --half, --num_workers) are tools/train_ddp.py's,
+defaults included: without --num_workers each rank gets training's default loader workers; docs/benchmarks.md's
+figures load inline (--num_workers 0).
 """
 from __future__ import annotations
 
@@ -33,24 +35,24 @@ from typing import Optional
 import torch
 
 from opencood_ddp.distributed.env import environ_without_launcher
-from opencood_ddp.distributed.launch import forwarded_training_flags, launcher_prefix, parse_world_sizes
+from opencood_ddp.distributed.launch import launcher_prefix, parse_world_sizes
+from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
 from opencood_ddp.errors import OpencoodDdpError
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+# The training flags of the timed runs, as tools/train_ddp.py reads them.
+TRAINING_FLAGS = ("hypes_yaml", "overrides", "per_gpu_batch", "seed", "half", "num_workers")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hypes_yaml", required=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     parents=[training_flags(*TRAINING_FLAGS, required=("hypes_yaml",))])
     parser.add_argument("--world_sizes", default="1,2", help="comma-separated; 1 is always measured")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (allocator, lazy inits)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE")
-    parser.add_argument("--per_gpu_batch", type=int)
-    parser.add_argument("--num_workers", type=int, default=0, help="DataLoader workers per process")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process (OMP_NUM_THREADS)")
-    parser.add_argument("--half", action="store_true")
-    parser.add_argument("--seed", type=int)
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)  # set by the driver: run as a worker
     return parser
@@ -61,42 +63,25 @@ def worker(args: argparse.Namespace) -> int:
     """One process of one run, started by the driver (plain or under torchrun)."""
     from opencood_ddp.engine.entry import run_distributed
 
-    options = training_options(args)
+    options = train_options_of(args)
     return run_distributed(options.process, lambda env: measure(options, args, env))
 
 
-def training_options(args: argparse.Namespace):
-    """The engine's options of the run this benchmark times: its defaults but for the flags given here."""
-    from opencood_ddp.engine.options import BatchOptions, ProcessOptions, LoopOptions, RunOptions, TrainOptions
-
-    return TrainOptions(run=RunOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides)),
-                        batch=BatchOptions(per_gpu_batch=args.per_gpu_batch),
-                        loop=LoopOptions(half="auto" if args.half else None, seed=args.seed),
-                        process=ProcessOptions(num_workers=args.num_workers))
-
-
 def measure(options, args: argparse.Namespace, env) -> None:
-    """Train warmup + steps with the engine's Trainer; rank 0 writes every rank's figures to --worker_out."""
+    """Train warmup + steps with the engine's Trainer, set up as train_ddp.py's (its run folder decided, never
+    made); rank 0 writes every rank's figures to --worker_out."""
     from opencood_ddp.distributed import comm
-    from opencood_ddp.engine.run_dir import RunSetup
-    from opencood_ddp.engine.train import plan_batches, resolve_seed, seed_everything
-    from opencood_ddp.engine.trainer import Trainer
+    from opencood_ddp.engine.train import prepare_trainer
     from opencood_ddp.tasks import build_task
-    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    hypes = load_parsed_hypes(options.run.hypes_yaml, options.run.overrides)
-    plan = plan_batches(hypes, options.batch, env.world_size, options.batch.per_gpu_batch)
-    seed_everything(resolve_seed(hypes, options.loop.seed))
-    task = build_task(hypes, for_training=True)
-    with tempfile.TemporaryDirectory(prefix="benchmark_ddp_") as scratch:
-        setup = RunSetup(Path(scratch), False, hypes, options.run.hypes_yaml)
-        trainer = Trainer(task, plan, env, options, setup)
-        loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)
-        measured = timed_steps(trainer, args.warmup, args.steps)
+    trainer = prepare_trainer(options, env, build_task, with_hooks=False)
+    plan = trainer.plan
+    loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)
+    measured = timed_steps(trainer, args.warmup, args.steps)
     result = dict(measured, rank=env.rank, loader_samples_per_s=loader_rate, device=device_name(env.device),
                   per_rank=plan.per_rank, accumulation=plan.accumulation, global_batch=plan.global_batch,
-                  ddp=env.distributed, world_size=env.world_size)
+                  ddp=env.distributed, world_size=env.world_size, workers=trainer.workers)
     gathered = comm.gather_objects(result)
     if env.is_main:
         Path(args.worker_out).write_text(json.dumps(gathered))
@@ -147,9 +132,8 @@ def device_name(device: str) -> str:
 # --------------------------------------------------------------------------------------------- driver side
 def worker_command(world: int, ddp: bool, args: argparse.Namespace, out: Path) -> list[str]:
     return launcher_prefix(world, torchrun=ddp) + [
-        str(Path(__file__).resolve()), "--hypes_yaml", args.hypes_yaml, "--steps", str(args.steps),
-        "--warmup", str(args.warmup), "--num_workers", str(args.num_workers), "--worker_out", str(out),
-        *forwarded_training_flags(args)]
+        str(Path(__file__).resolve()), "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--worker_out", str(out), *train_argv(train_options_of(args))]
 
 
 def run(world: int, ddp: bool, args: argparse.Namespace, scratch: Path) -> list[dict]:
@@ -178,7 +162,8 @@ def summarise(ranks: list[dict], baseline_step: Optional[float]) -> dict:
             "loader_samples_per_s": min(r["loader_samples_per_s"] for r in ranks),
             "model_samples_per_s": consumed,
             "peak_mib": max(r["peak_bytes"] for r in ranks) / 2 ** 20,
-            "growth_mib": max(r["growth_bytes"] for r in ranks) / 2 ** 20, "device": first["device"]}
+            "growth_mib": max(r["growth_bytes"] for r in ranks) / 2 ** 20, "device": first["device"],
+            "workers": first["workers"]}
 
 
 def table(rows: list[dict]) -> str:
@@ -194,13 +179,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def bottleneck(row: dict, workers: int) -> str:
+def bottleneck(row: dict) -> str:
     """Is the loader the bottleneck? The loader alone against what the model consumes, and the wait."""
     headroom = row["loader_samples_per_s"] / row["model_samples_per_s"]
     wait = f"{100 * row['data_wait']:.0f}% of the step waits for data"
     if headroom < 1:
         return f"loader-bound: {wait}; the loader alone is {headroom:.1f}x the model's pace, add --num_workers"
-    if row["data_wait"] > 0.1 and workers == 0:
+    if row["data_wait"] > 0.1 and row["workers"] == 0:
         return (f"model-bound, but {wait}: with 0 workers loading runs inline; the loader alone is "
                 f"{headroom:.1f}x the model's pace, so workers would hide it")
     if row["data_wait"] > 0.1:
@@ -208,16 +193,22 @@ def bottleneck(row: dict, workers: int) -> str:
     return f"model-bound: {wait}"
 
 
-def verdicts(rows: list[dict], workers: int) -> list[str]:
+def verdicts(rows: list[dict]) -> list[str]:
     plain, wrapped = rows[0], rows[1]
     out = [f"DDP overhead at world size 1: {100 * (wrapped['step_s'] / plain['step_s'] - 1):+.1f}% step time "
            f"({plain['step_s']:.3f} s plain, {wrapped['step_s']:.3f} s DDP-wrapped)",
-           f"world size 1: {bottleneck(plain, workers)}"]
+           f"world size 1: {bottleneck(plain)}"]
     for r in rows[2:]:
         out.append(f"world size {r['world_size']}: {r['speedup']:.2f}x the baseline ({100 * r['efficiency']:.0f}% "
-                   f"efficiency); {bottleneck(r, workers)}; peak memory per rank {r['peak_mib']:.0f} MiB at "
+                   f"efficiency); {bottleneck(r)}; peak memory per rank {r['peak_mib']:.0f} MiB at "
                    f"batch {r['per_rank']} vs {plain['peak_mib']:.0f} MiB at 1 x {plain['per_rank']}")
     return out
+
+
+def worker_counts(rows: list[dict]) -> str:
+    """The runs' loader workers per process: --num_workers, or the engine's default, which on a GPU depends on
+    the world size ('2' or '7/3')."""
+    return "/".join(str(count) for count in dict.fromkeys(row["workers"] for row in rows))
 
 
 def driver(args: argparse.Namespace) -> int:
@@ -231,10 +222,10 @@ def driver(args: argparse.Namespace) -> int:
         rows = [plain] + [summarise(run(world, True, args, Path(scratch)), plain["step_s"])
                           for world in [1] + worlds]
     print(f"\n{args.hypes_yaml}: global batch {plain['global_batch']}, {args.steps} timed steps after "
-          f"{args.warmup}, {args.num_workers} loader workers and {args.threads} thread(s) per process; "
+          f"{args.warmup}, {worker_counts(rows)} loader worker(s) and {args.threads} thread(s) per process; "
           f"device {plain['device']}, {os.cpu_count()} CPU cores")
     print(table(rows))
-    print("\n".join(verdicts(rows, args.num_workers)))
+    print("\n".join(verdicts(rows)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0

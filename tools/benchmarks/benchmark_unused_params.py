@@ -18,7 +18,6 @@ Per way: the median step time (the slowest rank's, step by step), its quartiles,
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
@@ -32,17 +31,17 @@ from typing import Optional
 
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix
+from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
 
 WAYS = ("none", "find_unused", "flags")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hypes_yaml", required=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     parents=[training_flags("hypes_yaml", "overrides", required=("hypes_yaml",))])
     parser.add_argument("--nproc", type=int, default=2, help="ranks (torchrun --nproc_per_node)")
     parser.add_argument("--steps", type=int, default=30, help="timed steps of each way")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each way first")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.SUB=VALUE")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--json", help="also write the step times here")
     parser.add_argument("--worker_out", help=argparse.SUPPRESS)  # set by the driver: run as a worker
@@ -52,28 +51,28 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------------------------- worker side
 def worker(args: argparse.Namespace) -> int:
     from opencood_ddp.engine.entry import run_distributed
-    from opencood_ddp.engine.options import ProcessOptions, RunOptions, TrainOptions
+    from opencood_ddp.engine.options import ProcessOptions
 
-    # The engine's defaults but for the hypes and their overrides; no loader workers: the step is timed.
-    options = TrainOptions(run=RunOptions(hypes_yaml=args.hypes_yaml, overrides=tuple(args.overrides)),
-                           process=ProcessOptions(num_workers=0))
+    # The training flags given; no loader workers: the step is timed.
+    options = dataclasses.replace(train_options_of(args), process=ProcessOptions(num_workers=0))
     return run_distributed(options.process, lambda env: measure(options, args, env))
 
 
-def build_trainer(way: str, options, hypes: dict, plan, env, scratch: Path):
-    """The engine's Trainer on a fresh task (the same initial weights for every way)."""
-    from opencood_ddp.engine.run_dir import RunSetup
-    from opencood_ddp.engine.train import seed_everything
-    from opencood_ddp.engine.trainer import Trainer
+def build_trainer(way: str, options, env):
+    """The engine's Trainer of one way, set up as train_ddp.py's (the same seed, so the same initial weights for
+    every way): find_unused_parameters through the hypes, as a user sets it, and the task's parameter-use record
+    only for `flags`."""
+    from opencood_ddp.engine.train import prepare_trainer
     from opencood_ddp.tasks import build_task
 
-    seed_everything(hypes["train_params"]["seed"])
-    task = build_task(hypes, for_training=True)
-    if way != "flags":
-        task = dataclasses.replace(task, parameter_use=None)
-    hypes = copy.deepcopy(hypes)
-    hypes["train_params"]["find_unused_parameters"] = way == "find_unused"
-    return Trainer(task, plan, env, options, RunSetup(scratch / way, False, hypes, options.run.hypes_yaml))
+    def build_task_of_way(hypes: dict, for_training: bool):
+        task = build_task(hypes, for_training=for_training)
+        return task if way == "flags" else dataclasses.replace(task, parameter_use=None)
+
+    find_unused = f"train_params.find_unused_parameters={way == 'find_unused'}"
+    options = dataclasses.replace(options, run=dataclasses.replace(
+        options.run, overrides=(*options.run.overrides, find_unused)))
+    return prepare_trainer(options, env, build_task_of_way, with_hooks=False)
 
 
 def endless_steps(trainer):
@@ -86,22 +85,16 @@ def endless_steps(trainer):
 
 def measure(options, args: argparse.Namespace, env) -> None:
     from opencood_ddp.distributed import comm
-    from opencood_ddp.engine.train import plan_batches, resolve_seed
-    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    hypes = load_parsed_hypes(options.run.hypes_yaml, options.run.overrides)
-    resolve_seed(hypes, options.loop.seed)
-    plan = plan_batches(hypes, options.batch, env.world_size, None)
     seconds = {way: [] for way in WAYS}
-    with tempfile.TemporaryDirectory(prefix="benchmark_unused_") as scratch:
-        steps = {way: endless_steps(build_trainer(way, options, hypes, plan, env, Path(scratch))) for way in WAYS}
-        for round_ in range(args.warmup + args.steps):
-            order = WAYS[round_ % len(WAYS):] + WAYS[:round_ % len(WAYS)]  # every way in every place alike
-            for way in order:  # every rank in the same order: the collectives of the three stay matched
-                record = next(steps[way])
-                if round_ >= args.warmup:
-                    seconds[way].append(record.seconds)
+    steps = {way: endless_steps(build_trainer(way, options, env)) for way in WAYS}
+    for round_ in range(args.warmup + args.steps):
+        order = WAYS[round_ % len(WAYS):] + WAYS[:round_ % len(WAYS)]  # every way in every place alike
+        for way in order:  # every rank in the same order: the collectives of the three stay matched
+            record = next(steps[way])
+            if round_ >= args.warmup:
+                seconds[way].append(record.seconds)
     gathered = comm.gather_objects(seconds)
     if env.is_main:
         slowest = {way: [max(rank[way][k] for rank in gathered) for k in range(args.steps)] for way in WAYS}
@@ -130,9 +123,8 @@ def driver(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="benchmark_unused_") as scratch:
         out = Path(scratch) / "seconds.json"
         cmd = launcher_prefix(args.nproc) + [
-            str(Path(__file__).resolve()), "--hypes_yaml", args.hypes_yaml, "--steps", str(args.steps),
-            "--warmup", str(args.warmup), "--worker_out", str(out),
-            *[word for override in args.overrides for word in ("--set", override)]]
+            str(Path(__file__).resolve()), "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--worker_out", str(out), *train_argv(train_options_of(args))]
         environ = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
         result = subprocess.run(cmd, env=environ, capture_output=True, text=True)
         if result.returncode != 0 or not out.is_file():
