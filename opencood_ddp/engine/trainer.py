@@ -262,45 +262,6 @@ class Trainer:
         self.hooks.on_epoch_start(epoch, self.settings.epochs, self.progress.step_in_epoch, self.steps_per_epoch)
         return sums
 
-    def close_loaders(self) -> None:
-        """Let the persistent workers go (their loaders' last reference): the run is over or failing."""
-        self._train_loader = self._val_loader = None
-
-    def _finish_epoch(self, epoch: int, sums: LossSums, records: list) -> None:
-        self._mark(f"epoch {epoch + 1}: train loss all-reduce")
-        train_means = sums.reduced_means()
-        timing = _timing(records, self.plan.global_batch) + self._skips_line(records)
-        if self.schedule is not None:
-            self.schedule.after_epoch()
-        val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
-        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
-        self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
-        self.hooks.on_epoch_end(EpochSummary(epoch + 1, self.settings.epochs, train_means, val_means,
-                                             self._lr_of_last_step, timing))
-        self._save(epoch + 1, val_means)
-
-    def _skips_line(self, records: list[StepRecord]) -> str:
-        """The epoch line's account of the steps not taken: non-finite ones, and the fp16 GradScaler's (with the
-        scale it ends the epoch at, one device read an epoch)."""
-        skipped = sum(1 for record in records if record.skipped)
-        line = f", {skipped} step(s) skipped (non-finite)" if skipped else ""
-        if self.scaler is not None:
-            by_scaler = sum(1 for record in records if record.scaler_skipped)
-            line += (f", {by_scaler} of {len(records)} step(s) skipped by the fp16 GradScaler (overflow), "
-                     f"scale now {self.scaler.get_scale():g}")
-        return line
-
-    def _max_steps_reached(self) -> bool:
-        return self.loop.max_steps is not None and self.progress.global_step >= self.loop.max_steps
-
-    def _due(self, epoch: int, freq: int) -> bool:
-        # Upstream checks `epoch % freq == 0` on the 0-based epoch; the last epoch is always covered here.
-        return epoch % freq == 0 or epoch + 1 == self.settings.epochs
-
-    def _mark(self, phase: str) -> None:
-        self.phase = phase
-        comm.mark_phase(phase)
-
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """This rank's micro-batches of `epoch` (sample indices), the same list at every call."""
         self.batch_sampler.sampler.set_epoch(epoch)
@@ -315,16 +276,42 @@ class Trainer:
         self._train_loader.batch_sampler.use(epoch, batches if batches is not None else self.epoch_batches(epoch))
         return self._train_loader
 
-    def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> None:
-        """Forward and backward of one micro-batch; its loss and parts go into `sums`, still on the device."""
-        batch = self.task.move_to(batch, self.device)
-        no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
-        with no_sync() if no_sync else contextlib.nullcontext():
-            out = forward_backward(self.task.step, self.model, batch, self.precision, self.scaler,
-                                   self.plan.accumulation)
-        sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
-
     # ------------------------------------------------------------------------------------- one step, agreed
+    def steps(self, epoch: int, into: Optional[LossSums] = None) -> Iterator[StepRecord]:
+        """The optimizer steps of one epoch from progress.step_in_epoch on, one record each; stops early at
+        --max_steps. Every rank runs the same steps, so the collectives of each step always match."""
+        self.model.train()
+        # A resumed epoch goes on where its checkpoint left it; any other epoch starts at its first step.
+        first = self.progress.step_in_epoch if epoch == self.progress.epoch else 0
+        accumulation = self.plan.accumulation
+        batches = self.epoch_batches(epoch)[first * accumulation:self.steps_per_epoch * accumulation]
+        loaded: Iterator = iter(self.train_loader(epoch, batches))
+        for step in range(first, self.steps_per_epoch):
+            if self._max_steps_reached():
+                return
+            where = f"epoch {epoch + 1} step {step + 1}"
+            started = time.perf_counter()
+            self._mark(f"{where}: loading data")
+            micro_batches, error = self._fetch(loaded)
+            waited = time.perf_counter() - started
+            self._mark(f"{where}: step agreement")
+            self._agree_to_go_on(error, epoch)
+            self._mark(f"{where}: forward/backward (SyncBN, DDP gradient all-reduce)")
+            offset = (step - first) * accumulation
+            # The lr this step runs with, read before the scheduler moves past it.
+            self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]
+            outcome = self._train_step(micro_batches, batches[offset:offset + accumulation], where)
+            self.progress.global_step += 1
+            self.progress.step_in_epoch = step + 1
+            if self.schedule is not None:
+                # Also after a skipped step: the lr is a function of the step's place in the run, as upstream's.
+                self.schedule.after_optimizer_step()
+            if into is not None and not outcome.skipped:
+                # A step the GradScaler skipped still counts: its loss is finite, and upstream's loop counts it.
+                into.merge(outcome.sums)
+            yield StepRecord(self.progress.global_step, epoch, outcome.means, self._lr_of_last_step,
+                             time.perf_counter() - started, waited, outcome.skipped, outcome.scaler_skipped)
+
     def _fetch(self, batches: Iterator) -> tuple[list, Optional[OpencoodDdpError]]:
         """The step's micro-batches, or the error that reading one of them raised on this rank."""
         fetched = []
@@ -398,6 +385,15 @@ class Trainer:
         self.log.warning(f"{message}; every rank skipped this step (--on_nonfinite skip)")
         return StepOutcome(means, step_sums, True, None)
 
+    def _micro_step(self, batch: Any, sync: bool, sums: LossSums) -> None:
+        """Forward and backward of one micro-batch; its loss and parts go into `sums`, still on the device."""
+        batch = self.task.move_to(batch, self.device)
+        no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
+        with no_sync() if no_sync else contextlib.nullcontext():
+            out = forward_backward(self.task.step, self.model, batch, self.precision, self.scaler,
+                                   self.plan.accumulation)
+        sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
+
     def _take_parameter_use(self) -> list:
         take = self.task.parameter_use
         return list(take(self.model_without_ddp)) if take is not None else []
@@ -417,40 +413,30 @@ class Trainer:
                     f"--max_skip_share {self.loop.max_skip_share:g} allows ({allowed})")
         return ""
 
-    def steps(self, epoch: int, into: Optional[LossSums] = None) -> Iterator[StepRecord]:
-        """The optimizer steps of one epoch from progress.step_in_epoch on, one record each; stops early at
-        --max_steps. Every rank runs the same steps, so the collectives of each step always match."""
-        self.model.train()
-        # A resumed epoch goes on where its checkpoint left it; any other epoch starts at its first step.
-        first = self.progress.step_in_epoch if epoch == self.progress.epoch else 0
-        accumulation = self.plan.accumulation
-        batches = self.epoch_batches(epoch)[first * accumulation:self.steps_per_epoch * accumulation]
-        loaded: Iterator = iter(self.train_loader(epoch, batches))
-        for step in range(first, self.steps_per_epoch):
-            if self._max_steps_reached():
-                return
-            where = f"epoch {epoch + 1} step {step + 1}"
-            started = time.perf_counter()
-            self._mark(f"{where}: loading data")
-            micro_batches, error = self._fetch(loaded)
-            waited = time.perf_counter() - started
-            self._mark(f"{where}: step agreement")
-            self._agree_to_go_on(error, epoch)
-            self._mark(f"{where}: forward/backward (SyncBN, DDP gradient all-reduce)")
-            offset = (step - first) * accumulation
-            # The lr this step runs with, read before the scheduler moves past it.
-            self._lr_of_last_step = self.optimizer.param_groups[0]["lr"]
-            outcome = self._train_step(micro_batches, batches[offset:offset + accumulation], where)
-            self.progress.global_step += 1
-            self.progress.step_in_epoch = step + 1
-            if self.schedule is not None:
-                # Also after a skipped step: the lr is a function of the step's place in the run, as upstream's.
-                self.schedule.after_optimizer_step()
-            if into is not None and not outcome.skipped:
-                # A step the GradScaler skipped still counts: its loss is finite, and upstream's loop counts it.
-                into.merge(outcome.sums)
-            yield StepRecord(self.progress.global_step, epoch, outcome.means, self._lr_of_last_step,
-                             time.perf_counter() - started, waited, outcome.skipped, outcome.scaler_skipped)
+    # ------------------------------------------------------------------------------------ epoch end
+    def _finish_epoch(self, epoch: int, sums: LossSums, records: list) -> None:
+        self._mark(f"epoch {epoch + 1}: train loss all-reduce")
+        train_means = sums.reduced_means()
+        timing = _timing(records, self.plan.global_batch) + self._skips_line(records)
+        if self.schedule is not None:
+            self.schedule.after_epoch()
+        val_means = self.validate() if self._due(epoch, self.settings.eval_freq) else None
+        self.progress.epoch, self.progress.step_in_epoch = epoch + 1, 0
+        self.progress.history.append({"epoch": epoch + 1, "train": train_means, "val": val_means})
+        self.hooks.on_epoch_end(EpochSummary(epoch + 1, self.settings.epochs, train_means, val_means,
+                                             self._lr_of_last_step, timing))
+        self._save(epoch + 1, val_means)
+
+    def _skips_line(self, records: list[StepRecord]) -> str:
+        """The epoch line's account of the steps not taken: non-finite ones, and the fp16 GradScaler's (with the
+        scale it ends the epoch at, one device read an epoch)."""
+        skipped = sum(1 for record in records if record.skipped)
+        line = f", {skipped} step(s) skipped (non-finite)" if skipped else ""
+        if self.scaler is not None:
+            by_scaler = sum(1 for record in records if record.scaler_skipped)
+            line += (f", {by_scaler} of {len(records)} step(s) skipped by the fp16 GradScaler (overflow), "
+                     f"scale now {self.scaler.get_scale():g}")
+        return line
 
     @torch.no_grad()
     def validate(self) -> Optional[dict]:
@@ -485,6 +471,21 @@ class Trainer:
     def _loss_names(self, sums: LossSums) -> list[str]:
         # A rank with an empty shard has no names yet: take rank 0's so every rank reduces the same vector.
         return comm.broadcast_object(sums.names or None) or ["loss"]
+
+    def _max_steps_reached(self) -> bool:
+        return self.loop.max_steps is not None and self.progress.global_step >= self.loop.max_steps
+
+    def _due(self, epoch: int, freq: int) -> bool:
+        # Upstream checks `epoch % freq == 0` on the 0-based epoch; the last epoch is always covered here.
+        return epoch % freq == 0 or epoch + 1 == self.settings.epochs
+
+    def _mark(self, phase: str) -> None:
+        self.phase = phase
+        comm.mark_phase(phase)
+
+    def close_loaders(self) -> None:
+        """Let the persistent workers go (their loaders' last reference): the run is over or failing."""
+        self._train_loader = self._val_loader = None
 
     # ----------------------------------------------------------------------------------------------- output
     def training_state(self) -> dict:
