@@ -346,8 +346,8 @@ def test_evaluation_summary_holds_the_communication(stem, keys, toy_small):
     model = spec.model.eval()
     with torch.no_grad():
         records = [record for i in range(2) for record in
-                   spec.evaluate_batch(model, spec.collate([spec.dataset[i]]), [i])]
-    summary = spec.summarize(records)
+                   spec.evaluator.evaluate_batch(model, spec.collate([spec.dataset[i]]), [i])]
+    summary = spec.evaluator.metric(records)
     assert {"ap_50", "bytes_per_cav_frame"} | keys <= set(summary)
     if stem == "point_pillar_v2vnet":
         assert summary["bytes_per_cav_frame"] == bytes_per_cav_frame(hypes)

@@ -221,8 +221,8 @@ def test_evaluation_of_degenerate_frames(worlds, tmp_path, fusion, kind):
     model = spec.model.eval()
     indices = [0] if fusion == "late" else [0, 1]
     with torch.no_grad():
-        records = spec.evaluate_batch(model, spec.collate([spec.dataset[i] for i in indices]), indices)
-    summary = spec.summarize(records)
+        records = spec.evaluator.evaluate_batch(model, spec.collate([spec.dataset[i] for i in indices]), indices)
+    summary = spec.evaluator.metric(records)
     assert len(records) == len(indices)
     if kind == "empty":
         assert all(np.load(tmp_path / "npy" / f"{i:04d}_gt.npy").shape == (0, 8, 3) for i in indices)

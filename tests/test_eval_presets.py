@@ -23,12 +23,12 @@ from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.metrics import frame_stats
+from opencood_ddp.metrics.communication import MeteredFrameStats
 from opencood_ddp.metrics.conventions import band_stats, centroid_distances, corners_inside_range, in_band
 from opencood_ddp.postprocess import create_postprocessor, within_range_mask
 from opencood_ddp.tasks import sweep
-from opencood_ddp.tasks.communication import MeteredFrameStats
 from opencood_ddp.tasks.eval_presets import PRESETS, EvalConvention, eval_convention, preset_global_sort
-from opencood_ddp.tasks.opencood import DetectionEvalOptions, Report, Summary, eval_file_name
+from opencood_ddp.tasks.opencood import DetectionEvalOptions, Report, eval_file_name
 from opencood_ddp.yaml_parsers import run_yaml_parser
 
 TOY = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
@@ -163,10 +163,10 @@ def records(preset: str) -> list:
 
 
 def test_global_sort_and_frame_order_differ_on_two_frames():
-    ap = {preset: Summary(convention(preset))(records(preset))["ap_50"] for preset in PRESETS}
+    ap = {preset: convention(preset).metric()(records(preset))["ap_50"] for preset in PRESETS}
     assert ap == {"opencood": 0.25, "heal": 0.5, "v2v4real": 0.25}
-    assert Summary(convention("opencood", global_sort=True))(records("opencood"))["ap_50"] == 0.5
-    bands = Summary(convention("v2v4real"))(records("v2v4real"))
+    assert convention("opencood", global_sort=True).metric()(records("opencood"))["ap_50"] == 0.5
+    bands = convention("v2v4real").metric()(records("v2v4real"))
     # Both frames lie in 0-30 m: the same ranking as overall; nothing in the other bands (no GT: NaN).
     assert bands["ap_50_0_30m"] == bands["ap_70_0_30m"] == 0.25
     assert all(math.isnan(bands[key]) for key in ("ap_50_30_50m", "ap_70_30_50m", "ap_50_50_100m"))
@@ -179,13 +179,13 @@ def test_eval_yaml_keys_put_the_convention_beside_its_numbers():
     expected = {"opencood": convention_keys + UPSTREAM_KEYS, "heal": convention_keys + UPSTREAM_KEYS,
                 "v2v4real": convention_keys + ["distance_bands"] + UPSTREAM_KEYS + band_keys}
     for preset in PRESETS:
-        summary = Summary(convention(preset))(records(preset))
+        summary = convention(preset).metric()(records(preset))
         assert list(summary) == expected[preset], preset
         assert yaml.safe_load(yaml.safe_dump(summary)).keys() == summary.keys()  # plain YAML types
-    heal = Summary(convention("heal"))(records("heal"))
+    heal = convention("heal").metric()(records("heal"))
     assert (heal["eval_preset"], heal["ap_convention"], heal["pred_range_test"]) == ("heal", "global sort", "xyz")
     assert heal["eval_range"] == [-102.4, -51.2, -3.0, 102.4, 51.2, 1.0]
-    v2v4real = Summary(convention("v2v4real"))(records("v2v4real"))
+    v2v4real = convention("v2v4real").metric()(records("v2v4real"))
     assert v2v4real["distance_bands"] == [[0.0, 30.0], [30.0, 50.0], [50.0, 100.0]]
     assert v2v4real["ap_convention"] == "frame order" and v2v4real["pred_range_test"] == "xy"
     assert {preset: eval_file_name(False, preset) for preset in PRESETS} == {
@@ -199,7 +199,7 @@ def test_eval_yaml_keys_put_the_convention_beside_its_numbers():
 
 
 def test_the_report_names_the_convention_and_the_bands():
-    summary = Summary(convention("v2v4real"))(records("v2v4real"))
+    summary = convention("v2v4real").metric()(records("v2v4real"))
     text = Report(DetectionEvalOptions("intermediate", eval_preset="v2v4real"), None, convention("v2v4real"))(
         EvalResult(summary=summary, frames=2, seconds=1.0, world_size=1))
     assert text.splitlines()[0] == "eval preset v2v4real: frame order, range [-100, -40, -5, 100, 40, 3] (xy)"

@@ -72,5 +72,5 @@ def test_a_toy_run_is_refused_with_the_widths_upstream_fixes(tmp_path):
 def test_a_run_of_step_checkpoints_only_is_said(tmp_path):
     run = make_run(tmp_path / "run", REPO / "hypes_yaml/opv2v/point_pillar_fcooper.yaml", "net_step5.pth")
     result = export("--model_dir", run, "--out", tmp_path / "up")
-    assert result.returncode == 2 and "has no net_epoch<N>.pth; pass --step K" in result.stderr
-    assert "[5]" in result.stderr
+    assert result.returncode == 2 and "no net_epoch*.pth checkpoint (steps on disk: [5])" in result.stderr
+    assert "--step K" in result.stderr

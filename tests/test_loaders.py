@@ -111,10 +111,27 @@ def test_training_loader_workers_run_blas_on_one_thread(two_blas_threads):
     assert max(lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas") == 2  # main untouched
 
 
+class WorkerReports:
+    """An Evaluator whose records are the workers' reports and whose metric is the records themselves."""
+
+    result_name = "eval.yaml"
+
+    def evaluate_batch(self, model, batch, indices):
+        return list(batch)
+
+    def metric(self, records):
+        return records
+
+    def finish(self, records):
+        pass
+
+    def report(self, result):
+        return str(result.summary)
+
+
 def test_evaluation_loader_workers_run_blas_on_one_thread(two_blas_threads):
     spec = EvalSpec(dataset=BlasThreads(), collate=_as_list, model=torch.nn.Identity(),
-                    evaluate_batch=lambda model, batch, indices: list(batch), summarize=lambda records: records,
-                    move_to=lambda batch, device: batch)
+                    move_to=lambda batch, device: batch, evaluator=WorkerReports())
     result = evaluate(spec, DistEnv(), batch_size=2, num_workers=2)
     assert result.frames == 4
     assert {threads for _, threads in result.summary} == {1}

@@ -23,10 +23,11 @@ import torch
 
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp import checkpoint_files as ckpt
-from opencood_ddp.errors import CheckpointError, ConfigError, run_tool
+from opencood_ddp.engine.inference import load_run
+from opencood_ddp.engine.run_dir import CONFIG_NAME
+from opencood_ddp.errors import ConfigError, run_tool
 from opencood_ddp.models import create_model
 from opencood_ddp.schema import OWN_KEYS
-from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 # Per upstream core_method, the input widths its code fixes: {state_dict key: in-channels (dim 1)}. They equal
 # upstream's parameter shapes (tests/test_export_upstream.py checks them against the reference lists).
@@ -62,47 +63,35 @@ def width_problems(core_method: str, state: dict) -> list[str]:
     return problems
 
 
-def choose(run: Path, args: argparse.Namespace) -> tuple[Path, int]:
-    """(weights file, the N of the exported net_epoch{N}.pth)."""
-    if args.bestval:
-        found = ckpt.epochs_on_disk(run, ckpt.BESTVAL_RE)
-        if not found:
-            raise CheckpointError(f"{run} has no net_epoch_bestval_at<N>.pth; drop --bestval")
-        return run / ckpt.bestval_name(found[-1]), found[-1]
-    if args.step is not None:
-        state = ckpt.load_state_file(run / ckpt.step_state_name(args.step))
-        return run / ckpt.step_weights_name(args.step), max(1, int(state["epoch"]))
-    epochs = ckpt.epochs_on_disk(run)
-    if args.epoch is None and not epochs:
-        raise CheckpointError(f"{run} has no net_epoch<N>.pth; pass --step K or --bestval (steps on disk: "
-                              f"{ckpt.epochs_on_disk(run, ckpt.STEP_WEIGHTS_RE) or 'none'})")
-    epoch = args.epoch if args.epoch is not None else epochs[-1]
-    return run / ckpt.weights_name(epoch), epoch
+def exported_epoch(run_dir: Path, checkpoint: Path, step: Optional[int]) -> int:
+    """The N of the exported net_epoch{N}.pth: the chosen epoch's; for a step checkpoint, the epoch it was saved in
+    (at least 1, upstream's epochs count from 1)."""
+    if step is not None:
+        return max(1, int(ckpt.load_state_file(run_dir / ckpt.step_state_name(step))["epoch"]))
+    return int((ckpt.WEIGHTS_RE.match(checkpoint.name) or ckpt.BESTVAL_RE.match(checkpoint.name)).group(1))
 
 
 def export(args: argparse.Namespace) -> str:
-    run, out = Path(args.model_dir), Path(args.out)
-    config = run / "config.yaml"
-    if not config.is_file():
-        raise ConfigError(f"--model_dir {run} is not a run (no config.yaml)")
+    run_dir, out = Path(args.model_dir), Path(args.out)
+    run = load_run(run_dir, args.epoch, args.bestval, args.step)
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} is not empty; pass a new or empty folder")
-    hypes = load_parsed_hypes(config)
+    hypes = run.hypes
     model = create_model(hypes)
     core_method = hypes["model"]["core_method"]
     problems = width_problems(core_method, model.state_dict())
     if problems:
-        raise ConfigError(f"{config} builds a model upstream's code cannot: {'; '.join(problems)}; export a run of "
-                          f"a config with upstream's widths (hypes_yaml/opv2v/), not a toy one")
-    weights_path, epoch = choose(run, args)
-    ckpt.load_weights(model, weights_path)  # the file is this config's model, strictly
+        raise ConfigError(f"{run_dir / CONFIG_NAME} builds a model upstream's code cannot: {'; '.join(problems)}; "
+                          f"export a run of a config with upstream's widths (hypes_yaml/opv2v/), not a toy one")
+    epoch = exported_epoch(run_dir, run.checkpoint, args.step)
+    ckpt.load_weights(model, run.checkpoint)  # the file is this config's model, strictly
     out.mkdir(parents=True, exist_ok=True)
     for key in OWN_KEYS:  # what only this project reads; upstream's loader has no use for them
         hypes.pop(key, None)
-    hypes_lib.save_hypes(hypes, out / "config.yaml")
+    hypes_lib.save_hypes(hypes, out / CONFIG_NAME)
     target = out / ckpt.weights_name(epoch)
     ckpt.atomic_save(model.state_dict(), target)
-    return (f"exported {weights_path.name} of {run} as {target} with {out / 'config.yaml'} ({core_method}); "
+    return (f"exported {run.checkpoint.name} of {run_dir} as {target} with {out / CONFIG_NAME} ({core_method}); "
             f"upstream: python opencood/tools/inference.py --model_dir {out} --fusion_method ...")
 
 

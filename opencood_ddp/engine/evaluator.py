@@ -1,22 +1,19 @@
 """Distributed evaluation: unpadded shards, per-frame records gathered to rank 0 in dataset order, metrics once.
 
 The engine knows nothing about detection. A task hands over an ``EvalSpec``: the dataset and its collate
-function, the model, ``evaluate_batch(model, batch, indices) -> one picklable record per sample`` (``indices``:
-the batch's dataset indices, so per-frame files are named by frame whatever rank wrote them),
-``summarize(records in dataset order) -> dict``, optionally ``finish(records in dataset order)`` for
-artefacts drawn once on rank 0 (plots), the name of the summary file and ``report(result)``, the text rank 0
-logs (a metrics table). Every frame is evaluated by exactly one rank (the shards of
-``EvalShardSampler`` are unpadded and cover the dataset), so nothing is counted twice, and the
-summary is computed once from the same ordered list at every world size: the metrics do not depend on it.
-Where the dataset says what a frame costs (``sample_cost(index)``: its CAVs, read from the index), the shards
-are balanced by that cost rather than contiguous: real test splits hold scenarios of 2 to 7 CAVs, and the
-evaluation waits for its slowest rank.
+function, the model, ``move_to`` and its ``Evaluator``: per-batch records on every rank, then on rank 0 the
+metric, called here directly, the artefacts and the report. Every frame is evaluated by exactly one rank (the
+shards of ``EvalShardSampler`` are unpadded and cover the dataset), so nothing is counted twice, and the metric
+is computed once from the same ordered list at every world size: the metrics do not depend on it. Where the
+dataset says what a frame costs (``sample_cost(index)``: its CAVs, read from the index), the shards are balanced
+by that cost rather than contiguous: real test splits hold scenarios of 2 to 7 CAVs, and the evaluation waits
+for its slowest rank.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -44,17 +41,33 @@ class EvalRequest:
     task_options: Any = None
 
 
+class Evaluator(Protocol):
+    """A task's evaluation, one named object (detectron2's ``DatasetEvaluator``, without state)."""
+
+    result_name: str  # the file rank 0 writes the summary to, in the request's run_dir
+
+    def evaluate_batch(self, model: nn.Module, batch: Any, indices: Sequence[int]) -> List[Any]:
+        """Every rank, each batch of its shard: one picklable record per sample (``indices``: their dataset
+        indices, so that per-frame files are named by frame whatever rank writes them)."""
+
+    def metric(self, records: List[Any]) -> dict:
+        """Rank 0, once: the records in dataset order -> the summary (the opencood task's is
+        ``metrics/summary.DetectionMetric``; this module calls it itself, never through the task)."""
+
+    def finish(self, records: List[Any]) -> None:
+        """Rank 0, once, before the metric: artefacts drawn from the records in dataset order (plots)."""
+
+    def report(self, result: "EvalResult") -> str:
+        """Rank 0: the text logged after evaluation (a metrics table)."""
+
+
 @dataclass
 class EvalSpec:
     dataset: Dataset
     collate: Callable
     model: nn.Module
-    evaluate_batch: Callable[[nn.Module, Any, Sequence[int]], List[Any]]
-    summarize: Callable[[List[Any]], dict]
     move_to: Callable[[Any, torch.device], Any]
-    finish: Optional[Callable[[List[Any]], None]] = None
-    result_name: str = "eval.yaml"  # the file rank 0 writes the summary to, in the request's run_dir
-    report: Callable[["EvalResult"], str] = lambda result: str(result.summary)  # rank 0's text after evaluation
+    evaluator: Evaluator
     gpu_workers: Optional[int] = None  # as Task.gpu_workers
 
 
@@ -79,7 +92,7 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
     try:
         for number, batch in enumerate(loader):
             batch_indices = indices[number * batch_size:(number + 1) * batch_size]
-            batch_records = spec.evaluate_batch(spec.model, spec.move_to(batch, device), batch_indices)
+            batch_records = spec.evaluator.evaluate_batch(spec.model, spec.move_to(batch, device), batch_indices)
             if len(batch_records) != len(batch_indices):
                 raise RuntimeError(f"rank {env.rank}: evaluate_batch returned {len(batch_records)} records for "
                                    f"{len(batch_indices)} frames; it must return one record per sample")
@@ -112,7 +125,6 @@ def in_dataset_order(per_rank: Sequence[Sequence[Tuple[int, Any]]], num_frames: 
     return [record for _, record in merged]
 
 
-@torch.no_grad()
 def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int = 2) -> Optional[EvalResult]:
     """Evaluate on every rank; rank 0 returns the result, the others None."""
     spec.model.eval()
@@ -120,7 +132,8 @@ def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int
     records: List[Tuple[int, Any]] = []
     error: Optional[OpencoodDdpError] = None
     try:
-        records = _shard_records(spec, env, batch_size, num_workers)
+        with torch.no_grad():  # not a decorator: the reading path to the metric keeps no frame of torch's
+            records = _shard_records(spec, env, batch_size, num_workers)
     except OpencoodDdpError as exc:  # a frame this rank cannot read: every rank stops with its message
         error = unwrap_worker_error(exc)
     error = comm.first_error(error)
@@ -131,7 +144,6 @@ def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int
     if not env.is_main:
         return None
     ordered = in_dataset_order(gathered, len(spec.dataset))
-    if spec.finish is not None:
-        spec.finish(ordered)
-    return EvalResult(summary=spec.summarize(ordered), frames=len(ordered),
+    spec.evaluator.finish(ordered)
+    return EvalResult(summary=spec.evaluator.metric(ordered), frames=len(ordered),
                       seconds=time.perf_counter() - started, world_size=env.world_size)

@@ -1,58 +1,90 @@
-"""The evaluation recipe behind tools/inference_ddp.py, top to bottom.
+"""The evaluation recipe behind tools/inference_ddp.py, top to bottom (`main`, then `run_eval`).
 
-detect launcher -> process group -> the run's config.yaml (rank 0, broadcast) -> checkpoint choice (rank 0,
-broadcast) -> the task's EvalSpec (dataset, model, per-frame evaluation) -> weights -> evaluate on every rank
--> rank 0 writes the spec's result file (eval.yaml) and logs its report.
+the flags (the engine's, and those of the task the run's config.yaml names: its registry's `eval_options`) ->
+detect launcher -> process group -> the run (`load_run`: config.yaml and the chosen checkpoint; rank 0,
+broadcast) -> the task's EvalSpec (dataset, model, its Evaluator) -> weights -> engine/evaluator.py's `evaluate`
+on every rank, which calls the task's metric itself on rank 0 -> rank 0 writes the result file (eval.yaml) and
+logs the evaluator's report. From tools/inference_ddp.py to the metric the stack is six frames: the tool, `main`,
+`run_eval`, `evaluate_checkpoint`, `evaluate` and the metric's call (the opencood task's
+`metrics/summary.DetectionMetric`), three files of the library. `load_run` is also how tools/export_upstream.py
+and tools/analysis/ read a run.
 """
 from __future__ import annotations
 
+import argparse
+import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 
 import torch
 import yaml
 
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp import checkpoint_files as ckpt
+from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec, evaluate
 from opencood_ddp.engine.loaders import workers_per_rank
-from opencood_ddp.engine.entry import run_distributed
+from opencood_ddp.engine.entry import DistributedRun
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
-from opencood_ddp.errors import CheckpointError, ConfigError
+from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
+# The task registry's class of evaluation flags for a config (tasks.eval_options); None: no flags of its own.
+EvalOptionsOf = Callable[[dict], Optional[type]]
 
 
-def load_run_config(run_dir: Path) -> dict:
-    path = run_dir / CONFIG_NAME
-    if not path.is_file():
-        raise ConfigError(f"{path} does not exist; pass --model_dir of a training run (it holds config.yaml)")
-    # The result file and the task's artefacts go into the run: refuse before evaluating.
-    require_writable(run_dir, "write eval.yaml into it (or evaluate a copy of the run)")
-    return load_parsed_hypes(path)
+@dataclass(frozen=True)
+class LoadedRun:
+    """A run's parsed config.yaml and the checkpoint chosen among its files."""
+
+    hypes: dict
+    checkpoint: Path
 
 
-def choose_checkpoint(run_dir: Path, epoch: Optional[int], bestval: bool) -> Path:
-    """--epoch N, --bestval, or the highest net_epoch{N}.pth (upstream's choice)."""
+def load_run(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
+             step: Optional[int] = None) -> LoadedRun:
+    """The one reading of a run folder, for evaluation and every tool: its config.yaml through the one hypes
+    loader, and the checkpoint `choose_checkpoint` picks."""
+    config = run_dir / CONFIG_NAME
+    if not config.is_file():
+        raise ConfigError(f"{config} does not exist; pass --model_dir of a training run (it holds config.yaml)")
+    return LoadedRun(load_parsed_hypes(config), choose_checkpoint(run_dir, epoch, bestval, step))
+
+
+def choose_checkpoint(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
+                      step: Optional[int] = None) -> Path:
+    """--bestval (the newest), --epoch N, --step K (a tool that offers it), or the highest net_epoch{N}.pth
+    (upstream's choice)."""
     if bestval:
         found = ckpt.epochs_on_disk(run_dir, ckpt.BESTVAL_RE)
         if not found:
             raise CheckpointError(f"{run_dir}: no net_epoch_bestval_at*.pth; drop --bestval or pass --epoch")
         return run_dir / ckpt.bestval_name(found[-1])
-    found = ckpt.epochs_on_disk(run_dir)
+    if step is not None:
+        return _named_checkpoint(run_dir, step, ckpt.STEP_WEIGHTS_RE, ckpt.step_weights_name, "step")
     if epoch is not None:
-        if epoch not in found:
-            raise CheckpointError(f"{run_dir}: no {ckpt.weights_name(epoch)} (epochs on disk: "
-                                  f"{found or 'none'}); pass one of them to --epoch")
-        return run_dir / ckpt.weights_name(epoch)
+        return _named_checkpoint(run_dir, epoch, ckpt.WEIGHTS_RE, ckpt.weights_name, "epoch")
+    found = ckpt.epochs_on_disk(run_dir)
     if not found:
-        raise CheckpointError(f"{run_dir}: no net_epoch*.pth checkpoint; train first or pass another --model_dir")
+        steps = ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)
+        raise CheckpointError(f"{run_dir}: no net_epoch*.pth checkpoint (steps on disk: {steps or 'none'}); train "
+                              f"first, pass another --model_dir, or --step K to a tool that takes it")
     return run_dir / ckpt.weights_name(found[-1])
+
+
+def _named_checkpoint(run_dir: Path, number: int, pattern: re.Pattern, name: Callable[[int], str], kind: str) -> Path:
+    """The checkpoint of --epoch N or --step K, refused with the numbers on disk when it is not there."""
+    found = ckpt.epochs_on_disk(run_dir, pattern)
+    if number not in found:
+        raise CheckpointError(f"{run_dir}: no {name(number)} ({kind}s on disk: {found or 'none'}); pass one of "
+                              f"them to --{kind}")
+    return run_dir / name(number)
 
 
 def write_eval_yaml(path: Path, result: EvalResult, checkpoint: Path) -> None:
@@ -64,18 +96,17 @@ def write_eval_yaml(path: Path, result: EvalResult, checkpoint: Path) -> None:
 
 def evaluate_checkpoint(spec: EvalSpec, request: EvalRequest, checkpoint: Path, env: DistEnv,
                         num_workers: int) -> Optional[EvalResult]:
-    """Load `checkpoint` into the spec's model, evaluate on every rank; rank 0 writes eval.yaml into
-    ``request.run_dir`` and logs the table. Shared by inference and training's --eval_after_training."""
+    """Load `checkpoint` into the spec's model, evaluate on every rank; rank 0 writes the evaluator's result file
+    into ``request.run_dir`` and logs its report. Shared by inference and training's --eval_after_training."""
     log = get_logger()
-    run_dir = Path(request.run_dir)
     ckpt.load_weights(spec.model, checkpoint)
     spec.model.to(torch.device(env.device))
     log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
     result = evaluate(spec, env, batch_size=request.batch_size, num_workers=num_workers)
     if result is not None:
-        path = run_dir / spec.result_name
+        path = Path(request.run_dir) / spec.evaluator.result_name
         write_eval_yaml(path, result, checkpoint)
-        log.info(f"{spec.report(result)}\n{_pace(result)}\nwrote {path}")
+        log.info(f"{spec.evaluator.report(result)}\n{_pace(result)}\nwrote {path}")
     return result
 
 
@@ -84,24 +115,49 @@ def _pace(result: EvalResult) -> str:
     return f"{result.frames} frames on {result.world_size} process(es) in {result.seconds:.1f} s ({rate:.1f} frames/s)"
 
 
-def load_run(options: EvalOptions) -> Tuple[dict, Path]:
-    """The run's parsed config.yaml and the checkpoint to evaluate: read on rank 0, handed to every rank (a
-    refusal there is raised on every rank). Shared with the task's recipes that evaluate one run many times."""
+def run_to_evaluate(options: EvalOptions) -> LoadedRun:
+    """`load_run` of --model_dir on rank 0, handed to every rank (a refusal there is raised on every rank); the
+    run must take the result file. Shared with the task's recipes that evaluate one run many times."""
     run_dir = Path(options.model_dir)
-    return comm.on_main_then_broadcast(
-        lambda: (load_run_config(run_dir), choose_checkpoint(run_dir, options.epoch, options.bestval)))
+
+    def read() -> LoadedRun:
+        run = load_run(run_dir, options.epoch, options.bestval)
+        # The result file and the task's artefacts go into the run: refuse before evaluating.
+        require_writable(run_dir, "write eval.yaml into it (or evaluate a copy of the run)")
+        return run
+
+    return comm.on_main_then_broadcast(read)
 
 
 def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Optional[EvalResult]:
-    hypes, checkpoint = load_run(options)
+    run = run_to_evaluate(options)
     request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=options.model_dir,
                           task_options=options.task)
-    spec = build_eval(hypes, request)
-    return evaluate_checkpoint(spec, request, checkpoint, env,
-                               workers_per_rank(options.process.num_workers, env, task_workers=spec.gpu_workers))
+    spec = build_eval(run.hypes, request)
+    workers = workers_per_rank(options.process.num_workers, env, task_workers=spec.gpu_workers)
+    return evaluate_checkpoint(spec, request, run.checkpoint, env, workers)
 
 
-def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder, task_options: Optional[type] = None) -> int:
-    """tools/inference_ddp.py: ``task_options`` is the task's options class (its flags and their typed values)."""
-    options = parse_eval_options(argv, task_options)
-    return run_distributed(options.process, lambda env: run_eval(options, env, build_eval))
+def task_options_of_run(argv: Optional[Sequence[str]], eval_options: EvalOptionsOf) -> Optional[type]:
+    """The evaluation flags of the task that --model_dir's config.yaml names, known before the flags are parsed:
+    the file as written (no parser run). Where it cannot be read, or names no usable task, the default task's:
+    the run is read again once the process group is up, and rank 0 tells what is wrong in one line."""
+    known, _ = _model_dir_flag().parse_known_args(argv)
+    try:
+        return eval_options(hypes_lib.load_hypes(Path(known.model_dir) / CONFIG_NAME) if known.model_dir else {})
+    except (OpencoodDdpError, OSError):
+        return eval_options({})
+
+
+def _model_dir_flag() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model_dir")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]], build_eval: EvalBuilder, eval_options: EvalOptionsOf) -> int:
+    """tools/inference_ddp.py: the recipe, top to bottom (module docstring); the exit code."""
+    options = parse_eval_options(argv, task_options_of_run(argv, eval_options))
+    with DistributedRun(options.process) as run:
+        run_eval(options, run.env, build_eval)
+    return run.exit_code

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, List, Mapping, Sequence, Tuple
+from typing import Any, List, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
@@ -33,8 +33,10 @@ from opencood_ddp.data.sources.v2v4real import V2V4REAL_GT_RANGE
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import range6
 from opencood_ddp.metrics import FrameStats
+from opencood_ddp.metrics.communication import CommunicationSummary
 from opencood_ddp.metrics.conventions import (AP_CONVENTIONS, BAND_IOU_THRESHOLDS, V2V4REAL_BANDS, DistanceBand,
-                                              band_ap_key, band_stats, band_summary, corners_inside_range)
+                                              band_ap_key, band_stats, corners_inside_range)
+from opencood_ddp.metrics.summary import DetectionMetric
 
 DEFAULT_PRESET = "opencood"
 PRESETS = ("opencood", "heal", "v2v4real")
@@ -92,8 +94,9 @@ class EvalConvention:
             record["distance_bands"] = [[float(low), float(high)] for low, high in self.bands]
         return record
 
-    def band_aps(self, frames: Sequence[FrameStats]) -> dict:
-        return band_summary(frames, self.bands, self.global_sort) if self.bands else {}
+    def metric(self, communication: Optional[CommunicationSummary] = None) -> DetectionMetric:
+        """The metric the engine's evaluator calls on rank 0: eval.yaml's content in this convention."""
+        return DetectionMetric(self.record(), self.global_sort, self.bands, communication)
 
     def describe(self) -> str:
         area = ", ".join(f"{v:g}" for v in self.eval_range)

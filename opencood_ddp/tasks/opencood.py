@@ -6,16 +6,17 @@ This is where the perception stack meets the engine's ``Task`` protocol (``openc
 - the validation loss is computed on ``validate_dir`` with ``train=False``, as upstream's train.py does;
 - one step runs the model on the batch's ``ego`` dict and the loss against its ``label_dict``; the loss is a
   mean over the local batch's samples, so DDP's gradient average equals the 1-process gradient;
-- evaluation (``build_eval``) uses the test-time post-processor (GT range, NMS) frame by frame on upstream's
-  one-frame test batches (the model may run on several frames at once), and writes --save_npy / --save_vis
-  files per frame and the --pr_plot curves; --eval_preset picks the AP convention (``tasks/eval_presets.py``).
+- evaluation (``build_eval``, its flags ``EVAL_OPTIONS``) hands the engine a ``DetectionEvaluator``: the
+  test-time post-processor (GT range, NMS) frame by frame on upstream's one-frame test batches (the model may run
+  on several frames at once), --save_npy / --save_vis files per frame, the metric of the AP convention that
+  --eval_preset picks (``tasks/eval_presets.py``; ``metrics/summary.py``), the --pr_plot curves and the report.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -30,14 +31,15 @@ from opencood_ddp.engine.task import LossOutput, Task
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source
 from opencood_ddp.loss import create_loss
-from opencood_ddp.metrics import FrameStats, eval_summary, frame_stats, pr_curve
+from opencood_ddp.metrics import FrameStats, frame_stats, pr_curve
+from opencood_ddp.metrics.communication import MeteredFrameStats
 from opencood_ddp.models import COMMON_OPTIONAL_KEYS as MODEL_COMMON_KEYS, create_model
 from opencood_ddp.models.parameter_use import take_parameter_use
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
 from opencood_ddp.registry import import_modules
 from opencood_ddp.schema import check_known_keys
-from opencood_ddp.tasks.communication import CommunicationMeter, MeteredFrameStats
+from opencood_ddp.tasks.communication import CommunicationMeter
 from opencood_ddp.tasks.eval_presets import (DEFAULT_PRESET, PRESETS, EvalConvention, band_rows, eval_convention,
                                              result_suffix)
 
@@ -188,23 +190,6 @@ def frame_cav_positions(frame: Mapping[str, Any]) -> np.ndarray:
     return np.stack([_numpy(cav["transformation_matrix"])[:3, 3] for cav in frame.values()])
 
 
-class Summary:
-    """eval.yaml's content: the convention first (eval_preset, ap_convention, eval_range, ...: a number is never
-    written without the rules that made it), upstream's AP keys, the convention's band APs, and the
-    communication figures when metered (tasks/communication.py: bytes_per_cav_frame; Where2comm's comm_rate)."""
-
-    def __init__(self, convention: EvalConvention, meter: Optional[CommunicationMeter] = None):
-        self.convention, self.meter = convention, meter
-
-    def __call__(self, frames: List[FrameStats]) -> dict:
-        summary = self.convention.record()
-        summary.update(eval_summary(frames, global_sort=self.convention.global_sort))
-        summary.update(self.convention.band_aps(frames))
-        if self.meter is not None:
-            summary.update(self.meter.summary([frame.communication for frame in frames]))
-        return summary
-
-
 class PrPlot:
     """Rank 0, after the gather: precision-recall curves at IoU 0.3/0.5/0.7 in one PNG."""
 
@@ -260,6 +245,11 @@ class DetectionEvalOptions:
         parser.add_argument("--pr_plot", action="store_true",
                             help="precision-recall curves at IoU 0.3/0.5/0.7 in MODEL_DIR/pr_curve.png "
                                  "(pr_curve_global_sort.png, _heal.png, _v2v4real.png: eval.yaml's suffix)")
+
+
+# The task's evaluation options, found here by the task registry (tasks.eval_options) beside build_eval: the
+# flags tools/inference_ddp.py adds for a run of this task.
+EVAL_OPTIONS = DetectionEvalOptions
 
 
 def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) -> dict:
@@ -373,6 +363,30 @@ def communication_lines(summary: dict) -> List[str]:
     return [line]
 
 
+@dataclass
+class DetectionEvaluator:
+    """The task's ``Evaluator`` (engine/evaluator.py): on every rank each frame's detections against its GT
+    (``FrameEvaluator``); on rank 0 the metric of the run's convention (``metrics/summary.DetectionMetric``), the
+    --pr_plot curves and the report."""
+
+    evaluate_batch: FrameEvaluator
+    metric: Callable[[List[FrameStats]], dict]  # a DetectionMetric (tasks/sweep.py adds a score digest to it)
+    result_name: str
+    report: Report
+    pr_plot: Optional[PrPlot] = None
+
+    def finish(self, frames: List[FrameStats]) -> None:
+        if self.pr_plot is not None:
+            self.pr_plot(frames)
+
+
+def build_pr_plot(options: DetectionEvalOptions, run_dir: Optional[str], convention: EvalConvention,
+                  fusion_method: str) -> Optional[PrPlot]:
+    if not options.pr_plot or run_dir is None:
+        return None
+    return PrPlot(Path(run_dir) / pr_plot_name(options.global_sort, convention.preset, fusion_method), convention)
+
+
 def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     import_modules(hypes, hypes_source(hypes))
     options = DetectionEvalOptions.of(request)
@@ -385,17 +399,16 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     exporter = build_exporter(hypes, options, request.run_dir)
     dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
                             visualize=exporter is not None)
-    finish = None
-    if options.pr_plot and request.run_dir is not None:
-        finish = PrPlot(Path(request.run_dir) / pr_plot_name(options.global_sort, convention.preset, fusion_method),
-                        convention)
     meter = CommunicationMeter.of(hypes, fusion_method)
-    return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes),
-                    evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
-                    summarize=Summary(convention, meter), move_to=prepare_batch, finish=finish,
-                    result_name=eval_file_name(options.global_sort, convention.preset, fusion_method),
-                    report=Report(options, request.run_dir, convention), gpu_workers=gpu_workers(dataset))
+    evaluator = DetectionEvaluator(
+        evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
+        metric=convention.metric(meter.summary if meter is not None else None),
+        result_name=eval_file_name(options.global_sort, convention.preset, fusion_method),
+        report=Report(options, request.run_dir, convention),
+        pr_plot=build_pr_plot(options, request.run_dir, convention, fusion_method))
+    return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes), move_to=prepare_batch,
+                    evaluator=evaluator, gpu_workers=gpu_workers(dataset))
 
 
-__all__ = ["build_task", "build_eval", "DetectionEvalOptions", "DetectionStep",
-           "batch_size_of", "eval_file_name", "fusion_suffix", "pr_plot_name"]
+__all__ = ["build_task", "build_eval", "EVAL_OPTIONS", "DetectionEvalOptions", "DetectionEvaluator",
+           "DetectionStep", "batch_size_of", "eval_file_name", "fusion_suffix", "pr_plot_name"]

@@ -19,7 +19,6 @@ bit. A delay is ``wild_setting.async`` in ``sim`` mode with ``async_overhead`` =
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import math
 import tempfile
@@ -187,11 +186,11 @@ def level_hypes(hypes: dict, level: Level, seed: int) -> dict:
 
 # ------------------------------------------------------------------------------------------------ recipe
 class WithScoreDigest:
-    """The task's summary plus what shows that a level's inputs changed even where its AP did not: the number
+    """The task's metric plus what shows that a level's inputs changed even where its AP did not: the number
     of detections and a digest of every frame's scores in dataset order (equal digests: the same detections)."""
 
-    def __init__(self, summarize: Callable[[List[Any]], dict]):
-        self.summarize = summarize
+    def __init__(self, metric: Callable[[List[Any]], dict]):
+        self.metric = metric
 
     def __call__(self, frames: List[Any]) -> dict:
         digest, count = hashlib.sha256(), 0
@@ -200,7 +199,7 @@ class WithScoreDigest:
             digest.update(len(scores).to_bytes(8, "little"))
             digest.update(scores.tobytes())
             count += len(scores)
-        return dict(self.summarize(frames), **{DETECTIONS: count, SCORE_DIGEST: digest.hexdigest()[:16]})
+        return dict(self.metric(frames), **{DETECTIONS: count, SCORE_DIGEST: digest.hexdigest()[:16]})
 
 
 def ignores_the_noise(spec: EvalSpec, level: Level) -> bool:
@@ -231,7 +230,8 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
     """Every level evaluated on every rank."""
     levels = sweep_levels(options)  # on every rank: each raises the same refusal and leaves together
     refuse_per_evaluation_files(options.eval.task)
-    hypes, checkpoint = inference.load_run(options.eval)
+    run = inference.run_to_evaluate(options.eval)
+    hypes, checkpoint = run.hypes, run.checkpoint
     seed = noise_seed(options, hypes)
     log, warned, results = get_logger(), False, []
     # The engine writes each level's eval.yaml into the request's folder: a scratch one, so that the run's own
@@ -242,7 +242,7 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
             request = EvalRequest(dataset_dir=options.eval.dataset_dir, batch_size=options.eval.batch_size,
                                   run_dir=scratch, task_options=options.eval.task)
             spec = build_eval(level_hypes(hypes, level, seed), request)
-            spec = dataclasses.replace(spec, summarize=WithScoreDigest(spec.summarize))
+            spec.evaluator.metric = WithScoreDigest(spec.evaluator.metric)  # this level's own evaluator
             if not warned and ignores_the_noise(spec, level):
                 warn_noise_ignored(spec)
                 warned = True

@@ -21,7 +21,7 @@ import torch
 from opencood_ddp.data.ego_view import frame_clouds
 from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.engine.evaluator import EvalRequest
-from opencood_ddp.engine.inference import choose_checkpoint, load_run_config
+from opencood_ddp.engine.inference import load_run
 from opencood_ddp.errors import ConfigError, run_tool
 from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
 from opencood_ddp.models.modules.ego_warp import to_ego_frame
@@ -62,13 +62,14 @@ def cell_of(box: np.ndarray, lidar_range: Sequence[float], shape: Sequence[int])
 
 
 def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
-    hypes = load_run_config(model_dir)
+    run = load_run(model_dir)
+    hypes = run.hypes
     if hypes["model"]["core_method"] != "point_pillar_intermediate":
         raise ConfigError(f"{model_dir}: model.core_method is {hypes['model']['core_method']!r}; this tool reads "
                           f"AttFuse (point_pillar_intermediate) runs")
     request = EvalRequest(dataset_dir=dataset_dir, task_options=DetectionEvalOptions(fusion_method="intermediate"))
     spec = build_eval(hypes, request)
-    ckpt.load_weights(spec.model, choose_checkpoint(model_dir, None, False))
+    ckpt.load_weights(spec.model, run.checkpoint)
     spec.model.eval()
     hook = FirstLevelWeights()
     first = next(m for m in spec.model.modules() if isinstance(m, AttFusion))
@@ -83,7 +84,7 @@ def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
         weights = hook.weights[0]
         if weights.shape[2] < 2:
             continue  # a frame with the ego alone has nothing to fuse
-        gt = spec.evaluate_batch.post.generate_gt_bbx(batch["frames"][0]).numpy()
+        gt = spec.evaluator.evaluate_batch.post.generate_gt_bbx(batch["frames"][0]).numpy()
         groups = visibility_groups(frame_clouds(spec.dataset.source.index, index), gt, min_points)
         for box, group in zip(gt, groups):
             cell = cell_of(box, lidar_range, weights.shape[:2])
