@@ -13,7 +13,7 @@ import torch
 
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix
-from opencood_ddp.toy.config import split_set_flags  # noqa: F401  (the tests take it from here)
+from opencood_ddp.toy.config import split_overrides, split_set_flags  # noqa: F401  (tests take both from here)
 
 REPO = Path(__file__).resolve().parents[1]
 WORKERS = REPO / "tests" / "workers"
@@ -49,11 +49,21 @@ def train(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedP
     return torchrun(nproc, TRAIN, *args, timeout=timeout)
 
 
+def toy_overrides(root: Path, layout: str = "opv2v") -> list[str]:
+    """The hypes overrides (key=value, as --set takes them) that read the toy world in `root`, written in `layout`:
+    opv2v (its split folders), v2v4real (the V2V4Real-layout copy) or dairv2x (the DAIR-V2X-C-layout copy: its
+    data_dir and split files)."""
+    if layout == "dairv2x":
+        return ["fusion.dataset=dairv2x", f"data_dir={root}", f"root_dir={root / 'train.json'}",
+                f"validate_dir={root / 'val.json'}", f"test_dir={root / 'test.json'}"]
+    if layout not in ("opv2v", "v2v4real"):
+        raise ValueError(f"no toy layout {layout!r}")
+    return ([] if layout == "opv2v" else [f"fusion.dataset={layout}"]) + split_overrides(root)
+
+
 def dairv2x_overrides(data_dir: Path) -> list[str]:
     """--set flags that read the DAIR-V2X-C-layout toy copy in `data_dir` (fusion.dataset and its split files)."""
-    return ["--set", "fusion.dataset=dairv2x", "--set", f"data_dir={data_dir}",
-            "--set", f"root_dir={data_dir / 'train.json'}", "--set", f"validate_dir={data_dir / 'val.json'}",
-            "--set", f"test_dir={data_dir / 'test.json'}"]
+    return [word for override in toy_overrides(data_dir, "dairv2x") for word in ("--set", override)]
 
 
 def v2v4real_overrides(root: Path) -> list[str]:

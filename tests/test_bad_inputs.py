@@ -166,12 +166,10 @@ def first_frame_of_last_rank(split: Path, world: int, seed: int = 0) -> tuple[Pa
 
 def early_fusion_weights(path: Path) -> None:
     """A state_dict of the early-fusion PointPillar (no shrink header, other head widths) written at `path`."""
-    from opencood_ddp import hypes as hypes_lib
-    from opencood_ddp.yaml_parsers import run_yaml_parser
     from opencood_ddp.models import create_model
+    from zoo import hypes_of
 
-    hypes = run_yaml_parser(hypes_lib.load_hypes(EARLY))
-    torch.save(create_model(hypes).state_dict(), path)
+    torch.save(create_model(hypes_of(EARLY)).state_dict(), path)
 
 
 # One function per row (variant): World, world size -> Call.

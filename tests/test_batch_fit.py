@@ -63,11 +63,10 @@ def test_no_plan_says_why_and_what_would_fit():
 
 def test_measure_on_the_synthetic_task_grows_with_the_batch():
     """A real measurement on the CPU: a larger batch needs at least as much memory, up to the allocator's noise."""
-    from opencood_ddp import hypes as hypes_lib
     from opencood_ddp.tasks import build_task
+    from zoo import hypes_of
 
-    hypes = hypes_lib.load_hypes(REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml")
-    hypes["synthetic"].update(num_train=64, image_size=64, width=32)
+    hypes = hypes_of("toy/synthetic_bn", "synthetic.num_train=64", "synthetic.image_size=64", "synthetic.width=32")
     probes = batch_fit.measure(hypes, build_task, [2, 32], torch.device("cpu"))  # BatchNorm1d: 2 or more
     assert [p.per_rank for p in probes] == [2, 32]
     assert probes[1].peak_bytes > probes[0].peak_bytes > 0

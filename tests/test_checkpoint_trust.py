@@ -186,11 +186,9 @@ def _toy_run(folder: Path, toy_root: Path, config: Path = TOY) -> tuple[Path, di
     """A run folder as train_ddp.py leaves it (config.yaml with the toy world's splits), and the model's weights."""
     from opencood_ddp import hypes as hypes_lib
     from opencood_ddp.models import create_model
-    from opencood_ddp.yaml_parsers import run_yaml_parser
+    from zoo import hypes_of
 
-    splits = [f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}",
-              f"test_dir={toy_root / 'test'}"]
-    hypes = run_yaml_parser(hypes_lib.apply_overrides(hypes_lib.load_hypes(config), splits), str(config))
+    hypes = hypes_of(config, toy_root=toy_root)
     folder.mkdir(parents=True)
     hypes_lib.save_hypes(dict(hypes, batch_plan={"global_batch": hypes["train_params"]["batch_size"]}),
                          folder / "config.yaml")

@@ -103,12 +103,9 @@ def test_coaligns_dair_loss_block_builds_as_written():
 
 
 def test_a_mistyped_key_in_coaligns_blocks_is_named_with_the_closest_key():
-    from opencood_ddp.hypes import apply_overrides, load_hypes
     from opencood_ddp.schema import unknown_keys
     from opencood_ddp.tasks.opencood import TASK_KEYS
-    from opencood_ddp.yaml_parsers import run_yaml_parser
-    from zoo import REPO
+    from zoo import hypes_of
 
-    path = REPO / "hypes_yaml" / "dairv2x" / "point_pillar_intermediate_fusion.yaml"
-    hypes = run_yaml_parser(apply_overrides(load_hypes(path), ["loss.args.reg.sigmaa=3.0"]), str(path))
+    hypes = hypes_of("dairv2x/point_pillar_intermediate_fusion", "loss.args.reg.sigmaa=3.0")
     assert unknown_keys(hypes, TASK_KEYS) == ["loss.args.reg.sigmaa"]

@@ -50,8 +50,7 @@ def shapes(model: torch.nn.Module) -> list:
 def toy_task(stem: str, toy_root: Path, *overrides: str):
     from opencood_ddp.tasks import build_task
 
-    hypes = zoo.hypes_of(TOY / f"{stem}.yaml", f"root_dir={toy_root / 'train'}",
-                         f"validate_dir={toy_root / 'validate'}", f"test_dir={toy_root / 'test'}", *overrides)
+    hypes = zoo.hypes_of(TOY / f"{stem}.yaml", *overrides, toy_root=toy_root)
     torch.manual_seed(0)
     return hypes, build_task(hypes, for_training=True)
 
@@ -337,8 +336,7 @@ def test_evaluation_summary_holds_the_communication(stem, keys, toy_small):
     from opencood_ddp.engine.evaluator import EvalRequest
     from opencood_ddp.tasks.opencood import DetectionEvalOptions, build_eval
 
-    hypes = zoo.hypes_of(TOY / f"{stem}.yaml", f"root_dir={toy_small / 'train'}",
-                         f"validate_dir={toy_small / 'validate'}", f"test_dir={toy_small / 'test'}")
+    hypes = zoo.hypes_of(TOY / f"{stem}.yaml", toy_root=toy_small)
     fusion = "late" if "late" in stem else "intermediate"
     request = EvalRequest(dataset_dir=str(toy_small / "test"), batch_size=1,
                           task_options=DetectionEvalOptions(fusion))

@@ -28,16 +28,14 @@ import torch
 import yaml
 from shapely.geometry import Polygon
 
-from launch import REPO, dairv2x_overrides
+from zoo import hypes_of
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.pcd import write_pcd
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.models.modules.ego_warp import ego_frame_affines
 from opencood_ddp.models.modules.v2vnet import pairwise_affines
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 SEED = 3
 VEH, INF = "000007", "010003"
@@ -175,9 +173,7 @@ def dair_dir(tmp_path_factory) -> Path:
 
 def dair_dataset(kind: str, data_dir: Path, *extra: str, post: bool = False):
     """The toy config of ``kind`` on the hand-made frame's test split; ``post``: with its test-time post-processor."""
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml")
-    flags = [flag for flag in dairv2x_overrides(data_dir) if flag != "--set"]
-    hypes = run_yaml_parser(apply_overrides(hypes, flags + list(extra)))
+    hypes = hypes_of(f"toy/point_pillar_{kind}_fusion", *extra, toy_root=data_dir, layout="dairv2x")
     post_processor = VoxelPostprocessor(hypes["postprocess"], train=False) if post else None
     return build_dataset(hypes, "test", train=False, seed=SEED, post_processor=post_processor)
 
@@ -244,9 +240,8 @@ def opv2v_split(tmp_path_factory) -> Path:
 
 
 def test_three_cavs_without_proj_first_and_their_batch(opv2v_split):
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml")
     dirs = [f"{key}={opv2v_split}" for key in ("root_dir", "validate_dir", "test_dir")]
-    hypes = run_yaml_parser(apply_overrides(hypes, dirs + ["fusion.args.proj_first=false"]))
+    hypes = hypes_of("toy/point_pillar_intermediate_fusion", *dirs, "fusion.args.proj_first=false")
     ds = build_dataset(hypes, "test", train=False, seed=SEED)
     sample = ds[0]
     assert sample["ego"]["cav_num"] == 3

@@ -17,6 +17,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from zoo import hypes_of
+
 from opencood_ddp.data.augment import (Flip, Rotation, Scaling, WorldAugmentor, WorldTransform, sample_rng,
                                        shuffle_points)
 from opencood_ddp.data.datasets import GT_RANGE, build_dataset
@@ -28,8 +30,6 @@ from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import apply_overrides, load_hypes
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("early", "intermediate", "late")
@@ -37,9 +37,7 @@ SEED = 3
 
 
 def toy_hypes(kind: str, root: Path, *overrides: str) -> dict:
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml")
-    dirs = [f"root_dir={root / 'train'}", f"validate_dir={root / 'validate'}", f"test_dir={root / 'test'}"]
-    return run_yaml_parser(apply_overrides(hypes, dirs + list(overrides)))
+    return hypes_of(f"toy/point_pillar_{kind}_fusion", *overrides, toy_root=root)
 
 
 def flatten(tree, prefix: str = "") -> dict:

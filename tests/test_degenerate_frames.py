@@ -21,13 +21,12 @@ import torch
 import yaml
 
 from launch import REPO, explain, split_set_flags, train
+from zoo import hypes_of
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.opv2v import load_opv2v_yaml
 from opencood_ddp.data.pcd import read_pcd, write_pcd
 from opencood_ddp.distributed.samplers import make_train_batch_sampler
 from opencood_ddp.engine.evaluator import EvalRequest
-from opencood_ddp.hypes import apply_overrides, load_hypes
-from opencood_ddp.yaml_parsers import run_yaml_parser
 from opencood_ddp.tasks.opencood import DetectionEvalOptions, build_eval, build_task
 
 # The in-process checks run in both lanes; the real-rank trainings below are marked slow.
@@ -102,9 +101,7 @@ KINDS = ("no_objects", "no_points", "empty", "one_cav")
 
 def toy_hypes(config: str, split: Path) -> dict:
     """A toy config reading `split` for training and validation (the validation set is built, never read)."""
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"{config}.yaml")
-    dirs = [f"root_dir={split}", f"validate_dir={split}"]
-    return run_yaml_parser(apply_overrides(hypes, dirs))
+    return hypes_of(f"toy/{config}", f"root_dir={split}", f"validate_dir={split}")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ scatters, comparisons, and float64 products and sums taken one operation at a ti
 """
 from __future__ import annotations
 
-import copy
 import logging
 from pathlib import Path
 
@@ -15,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
+
+from zoo import hypes_of
 
 from opencood_ddp.data.augment import Flip, Rotation, Scaling, WorldTransform
 from opencood_ddp.data.datasets import build_dataset
@@ -24,10 +25,7 @@ from opencood_ddp.data.geometry import mask_ego_points, mask_points_by_range, tr
 from opencood_ddp.data.sorted_voxels import VoxelGrid, voxelize_groups
 from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.toy.config import split_overrides
-from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-REPO = Path(__file__).resolve().parents[1]
 ON = "preprocess.on_device=true"
 AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
            {"NAME": "random_world_rotation", "WORLD_ROT_ANGLE": [-0.78539816, 0.78539816]},
@@ -37,12 +35,9 @@ NOISY = {"async": True, "async_mode": "sim", "async_overhead": 100, "seed": 25, 
 
 
 def hypes(config: str, root: Path, *overrides: str, augment: bool = False, noisy: bool = False) -> dict:
-    loaded = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(root) + list(overrides))
-    if augment:
-        loaded["data_augment"] = copy.deepcopy(AUGMENT)
-    if noisy:
-        loaded["wild_setting"] = dict(NOISY)
-    return loaded
+    """The config on the toy world `root`, with the augmentation and V2X-ViT's noisy setting where asked."""
+    sections = {**({"data_augment": AUGMENT} if augment else {}), **({"wild_setting": NOISY} if noisy else {})}
+    return hypes_of(config, *overrides, toy_root=root, **sections)
 
 
 def bits(array) -> np.ndarray:

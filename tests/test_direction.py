@@ -15,25 +15,20 @@ import torch
 import yaml
 
 from launch import REPO, dairv2x_overrides, explain, in_process, train
+from zoo import hypes_of
 from opencood_ddp.data import geometry as geo
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.loss import create_loss
 from opencood_ddp.models import create_model
 from opencood_ddp.postprocess import create_postprocessor, encode
 from opencood_ddp.engine.logs import read_step_log
 from opencood_ddp.postprocess.direction import DirectionArgs, apply_direction, direction_targets
 from opencood_ddp.tasks.opencood import eval_file_name
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 COALIGN = DirectionArgs(dir_offset=0.7853, num_bins=2, anchor_yaw=(0.0, 90.0))
 DIR = "{dir_offset: 0.7853, num_bins: 2, anchor_yaw: [0, 90]}"
 WITH_DIR = (f"model.args.dir_args={DIR}", f"loss.args.dir={{weight: 0.2, args: {DIR}}}", f"postprocess.dir_args={DIR}")
 TOY = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
-
-
-def toy_hypes(*overrides: str) -> dict:
-    return run_yaml_parser(apply_overrides(load_hypes(TOY), list(overrides)))
 
 
 def targets_with_yaws(residuals) -> np.ndarray:
@@ -55,7 +50,7 @@ def test_target_sectors_by_hand():
 
 
 def test_the_post_processor_labels_each_anchor_with_its_targets_sector():
-    post = create_postprocessor(toy_hypes(*WITH_DIR), train=True)
+    post = create_postprocessor(hypes_of(TOY, *WITH_DIR), train=True)
     anchors = post.generate_anchor_box()
     center, mask = np.zeros((100, 7)), np.zeros(100)
     center[:2], mask[:2] = [[5.0, 3.0, -1.0, 1.5, 1.8, 4.2, 0.1], [-12.0, 8.0, -1.0, 1.5, 1.8, 4.2, 2.0]], 1
@@ -68,7 +63,7 @@ def test_the_post_processor_labels_each_anchor_with_its_targets_sector():
     assert set(labels["dir_targets"][positive].tolist()) == {0, 1}  # yaw 0.1 -> sector 1, yaw 2.0 -> sector 0
     batch = post.collate_batch([labels, labels])
     assert batch["dir_targets"].dtype == torch.int64 and batch["dir_targets"].shape == (2, *positive.shape)
-    assert "dir_targets" not in create_postprocessor(toy_hypes(), train=True).generate_label(
+    assert "dir_targets" not in create_postprocessor(hypes_of(TOY), train=True).generate_label(
         gt_box_center=center, anchors=anchors, mask=mask)
 
 
@@ -88,7 +83,7 @@ def test_decoding_moves_the_yaw_into_the_predicted_sector():
 
 
 def test_loss_term_is_the_weighted_softmax_cross_entropy_by_hand():
-    hypes = toy_hypes(*WITH_DIR)
+    hypes = hypes_of(TOY, *WITH_DIR)
     loss = create_loss(hypes)
     anchors, rows, cols = 2, 1, 2  # one sample, 2 cells x 2 anchors: N = 4 in (cell, anchor) order
     psm = torch.zeros((1, anchors, rows, cols))
@@ -111,12 +106,12 @@ def test_loss_term_is_the_weighted_softmax_cross_entropy_by_hand():
 
 
 def test_the_model_has_coaligns_head_and_the_post_processor_decodes_with_it():
-    hypes = toy_hypes(*WITH_DIR)
+    hypes = hypes_of(TOY, *WITH_DIR)
     model = create_model(hypes)
     channels = model.cls_head.in_channels
     assert tuple(model.state_dict()["dir_head.weight"].shape) == (2 * 2, channels, 1, 1)
     assert "dir_head.bias" in model.state_dict()
-    assert "dir_head" not in dict(create_model(toy_hypes()).named_children())  # only with dir_args
+    assert "dir_head" not in dict(create_model(hypes_of(TOY)).named_children())  # only with dir_args
 
     post = create_postprocessor(hypes, train=False)
     anchors = post.generate_anchor_box()
@@ -146,7 +141,7 @@ def test_the_model_has_coaligns_head_and_the_post_processor_decodes_with_it():
     ((WITH_DIR[0].replace("num_bins: 2", "num_bins: 0"),) + WITH_DIR[1:], ["model.args.dir_args has"]),
 ])
 def test_inconsistent_direction_blocks_are_one_line(overrides, fragments):
-    hypes = toy_hypes(*overrides)
+    hypes = hypes_of(TOY, *overrides)
     with pytest.raises(ConfigError) as error:
         create_postprocessor(hypes, train=True)
     message = str(error.value)
@@ -155,7 +150,7 @@ def test_inconsistent_direction_blocks_are_one_line(overrides, fragments):
 
 def test_a_malformed_loss_block_is_one_line():
     with pytest.raises(ConfigError) as error:
-        create_loss(toy_hypes(*WITH_DIR[:1], "loss.args.dir={weight: -1, args: {num_bins: 2}}", *WITH_DIR[2:]))
+        create_loss(hypes_of(TOY, *WITH_DIR[:1], "loss.args.dir={weight: -1, args: {num_bins: 2}}", *WITH_DIR[2:]))
     assert "loss.args.dir must be" in str(error.value) and "\n" not in str(error.value)
 
 
@@ -176,7 +171,7 @@ def test_a_run_with_the_classifier_trains_and_evaluates_on_the_dair_copy(toy_dai
     assert yaml.safe_load((run / eval_file_name(False, "heal")).read_text())["frames"] == 4
 
 
-def test_coaligns_own_spelling_of_the_blocks_is_read():
+def test_coaligns_own_spelling_of_the_blocks_is_read(tmp_path):
     """CoAlign writes dir_args once as a YAML anchor and names the loss term's type."""
     text = TOY.read_text().replace("postprocess:\n", f"postprocess:\n  dir_args: &dir_args {DIR}\n", 1)
     text = text.replace("loss:\n  core_method: point_pillar_loss\n  args:\n",
@@ -185,6 +180,7 @@ def test_coaligns_own_spelling_of_the_blocks_is_read():
     text = text.replace("model:\n  core_method: point_pillar_intermediate\n  args:\n",
                         "model:\n  core_method: point_pillar_intermediate\n  args:\n    dir_args: *dir_args\n", 1)
     assert text.count("*dir_args") == 2
-    hypes = run_yaml_parser(yaml.safe_load(text))
+    (tmp_path / "coalign.yaml").write_text(text)
+    hypes = hypes_of(tmp_path / "coalign.yaml")
     assert create_loss(hypes).dir_weight == 0.2 and create_postprocessor(hypes, train=False).direction == COALIGN
     assert "dir_head" in dict(create_model(hypes).named_children())

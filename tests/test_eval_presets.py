@@ -16,12 +16,12 @@ import torch
 import yaml
 
 from launch import REPO, WORKERS, explain, in_process, one_line_error, split_set_flags, torchrun, train
+from zoo import hypes_of
 from opencood_ddp.data import geometry as geo
 from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.engine.evaluator import EvalResult
 from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.metrics import frame_stats
 from opencood_ddp.metrics.communication import MeteredFrameStats
 from opencood_ddp.metrics.conventions import band_stats, centroid_distances, corners_inside_range, in_band
@@ -29,20 +29,15 @@ from opencood_ddp.postprocess import create_postprocessor, within_range_mask
 from opencood_ddp.tasks import sweep
 from opencood_ddp.tasks.eval_presets import PRESETS, EvalConvention, eval_convention, preset_global_sort
 from opencood_ddp.tasks.opencood import DetectionEvalOptions, Report, eval_file_name
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 TOY = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
 INFERENCE = REPO / "tools" / "inference_ddp.py"
 UPSTREAM_KEYS = ["ap30", "ap_50", "ap_70", "mpre_50", "mrec_50", "mpre_70", "mrec_70"]
 
 
-def toy_hypes() -> dict:
-    return run_yaml_parser(apply_overrides(load_hypes(TOY), []))
-
-
 def convention(preset: str, global_sort: bool = False) -> EvalConvention:
     """The preset for the toy hypes: cav_lidar_range and gt_range [-48, -24, -3, 48, 24, 1]."""
-    return eval_convention(preset, global_sort, toy_hypes(), "toy")
+    return eval_convention(preset, global_sort, hypes_of(TOY), "toy")
 
 
 def corners(*boxes) -> np.ndarray:
@@ -66,7 +61,7 @@ def test_each_preset_resolves_its_range_and_ranking():
 
 
 def test_the_preset_range_reaches_the_datasets_and_the_post_processor_and_opencood_changes_nothing():
-    hypes = toy_hypes()
+    hypes = hypes_of(TOY)
     assert convention("opencood").eval_hypes(hypes) is hypes
     for preset in ("heal", "v2v4real"):
         evaluated = convention(preset).eval_hypes(hypes)
@@ -106,7 +101,7 @@ def test_gt_rules_x_y_of_all_corners_and_heal_drops_detections_outside_z():
     frame = {"ego": gt_entry([near, high, far_x, mid], [1, 2, 3, 4])}
     kept = {}
     for preset in PRESETS:
-        post = create_postprocessor(convention(preset).eval_hypes(toy_hypes()), train=False)
+        post = create_postprocessor(convention(preset).eval_hypes(hypes_of(TOY)), train=False)
         kept[preset] = len(post.generate_gt_bbx(frame))
     # GT: all 8 corners' x, y inside, z never tested (HEAL keeps `high`); y 50.8 > 40 and > 24 drop it elsewhere.
     assert kept == {"opencood": 1, "heal": 4, "v2v4real": 2}

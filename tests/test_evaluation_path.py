@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from launch import REPO, in_process
+from zoo import hypes_of
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.engine.inference import choose_checkpoint, load_run, task_options_of_run
 from opencood_ddp.errors import CheckpointError
@@ -18,7 +19,6 @@ from opencood_ddp.metrics import summary as summary_module
 from opencood_ddp.models import create_model
 from opencood_ddp.tasks import eval_options
 from opencood_ddp.tasks.opencood import DetectionEvalOptions
-from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 INFERENCE = REPO / "tools" / "inference_ddp.py"
 INTERMEDIATE = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
@@ -26,8 +26,7 @@ INTERMEDIATE = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.y
 
 def make_run(folder: Path, toy_root: Path) -> Path:
     """A run folder as training leaves it, without the training: config.yaml and net_epoch1.pth."""
-    hypes = load_parsed_hypes(INTERMEDIATE, [f"{key}={toy_root / split}" for key, split in
-                                             (("root_dir", "train"), ("validate_dir", "validate"))])
+    hypes = hypes_of(INTERMEDIATE, f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}")
     folder.mkdir(parents=True)
     hypes_lib.save_hypes(hypes, folder / "config.yaml")
     torch.manual_seed(0)

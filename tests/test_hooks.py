@@ -25,6 +25,7 @@ from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.errors import CheckpointError
 from opencood_ddp.tasks import build_task
 from upstream_loop import upstream_step_lrs
+from zoo import hypes_of
 
 ROOT = Path(__file__).resolve().parents[1]
 SYNTHETIC = ROOT / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
@@ -60,11 +61,8 @@ def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2, lr_scheduler=Non
              max_steps=None) -> Trainer:
     """The synthetic task's trainer on one process (batch 8: num_train / 8 steps per epoch); `lr_scheduler`
     replaces the hypes' section, `per_rank` < 8 accumulates."""
-    hypes = hypes_lib.load_hypes(SYNTHETIC)
-    hypes["synthetic"]["num_train"] = num_train
-    hypes["train_params"]["epoches"] = epochs
-    if lr_scheduler is not None:
-        hypes["lr_scheduler"] = lr_scheduler
+    sections = {} if lr_scheduler is None else {"lr_scheduler": lr_scheduler}
+    hypes = hypes_of(SYNTHETIC, f"synthetic.num_train={num_train}", f"train_params.epoches={epochs}", **sections)
     env = detect_dist_env({})  # one process, no process group
     setup_logging(env.rank)
     torch.manual_seed(0)
@@ -225,7 +223,7 @@ def test_checkpointer_refuses_another_models_weights(tmp_path):
 def test_checkpointer_write_config_and_unfinished_saves(tmp_path):
     saver = RunCheckpointer(tmp_path, is_main=True)
     saver.write_config({"name": "x", "train_params": {"batch_size": 8}}, make_batch_plan(8, 2, 0.1))
-    config = hypes_lib.load_hypes(tmp_path / "config.yaml")
+    config = hypes_lib.load_hypes(tmp_path / "config.yaml")  # as written: the loader would drop batch_plan
     assert config["batch_plan"]["global_batch"] == 8 and config["batch_plan"]["world_size"] == 2
     (tmp_path / ".net_epoch3.pth.tmp").write_bytes(b"partial")
     assert saver.remove_unfinished_saves() == [".net_epoch3.pth.tmp"]
@@ -348,7 +346,7 @@ def test_each_step_logs_the_lr_it_ran_with_as_upstreams_loop_sets_it(tmp_path, s
     assert trainer.plan.accumulation == (2 if per_rank else 1) and trainer.steps_per_epoch == STEPS_PER_EPOCH
     trainer.fit()
     trainer.hooks.close()
-    expected = upstream_step_lrs(section or hypes_lib.load_hypes(SYNTHETIC)["lr_scheduler"], BASE_LR,
+    expected = upstream_step_lrs(section or hypes_of(SYNTHETIC)["lr_scheduler"], BASE_LR,
                                  STEPS_PER_EPOCH, 4)
     assert _logged_lrs(tmp_path) == pytest.approx(expected, rel=1e-6)
     assert _tensorboard_lrs(tmp_path) == pytest.approx(expected, rel=1e-6)  # float32 scalars

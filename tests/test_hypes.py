@@ -285,6 +285,20 @@ def test_validate_int_lr_is_a_number():
     H.validate(hypes, H.ENGINE_KEYS, "h.yaml")
 
 
+# ------------------------------------------------------------------------------------------- the one loader
+def test_load_parsed_hypes_sets_drops_the_run_keys_parses_and_validates(tmp_path):
+    """yaml_parsers.load_parsed_hypes: the path of every tool, and of the tests' hypes (tests/zoo.py's hypes_of)."""
+    path = tmp_path / "h.yaml"
+    H.save_hypes(dict(copy.deepcopy(GOOD), batch_plan={"global_batch": 8}, **_point_pillar_hypes()), path)
+    loaded = YP.load_parsed_hypes(path, ["preprocess.args.voxel_size=[0.8, 0.8, 4]", "train_params.batch_size=8"])
+    assert "batch_plan" not in loaded and loaded["train_params"]["batch_size"] == 8
+    assert loaded["postprocess"]["anchor_args"]["W"] == 352  # the parser ran on the overridden voxel size
+    with pytest.raises(ConfigError) as info:
+        YP.load_parsed_hypes(path, ["train_params.batch_size=0"])
+    assert str(info.value).startswith(f"{path}: ")
+    assert "key train_params.batch_size must be a positive integer, got 0" in str(info.value)
+
+
 # ------------------------------------------------------------------------------------------- save
 def test_save_round_trip(tmp_path):
     hypes = {"name": "pp", "train_params": {"batch_size": 4, "epoches": 10, "seed": 0},

@@ -13,12 +13,12 @@ import torch
 from shapely.geometry import Polygon
 
 from launch import REPO
+from zoo import hypes_of
 from opencood_ddp.data import geometry as geo
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.ground_truth import GT_RANGE, upstream_unique_indices
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.hypes import load_hypes
 from opencood_ddp.postprocess import (NMS_TOP_K, VoxelPostprocessor, bev_iou_matrix, boxes_to_corners,
                                       create_postprocessor, delta_to_boxes3d, encode, nms_rotated, normal_size_mask,
                                       normal_z_mask, project_corners, standup_boxes, standup_iou, within_range_mask)
@@ -28,13 +28,9 @@ ROWS, COLS, NUM = 60, 120, 2
 LOGIT_OFF = -10.0
 
 
-def toy_hypes(*overrides: str) -> dict:
-    return run_yaml_parser(apply_overrides(load_hypes(TOY), overrides))
-
-
 @pytest.fixture(scope="module")
 def post():
-    return create_postprocessor(toy_hypes(), train=False)
+    return create_postprocessor(hypes_of(TOY), train=False)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +65,7 @@ def test_anchor_grid_of_the_toy_hypes(anchors):
 
 
 def test_anchor_feature_stride_and_yaws():
-    post = create_postprocessor(toy_hypes("postprocess.anchor_args.feature_stride=4",
+    post = create_postprocessor(hypes_of(TOY, "postprocess.anchor_args.feature_stride=4",
                                           "postprocess.anchor_args.r=[0, 45, 90]",
                                           "postprocess.anchor_args.num=3"), train=True)
     anchors = post.generate_anchor_box()
@@ -231,7 +227,7 @@ def test_labels_equal_the_dense_rules_on_crowded_frames(anchors, pos_threshold, 
     gt = random_boxes(rng, 40, 8.0)
     gt[:, 3:6] *= rng.uniform(0.2, 1.5, (40, 1))  # small and large boxes
     gt = np.concatenate([gt, gt[:3], [[300.0, 0, -1, 1.5, 1.6, 3.9, 0]]])  # duplicates: ties; one unreachable
-    post = create_postprocessor(toy_hypes(f"postprocess.target_args.pos_threshold={pos_threshold}",
+    post = create_postprocessor(hypes_of(TOY, f"postprocess.target_args.pos_threshold={pos_threshold}",
                                           f"postprocess.target_args.neg_threshold={neg_threshold}"), train=True)
     label = labels_for(post, anchors, gt)
     pos, neg, targets = dense_rules(gt, anchors, pos_threshold, neg_threshold)
@@ -416,7 +412,7 @@ def test_post_process_decodes_thresholds_filters_and_suppresses(post, anchors):
 
 
 def test_post_process_gt_range_default_is_upstreams(anchors):
-    hypes = toy_hypes()
+    hypes = hypes_of(TOY)
     del hypes["postprocess"]["gt_range"]
     post = create_postprocessor(hypes, train=False)
     assert post.gt_range == tuple(GT_RANGE)
@@ -514,13 +510,13 @@ def test_generate_gt_bbx_dedupes_by_id_in_the_ego_frame(post):
 ])
 def test_create_postprocessor_errors_name_the_key(override, key):
     with pytest.raises(ConfigError) as info:
-        create_postprocessor(toy_hypes(override), train=True)
+        create_postprocessor(hypes_of(TOY, override), train=True)
     message = str(info.value)
     assert key in message and "point_pillar_intermediate_fusion_toy" in message and "\n" not in message
 
 
 def test_missing_keys_and_missing_yaml_parser():
-    hypes = toy_hypes()
+    hypes = hypes_of(TOY)
     del hypes["postprocess"]["target_args"]["score_threshold"]
     with pytest.raises(ConfigError, match="missing key postprocess.target_args.score_threshold"):
         create_postprocessor(hypes, train=False)
@@ -529,7 +525,7 @@ def test_missing_keys_and_missing_yaml_parser():
         create_postprocessor(raw, train=False)
     with pytest.raises(ConfigError, match="postprocess.core_method"):
         create_postprocessor({"name": "x", "postprocess": {}}, train=False)
-    assert isinstance(VoxelPostprocessor(toy_hypes()["postprocess"], train=True), VoxelPostprocessor)
+    assert isinstance(VoxelPostprocessor(hypes_of(TOY)["postprocess"], train=True), VoxelPostprocessor)
 
 
 # ------------------------------------------------------------------------------------------- toy data
@@ -538,10 +534,7 @@ def test_missing_keys_and_missing_yaml_parser():
 @pytest.mark.parametrize("kind", ["early", "intermediate", "late"])
 def test_labels_decode_back_to_the_gt_of_a_toy_frame(toy_small, kind):
     """Dataset labels fed back as a perfect head output: post_process returns each GT box once."""
-    hypes = run_yaml_parser(apply_overrides(
-        load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml"),
-        [f"{key}={toy_small / split}" for key, split in
-         (("root_dir", "train"), ("validate_dir", "validate"), ("test_dir", "test"))]))
+    hypes = hypes_of(f"toy/point_pillar_{kind}_fusion", toy_root=toy_small)
     post = create_postprocessor(hypes, train=False)
     dataset = build_dataset(hypes, "validate", train=False, seed=0, post_processor=post)
     batch = dataset.collate_batch_test([dataset[0]])

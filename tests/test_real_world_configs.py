@@ -11,23 +11,19 @@ In process, for every file of both folders:
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
-from launch import REPO, dairv2x_overrides, v2v4real_overrides
+from launch import REPO
+from zoo import hypes_of
 from opencood_ddp.data.datasets import NO_FUSION, fusion_methods
 from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.sources import source_entry
-from opencood_ddp.hypes import apply_overrides, hypes_source, load_hypes
 from opencood_ddp.loss import create_loss
 from opencood_ddp.models import create_model
 from opencood_ddp.postprocess import create_postprocessor
-from opencood_ddp.registry import import_modules
 from opencood_ddp.schema import check_known_keys
 from opencood_ddp.tasks.opencood import TASK_KEYS, build_task
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 FOLDERS = ("dairv2x", "v2v4real")
 ROWS = ("point_pillar_late_fusion", "point_pillar_early_fusion", "point_pillar_intermediate_fusion",
@@ -50,13 +46,6 @@ DAIR_AREAS = {
 DAIR_DATA_DIR = "dataset/my_dair_v2x/v2x_c/cooperative-vehicle-infrastructure"  # HEAL's and CoAlign's layout
 
 
-def parsed(path: Path, overrides=()) -> dict:
-    """The file's hypes after --set overrides and its yaml_parser, with its registries' modules imported."""
-    hypes = run_yaml_parser(apply_overrides(load_hypes(path), list(overrides)), str(path))
-    import_modules(hypes, hypes_source(hypes))
-    return hypes
-
-
 def floats(values) -> tuple:
     return tuple(float(v) for v in values)
 
@@ -69,11 +58,9 @@ def test_each_folder_holds_its_table_rows():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=IDS)
 def test_config_passes_the_schema_and_builds_at_full_size(path):
-    hypes = load_hypes(path)
-    import_modules(hypes, hypes_source(hypes))
+    hypes = hypes_of(path)
     check_known_keys(hypes, str(path), extra=TASK_KEYS)
     assert path.read_text().startswith("# "), "the header says which anchor file and values it follows"
-    hypes = parsed(path)
     assert hypes["fusion"]["dataset"] == path.parent.name
     source_entry(hypes)  # the data set's own keys and values (DAIR: label_type, input_source, comm_range, ...)
     create_postprocessor(hypes, train=False)
@@ -85,7 +72,7 @@ def test_config_passes_the_schema_and_builds_at_full_size(path):
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.parent.name == "v2v4real"],
                          ids=[i for i in IDS if i.startswith("v2v4real")])
 def test_v2v4real_config_keeps_the_forks_evaluation_area_splits_and_augmentation(path):
-    hypes = parsed(path)
+    hypes = hypes_of(path)
     assert evaluation_gt_range(hypes, str(path)) == V2V4REAL_GT_RANGE
     assert create_postprocessor(hypes, train=False).gt_range == V2V4REAL_GT_RANGE
     assert (hypes["root_dir"], hypes["validate_dir"], hypes["test_dir"]) == \
@@ -99,7 +86,7 @@ def test_v2v4real_config_keeps_the_forks_evaluation_area_splits_and_augmentation
 @pytest.mark.parametrize("path", [p for p in CONFIGS if p.parent.name == "dairv2x"],
                          ids=[i for i in IDS if i.startswith("dairv2x")])
 def test_dairv2x_config_keeps_the_anchors_data_layout_and_evaluation_area(path):
-    hypes = parsed(path)
+    hypes = hypes_of(path)
     cav_range = floats(hypes["postprocess"]["anchor_args"]["cav_lidar_range"])
     gt_range = floats(hypes["postprocess"]["gt_range"])
     assert (cav_range, gt_range) == DAIR_AREAS.get(path.stem, (COALIGN_RANGE, COALIGN_RANGE))
@@ -114,19 +101,11 @@ def test_dairv2x_config_keeps_the_anchors_data_layout_and_evaluation_area(path):
 
 @pytest.mark.parametrize("folder", FOLDERS)
 def test_late_fusion_run_is_also_the_no_fusion_row(folder):
-    hypes = load_hypes(REPO / "hypes_yaml" / folder / "point_pillar_late_fusion.yaml")
+    hypes = hypes_of(f"{folder}/point_pillar_late_fusion")
     assert fusion_methods()[NO_FUSION] == hypes["fusion"]["core_method"] == "LateFusionDataset"
 
 
 # ------------------------------------------------------------------------------------------------ training
-
-
-def toy_overrides(folder: str, request) -> list:
-    """The key=value overrides that point a file at its data set's toy copy (tests/launch.py's --set pairs)."""
-    flags = dairv2x_overrides(request.getfixturevalue("toy_dairv2x")) if folder == "dairv2x" else \
-        v2v4real_overrides(request.getfixturevalue("toy_v2v4real"))
-    assert flags[0::2] == ["--set"] * (len(flags) // 2)
-    return flags[1::2]
 
 
 def informative_batch(task) -> dict:
@@ -145,7 +124,8 @@ def informative_batch(task) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=IDS)
 def test_config_trains_one_step_on_the_toy_copy(path, request):
-    hypes = parsed(path, toy_overrides(path.parent.name, request))
+    folder = path.parent.name  # the file read on its data set's toy copy (conftest's toy_dairv2x, toy_v2v4real)
+    hypes = hypes_of(path, toy_root=request.getfixturevalue(f"toy_{folder}"), layout=folder)
     torch.manual_seed(0)
     task = build_task(hypes, for_training=True)  # checks the keys again, with the toy data's paths
     out = task.step(task.model, informative_batch(task))

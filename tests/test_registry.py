@@ -14,12 +14,12 @@ import torch
 
 from launch import REPO, TRAIN, explain, python, split_set_flags, torchrun
 from upstream_loop import upstream_step_lrs
+from zoo import hypes_of
 from opencood_ddp import registry as R
 from opencood_ddp.data.datasets import build_dataset, fusion_methods
 from opencood_ddp.engine.optim import build_scheduler
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import KIND_CHECKS
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.yaml_parsers import run_yaml_parser
 
 UPSTREAM = REPO / "tests" / "reference" / "upstream_hypes"
@@ -124,18 +124,17 @@ def test_an_out_of_tree_subclass_of_attfuse_keeps_attfuses_keys_and_checks(monke
     from opencood_ddp.tasks.opencood import TASK_KEYS
 
     monkeypatch.syspath_prepend(str(REPO / "examples"))
-    hypes = run_yaml_parser(load_hypes(GATED))
+    hypes = hypes_of(GATED)
     assert R.import_modules(hypes) == ["gated_attfuse"]
     entry, parent = R.MODELS.get("gated_attfuse"), R.MODELS.get("point_pillar_intermediate")
     assert set(entry.keys) == set(parent.keys) | {("model.args.gate_init", "number")}
     assert entry.meta["fusion"] == parent.meta["fusion"]
     check_known_keys(hypes, "gated", extra=TASK_KEYS)  # what the task builder calls before training
     with pytest.raises(ConfigError, match=r"model.args.gate_int \(did you mean model.args.gate_init\?\)"):
-        check_known_keys(apply_overrides(hypes, ["model.args.gate_int=1.0"]), "gated", extra=TASK_KEYS)
+        check_known_keys(hypes_of(GATED, "model.args.gate_int=1.0"), "gated", extra=TASK_KEYS)
     with pytest.raises(ConfigError, match="compression"):  # AttFuse's own check still runs
-        create_model(apply_overrides(hypes, ["model.args.base_bev_backbone.compression=32"]))
-    model, attfuse = create_model(hypes), create_model(apply_overrides(
-        hypes, ["model.core_method=point_pillar_intermediate"]))
+        create_model(hypes_of(GATED, "model.args.base_bev_backbone.compression=32"))
+    model, attfuse = create_model(hypes), create_model(hypes_of(GATED, "model.core_method=point_pillar_intermediate"))
     names = dict(model.named_parameters())
     assert set(names) == set(dict(attfuse.named_parameters())) | {"gate"}
     assert torch.allclose(names["gate"], torch.full_like(names["gate"], 2.0))
@@ -177,13 +176,13 @@ def test_the_built_in_entries_carry_upstreams_names():
 # ------------------------------------------------------------------------------------------ yaml parsers
 def test_upstream_hypes_files_parse_unchanged():
     for path in sorted(UPSTREAM.glob("*.yaml")):
-        hypes = run_yaml_parser(load_hypes(path), str(path))
+        hypes = hypes_of(path)
         anchor = hypes["postprocess"]["anchor_args"]
         assert all(type(anchor[k]) is int for k in "WHD"), path
 
 
 def test_load_second_params_writes_the_3d_grid_and_the_anchor_grid():
-    hypes = run_yaml_parser(load_hypes(UPSTREAM / "second_intermediate_fusion.yaml"))
+    hypes = hypes_of(UPSTREAM / "second_intermediate_fusion.yaml")
     assert hypes["model"]["args"]["grid_size"] == [2816, 800, 40]
     anchor = hypes["postprocess"]["anchor_args"]
     assert (anchor["W"], anchor["H"], anchor["D"], anchor["vw"], anchor["vd"]) == (2816, 800, 40, 0.1, 0.1)
@@ -221,7 +220,7 @@ def _lrs(schedule, optimizer, epochs: int, steps_per_epoch: int, first_step: int
 def test_cosineannealwarm_follows_upstreams_per_step_values():
     """CoBEVT's schedule: lr 1e-3, warm-up from 2e-4 over 10 of 90 epochs, floor 2e-5; 7 steps per epoch.
     Upstream's timm scheduler moves after every optimizer step, steps 0 and 1 of an epoch sharing one value."""
-    hypes = load_hypes(UPSTREAM / "point_pillar_cobevt.yaml")
+    hypes = hypes_of(UPSTREAM / "point_pillar_cobevt.yaml")
     optimizer = _optimizer(hypes["optimizer"]["lr"])
     schedule = build_scheduler(hypes, optimizer, steps_per_epoch=7)
     assert schedule.per_step
@@ -235,7 +234,7 @@ def test_cosineannealwarm_follows_upstreams_per_step_values():
 
 
 def test_cosineannealwarm_resumes_mid_epoch_on_the_same_step():
-    hypes = load_hypes(UPSTREAM / "point_pillar_where2comm.yaml")
+    hypes = hypes_of(UPSTREAM / "point_pillar_where2comm.yaml")
     lr, n = hypes["optimizer"]["lr"], 5
     optimizer = _optimizer(lr)
     whole = _lrs(build_scheduler(hypes, optimizer, n), optimizer, 30, n)
@@ -271,7 +270,7 @@ def test_per_epoch_schedulers_follow_upstreams_closed_form(section):
     ("lr_scheduler.core_method=cosineanealwarm", "did you mean cosineannealwarm"),
 ])
 def test_cosineannealwarm_errors_name_the_key(override, key):
-    hypes = apply_overrides(load_hypes(UPSTREAM / "point_pillar_cobevt.yaml"), [override])
+    hypes = hypes_of(UPSTREAM / "point_pillar_cobevt.yaml", override)
     with pytest.raises(ConfigError, match=key):
         build_scheduler(hypes, _optimizer(), steps_per_epoch=3)
 
@@ -298,8 +297,8 @@ def test_a_scheduler_declares_when_it_moves(monkeypatch):
 
 # ------------------------------------------------------------------------------------------ preprocess
 def test_preprocess_core_method_is_honoured(toy_small):
-    hypes = run_yaml_parser(apply_overrides(load_hypes(TOY / "point_pillar_early_fusion.yaml"), [
-        f"root_dir={toy_small / 'train'}", "preprocess.core_method=SpVoxelPreprocesor"]))
+    hypes = hypes_of(TOY / "point_pillar_early_fusion.yaml", "preprocess.core_method=SpVoxelPreprocesor",
+                     toy_root=toy_small)
     with pytest.raises(ConfigError) as info:
         build_dataset(hypes, "train")
     assert "preprocess.core_method 'SpVoxelPreprocesor'" in str(info.value)

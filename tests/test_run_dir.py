@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from zoo import hypes_of
+
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.distributed.elastic import RUN_ID_FILE
 from opencood_ddp.engine.options import RunOptions
@@ -16,7 +18,7 @@ from opencood_ddp.errors import ConfigError
 NOW = time.struct_time((2024, 3, 9, 7, 5, 2, 5, 69, -1))
 STAMP = "2024_03_09_07_05_02"
 HYPES = Path(__file__).resolve().parents[1] / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
-NAME = hypes_lib.load_hypes(HYPES)["name"]
+NAME = hypes_of(HYPES)["name"]
 # torchrun's variables for the second attempt of the job "job7" (the first one made the run folder)
 RESTART = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "job7"}
 FIRST_ATTEMPT = dict(RESTART, TORCHELASTIC_RESTART_COUNT="0")
@@ -29,7 +31,7 @@ def _tree(root: Path) -> list:
 def _existing_run(folder: Path, name: str = "the_run_itself", batch: int = 4) -> Path:
     """A run as training leaves it: config.yaml (another name and batch than the hypes file, to tell them apart)."""
     folder.mkdir(parents=True)
-    hypes = hypes_lib.load_hypes(HYPES)
+    hypes = hypes_of(HYPES)
     hypes["name"], hypes["train_params"]["batch_size"] = name, batch
     hypes_lib.save_hypes(dict(hypes, batch_plan={"global_batch": batch}), folder / CONFIG_NAME)
     return folder

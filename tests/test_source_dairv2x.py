@@ -19,13 +19,12 @@ import numpy as np
 import pytest
 from shapely.geometry import Polygon
 
-from launch import REPO, dairv2x_overrides, one_line_error as named_line
+from launch import one_line_error as named_line
+from zoo import hypes_of
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.geometry import pose_to_matrix
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import apply_overrides, load_hypes
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 SEED = 3
 SPLIT_FILES = {"train": "train.json", "validate": "val.json", "test": "test.json"}
@@ -57,9 +56,7 @@ def load(path: Path):
 
 
 def dair_hypes(kind: str, data_dir: Path, *extra: str) -> dict:
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml")
-    flags = [flag for flag in dairv2x_overrides(data_dir) if flag != "--set"]
-    return run_yaml_parser(apply_overrides(hypes, flags + list(extra)))
+    return hypes_of(f"toy/point_pillar_{kind}_fusion", *extra, toy_root=data_dir, layout="dairv2x")
 
 
 def dataset(kind: str, data_dir: Path, *extra: str, split: str = "test", train: bool = False, seed: int = SEED):

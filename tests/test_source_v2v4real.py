@@ -18,13 +18,12 @@ import numpy as np
 import pytest
 import yaml
 
-from launch import REPO, one_line_error as named_line, v2v4real_overrides
+from launch import one_line_error as named_line
+from zoo import hypes_of
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.geometry import pose_to_matrix
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.toy.v2v4real_layout import dump_v2v4real_yaml
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 SEED = 3
 COMM_RANGE = 70.0  # facts 2.4
@@ -47,9 +46,7 @@ def one_line_error(exc_info, *fragments: str) -> str:
 
 
 def v4r_hypes(kind: str, root: Path, *extra: str) -> dict:
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml")
-    flags = [flag for flag in v2v4real_overrides(root) if flag != "--set"]
-    return run_yaml_parser(apply_overrides(hypes, flags + list(extra)))
+    return hypes_of(f"toy/point_pillar_{kind}_fusion", *extra, toy_root=root, layout="v2v4real")
 
 
 def dataset(kind: str, root: Path, *extra: str, split: str = "test", train: bool = False, seed: int = SEED):
@@ -313,10 +310,9 @@ def test_without_gt_range_the_test_ground_truth_uses_the_forks_gt_range(v4r, spl
             frame["vehicles"][oid] = {"angle": [0.0, 0.0, 0.0], "ass_id": -1, "center": [0.0, 0.0, 0.0],
                                       "extent": [2.0, 1.0, 0.8], "location": list(centre), "obj_type": "Car"}
     rewrite(scene / "0" / f"{stamp}.yaml", add)
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / "point_pillar_late_fusion.yaml")
+    hypes = v4r_hypes("late", v4r.root, f"test_dir={split_copy}")
     del hypes["postprocess"]["gt_range"]
-    flags = [flag for flag in v2v4real_overrides(v4r.root) if flag != "--set"] + [f"test_dir={split_copy}"]
-    ds = build_dataset(run_yaml_parser(apply_overrides(hypes, flags)), "test", train=False, seed=SEED)
+    ds = build_dataset(hypes, "test", train=False, seed=SEED)
     expected = expected_gt(scene, stamp, ["0"], FORK_GT_RANGE)
     assert 95 in expected.boxes and 94 not in expected.boxes
     ego = ds[0]["ego"]

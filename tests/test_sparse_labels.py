@@ -6,39 +6,24 @@ task's ``move_to`` (``prepare_batch``) with ``device=cpu``, the code a GPU runs.
 """
 from __future__ import annotations
 
-import copy
-from pathlib import Path
 from typing import List
 
 import numpy as np
 import pytest
 import torch
 
+from zoo import hypes_of
+
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.device_points import prepare_batch
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.sparse_labels import SparseLabelBatch, SparseLabels
-from opencood_ddp.toy.config import split_overrides
-from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-REPO = Path(__file__).resolve().parents[1]
 AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
            {"NAME": "random_world_rotation", "WORLD_ROT_ANGLE": [-0.785, 0.785]},
            {"NAME": "random_world_scaling", "WORLD_SCALE_RANGE": [0.95, 1.05]}]
 NOISY = {"async": True, "async_mode": "sim", "async_overhead": 100, "seed": 25, "loc_err": True, "xyz_std": 0.2,
          "ryp_std": 0.2, "data_size": 1.06, "transmission_speed": 27, "backbone_delay": 10}
-
-
-def world_hypes(config: str, root: Path, *overrides: str, **blocks) -> dict:
-    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(root) + list(overrides))
-    hypes.update(copy.deepcopy(blocks))
-    return hypes
-
-
-def dair_hypes(data_dir: Path) -> dict:
-    return load_parsed_hypes(REPO / "hypes_yaml" / "dairv2x" / "point_pillar_intermediate_fusion.yaml",
-                             ["fusion.dataset=dairv2x", f"data_dir={data_dir}", f"root_dir={data_dir / 'train.json'}",
-                              f"validate_dir={data_dir / 'val.json'}", f"test_dir={data_dir / 'test.json'}"])
 
 
 def label_inputs(hypes: dict, epochs=(0, 1)) -> tuple:
@@ -82,14 +67,14 @@ def assert_sparse_equals_dense(post, inputs: List[dict]) -> int:
 
 
 CASES = {
-    "AttFuse": lambda w: world_hypes("toy/point_pillar_intermediate_fusion", w),
-    "early, augmented": lambda w: world_hypes("toy/point_pillar_early_fusion", w, data_augment=AUGMENT),
-    "late, augmented": lambda w: world_hypes("toy/point_pillar_late_fusion", w, data_augment=AUGMENT),
-    "full-size AttFuse": lambda w: world_hypes("opv2v/point_pillar_intermediate_fusion", w),
-    "noisy": lambda w: world_hypes("toy/point_pillar_intermediate_fusion", w, wild_setting=NOISY),
+    "AttFuse": lambda w: hypes_of("toy/point_pillar_intermediate_fusion", toy_root=w),
+    "early, augmented": lambda w: hypes_of("toy/point_pillar_early_fusion", toy_root=w, data_augment=AUGMENT),
+    "late, augmented": lambda w: hypes_of("toy/point_pillar_late_fusion", toy_root=w, data_augment=AUGMENT),
+    "full-size AttFuse": lambda w: hypes_of("opv2v/point_pillar_intermediate_fusion", toy_root=w),
+    "noisy": lambda w: hypes_of("toy/point_pillar_intermediate_fusion", toy_root=w, wild_setting=NOISY),
     # 0: no anchor is a negative unless the frame has no GT, so the flipped anchors are the negatives' complement
-    "neg_threshold 0": lambda w: world_hypes("toy/point_pillar_intermediate_fusion", w,
-                                             "postprocess.target_args.neg_threshold=0"),
+    "neg_threshold 0": lambda w: hypes_of("toy/point_pillar_intermediate_fusion",
+                                          "postprocess.target_args.neg_threshold=0", toy_root=w),
 }
 
 
@@ -101,13 +86,14 @@ def test_sparse_labels_spread_to_the_dense_labels(toy_small, case):
 
 
 def test_direction_labels_spread_to_the_dense_labels(toy_dairv2x):
-    post, inputs = label_inputs(dair_hypes(toy_dairv2x), epochs=(0,))
+    hypes = hypes_of("dairv2x/point_pillar_intermediate_fusion", toy_root=toy_dairv2x, layout="dairv2x")
+    post, inputs = label_inputs(hypes, epochs=(0,))
     assert post.direction is not None
     assert assert_sparse_equals_dense(post, inputs) > 0
 
 
 def test_a_device_dataset_hands_over_labels_by_index(toy_small):
-    hypes = world_hypes("toy/point_pillar_intermediate_fusion", toy_small, "preprocess.on_device=true")
+    hypes = hypes_of("toy/point_pillar_intermediate_fusion", "preprocess.on_device=true", toy_root=toy_small)
     post = create_postprocessor(hypes, train=True)
     dataset = build_dataset(hypes, "train", True, 3, post)
     samples = [dataset[0], dataset[1]]

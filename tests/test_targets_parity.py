@@ -17,17 +17,15 @@ compares bits (NaN-aware: the arrays' raw bytes), and the pairs' order as well a
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
-from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import pytest
 import torch
 
-from launch import REPO
+from zoo import hypes_of
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.geometry import boxes_to_corners
 from opencood_ddp.loss import create_loss
@@ -36,8 +34,6 @@ from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
 from opencood_ddp.postprocess.direction import direction_targets
 from opencood_ddp.postprocess.targets import StandupGrid, assign_targets, standup_boxes, standup_iou_pairs
 from opencood_ddp.postprocess.voxel_postprocessor import FLOAT_LABELS
-from opencood_ddp.toy.config import split_overrides
-from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 SEED = 3
 AUGMENT = [{"NAME": "random_world_flip", "ALONG_AXIS_LIST": ["x", "y"]},
@@ -48,6 +44,7 @@ AUGMENT_OVERRIDE = "data_augment=" + json.dumps(AUGMENT)
 NOISY = {"async": True, "async_mode": "sim", "async_overhead": 100, "seed": 25, "loc_err": True, "xyz_std": 0.2,
          "ryp_std": 0.2, "data_size": 1.06, "transmission_speed": 27, "backbone_delay": 10}
 HEAL_NOISE = {"add_noise": True, "args": {"pos_std": 0.5, "rot_std": 2.0, "pos_mean": 0.1, "rot_mean": 0.5}}
+DAIR = "dairv2x/point_pillar_intermediate_fusion"  # CoAlign's direction classifier (dir_args) and its loss
 
 
 # --------------------------------------------------------------------------- the oracle: the dense search
@@ -181,19 +178,6 @@ def assert_label_matches_the_oracle(post, inputs: dict, labels: dict) -> Tuple[i
 # ------------------------------------------------------------------------------- the datasets' labels
 
 
-def toy_world_hypes(config: str, root: Path, *overrides: str, **blocks) -> dict:
-    """The config pointed at the toy world ``root``, read as training reads it (``load_parsed_hypes``)."""
-    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(root) + list(overrides))
-    hypes.update(copy.deepcopy(blocks))
-    return hypes
-
-
-def dair_hypes(data_dir: Path) -> dict:
-    overrides = ["fusion.dataset=dairv2x", f"data_dir={data_dir}", f"root_dir={data_dir / 'train.json'}",
-                 f"validate_dir={data_dir / 'val.json'}", f"test_dir={data_dir / 'test.json'}"]
-    return load_parsed_hypes(REPO / "hypes_yaml" / "dairv2x" / "point_pillar_intermediate_fusion.yaml", overrides)
-
-
 def recorded_labels(hypes: dict, split: str, train: bool, epochs: Sequence[int]) -> Tuple[object, List[tuple]]:
     """Every (inputs, labels) of generate_label while the split's dataset loads each sample at each epoch, built
     as the task builds it (tasks/opencood.py: the training post-processor)."""
@@ -217,19 +201,19 @@ def recorded_labels(hypes: dict, split: str, train: bool, epochs: Sequence[int])
 
 # name -> (hypes from the world, [(split, train, epochs)])
 DATASET_CASES = {
-    "intermediate": (lambda w: toy_world_hypes("toy/point_pillar_intermediate_fusion", w),
+    "intermediate": (lambda w: hypes_of("toy/point_pillar_intermediate_fusion", toy_root=w),
                      [("train", True, (0, 1)), ("validate", False, (0,)), ("test", False, (0,))]),
-    "early_augmented": (lambda w: toy_world_hypes("toy/point_pillar_early_fusion", w, AUGMENT_OVERRIDE),
+    "early_augmented": (lambda w: hypes_of("toy/point_pillar_early_fusion", AUGMENT_OVERRIDE, toy_root=w),
                         [("train", True, (0, 1, 2, 3))]),
-    "late_augmented": (lambda w: toy_world_hypes("toy/point_pillar_late_fusion", w, AUGMENT_OVERRIDE),
+    "late_augmented": (lambda w: hypes_of("toy/point_pillar_late_fusion", AUGMENT_OVERRIDE, toy_root=w),
                        [("train", True, (0, 1, 2)), ("test", False, (0,))]),
-    "opv2v_full_size": (lambda w: toy_world_hypes("opv2v/point_pillar_intermediate_fusion", w),
+    "opv2v_full_size": (lambda w: hypes_of("opv2v/point_pillar_intermediate_fusion", toy_root=w),
                         [("train", True, (0, 1))]),
-    "noisy_wild_setting": (lambda w: toy_world_hypes("toy/point_pillar_intermediate_fusion", w,
-                                                     "fusion.args.augment=true", wild_setting=NOISY),
+    "noisy_wild_setting": (lambda w: hypes_of("toy/point_pillar_intermediate_fusion", "fusion.args.augment=true",
+                                              toy_root=w, wild_setting=NOISY),
                            [("train", True, (0, 1))]),
-    "noisy_heal_early": (lambda w: toy_world_hypes("toy/point_pillar_early_fusion", w, AUGMENT_OVERRIDE,
-                                                   noise_setting=HEAL_NOISE), [("train", True, (0, 1))]),
+    "noisy_heal_early": (lambda w: hypes_of("toy/point_pillar_early_fusion", AUGMENT_OVERRIDE, toy_root=w,
+                                            noise_setting=HEAL_NOISE), [("train", True, (0, 1))]),
 }
 
 
@@ -250,7 +234,7 @@ def test_dataset_labels_equal_the_dense_oracle(case, toy_small):
 
 
 def test_coalign_direction_labels_equal_the_dense_oracle(toy_dairv2x):
-    hypes = dair_hypes(toy_dairv2x)
+    hypes = hypes_of(DAIR, toy_root=toy_dairv2x, layout="dairv2x")
     assert hypes["postprocess"].get("dir_args") is not None
     positives = 0
     for split, train, epochs in [("train", True, (0,)), ("validate", False, (0,))]:
@@ -422,7 +406,7 @@ def test_a_grid_of_other_anchors_is_refused():
 
 
 def test_the_post_processor_builds_the_grid_once_per_anchor_array(toy_small):
-    post = create_postprocessor(toy_world_hypes("toy/point_pillar_intermediate_fusion", toy_small), train=True)
+    post = create_postprocessor(hypes_of("toy/point_pillar_intermediate_fusion", toy_root=toy_small), train=True)
     anchors = post.generate_anchor_box()
     grid = post.anchor_standup(anchors)
     assert post.anchor_standup(anchors) is grid
@@ -466,9 +450,9 @@ def loss_and_gradients(loss, outputs, labels):
 
 @pytest.mark.parametrize("config", ["opencood", "coalign_direction"])
 def test_the_loss_is_bit_identical_on_float32_labels(config):
-    hypes = load_parsed_hypes(REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml")
+    hypes = hypes_of("toy/point_pillar_intermediate_fusion")
     if config == "coalign_direction":  # the DAIR-V2X-C config's loss and dir_args on the toy grid (a quarter of its
-        coalign = dair_hypes(Path("unused"))  # anchors): pos_cls_weight, neg_equal_one's negatives, the direction term
+        coalign = hypes_of(DAIR)  # anchors): pos_cls_weight, neg_equal_one's negatives, the direction term
         hypes["loss"] = coalign["loss"]
         hypes["model"]["args"]["dir_args"] = coalign["model"]["args"]["dir_args"]
         hypes["postprocess"]["dir_args"] = coalign["postprocess"]["dir_args"]

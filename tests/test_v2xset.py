@@ -5,7 +5,6 @@ or noise changes nothing and its ill-typed values are refused (delay and noise t
 and the V2X-ViT hypes keep upstream's values."""
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import importlib.util
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from launch import one_line_error
+from zoo import hypes_of
 import torch
 import yaml
 
@@ -23,11 +23,9 @@ from opencood_ddp.data import opv2v
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.toy.config import LidarConfig, RsuConfig, ToyWorldConfig
 from opencood_ddp.toy.manifest import MANIFEST_NAME, read_toy_manifest
 from opencood_ddp.toy.writer import generate_toy_opv2v
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
 REPO = Path(__file__).resolve().parents[1]
 V2XVIT = REPO / "hypes_yaml" / "v2xset" / "point_pillar_v2xvit.yaml"
@@ -52,9 +50,7 @@ def toy_rsu(tmp_path_factory) -> Path:
 
 
 def toy_hypes(kind: str, root: Path, *overrides: str) -> dict:
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml")
-    dirs = [f"root_dir={root / 'train'}", f"validate_dir={root / 'validate'}", f"test_dir={root / 'test'}"]
-    return run_yaml_parser(apply_overrides(hypes, dirs + list(overrides)))
+    return hypes_of(f"toy/point_pillar_{kind}_fusion", *overrides, toy_root=root)
 
 
 def write_cav(scenario: Path, cav_id: str, timestamps=("000068", "000070"), speed=18.0) -> None:
@@ -276,18 +272,16 @@ def test_cur_ego_pose_flag_must_be_a_bool(toy_rsu):
 
 
 def test_v2xvit_hypes_keep_upstream_values_and_point_at_v2xset(toy_rsu):
-    hypes = load_hypes(V2XVIT)
+    hypes = hypes_of(V2XVIT)
     assert (hypes["root_dir"], hypes["validate_dir"], hypes["test_dir"]) == \
         ("v2xset/train", "v2xset/validate", "v2xset/test")
     assert hypes["model"]["core_method"] == "point_pillar_transformer"
     assert hypes["fusion"] == {"core_method": "IntermediateFusionDataset", "args": {"cur_ego_pose_flag": False}}
     assert hypes["wild_setting"] == UPSTREAM_WILD
     # After the yaml parser, everything but our test_dir equals upstream's resolved file.
-    ours = run_yaml_parser(copy.deepcopy(hypes))
-    del ours["test_dir"]
-    assert ours == run_yaml_parser(load_hypes(UPSTREAM_V2XVIT))
+    ours = {key: value for key, value in hypes.items() if key != "test_dir"}
+    assert ours == hypes_of(UPSTREAM_V2XVIT)
     # The data side of the file builds on a V2XSet-like split (the model is not built here).
-    dirs = [f"root_dir={toy_rsu / 'train'}", f"validate_dir={toy_rsu / 'validate'}", f"test_dir={toy_rsu / 'test'}"]
-    dataset = build_dataset(run_yaml_parser(apply_overrides(hypes, dirs)), "train", True, SEED)
+    dataset = build_dataset(hypes_of(V2XVIT, toy_root=toy_rsu), "train", True, SEED)
     ego = dataset.collate_batch_train([dataset[0]])["ego"]
     assert ego["prior_encoding"].shape == (1, 5, 3) and ego["spatial_correction_matrix"].shape == (1, 5, 4, 4)

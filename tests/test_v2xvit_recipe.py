@@ -72,7 +72,7 @@ def test_perfect_then_compression_32_then_noisy_with_backbone_fix(toy_small, tmp
 
 def _named_parameters(run):
     """The parameter names (not buffers) of the run's model, built from its config.yaml."""
-    from opencood_ddp.hypes import load_hypes
     from opencood_ddp.models import create_model
+    from zoo import hypes_of
 
-    return create_model(load_hypes(run / "config.yaml")).named_parameters()
+    return create_model(hypes_of(run / "config.yaml")).named_parameters()

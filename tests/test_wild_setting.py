@@ -22,18 +22,16 @@ import torch
 import yaml
 
 from launch import one_line_error
+from zoo import hypes_of
 from opencood_ddp.data import opv2v, wild
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.geometry import pose_to_matrix
 from opencood_ddp.data.pcd import write_pcd
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
 from opencood_ddp.schema import unknown_keys
 from opencood_ddp.tasks.opencood import TASK_KEYS
-from opencood_ddp.yaml_parsers import run_yaml_parser
 
-REPO = Path(__file__).resolve().parents[1]
 SEED = 3
 
 STAMPS = ("000068", "000070", "000072")
@@ -139,14 +137,11 @@ def world(tmp_path_factory) -> Path:
 
 
 def hypes_for(split: Path, kind: str, *overrides: str, wild_setting=None, noise_setting=None) -> dict:
-    hypes = load_hypes(REPO / "hypes_yaml" / "toy" / f"point_pillar_{kind}_fusion.yaml")
-    dirs = [f"root_dir={split}", f"validate_dir={split}", f"test_dir={split}"]
-    hypes = run_yaml_parser(apply_overrides(hypes, dirs + list(overrides)))
-    if wild_setting is not None:
-        hypes["wild_setting"] = dict(wild_setting)
-    if noise_setting is not None:
-        hypes["noise_setting"] = copy.deepcopy(noise_setting)
-    return hypes
+    """The toy config of `kind` reading `split` as each of its splits, with the blocks given."""
+    blocks = {key: value for key, value in (("wild_setting", wild_setting), ("noise_setting", noise_setting))
+              if value is not None}
+    return hypes_of(f"toy/point_pillar_{kind}_fusion", f"root_dir={split}", f"validate_dir={split}",
+                    f"test_dir={split}", *overrides, **blocks)
 
 
 def dataset(split: Path, kind: str, *overrides: str, **blocks):

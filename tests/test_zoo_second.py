@@ -38,7 +38,7 @@ def test_upstreams_hypes_file_builds_unchanged_but_for_the_data(toy_small):
     """Upstream's own file (fusion args [], batch_size, anchor_num, W/H/D written by its parser) trains here."""
     from opencood_ddp.tasks import build_task
 
-    hypes = hypes_of(UPSTREAM, f"root_dir={toy_small / 'train'}", f"validate_dir={toy_small / 'validate'}")
+    hypes = hypes_of(UPSTREAM, toy_root=toy_small)
     task = build_task(hypes, for_training=True)
     ours = [(name, list(t.shape)) for name, t in task.model.state_dict().items()]
     assert ours == reference_shapes(CORE)

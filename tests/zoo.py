@@ -1,6 +1,7 @@
 """What every model of the zoo must show, as functions; tests/test_zoo_contracts.py runs them for each of `MODELS`,
 and a model's own test file calls the ones it needs with other arguments.
 
+- `hypes_of`: a hypes file read the way training reads it, optionally pointed at a toy world (every test's path).
 - `assert_reference_state_dict`: state_dict keys, order and shapes of the opv2v config equal upstream's reference.
 - `assert_upstream_checkpoint_loads`: a state dict with upstream's keys and shapes loads strictly.
 - `assert_forward_backward`: the toy config's model gives psm/rm of the anchors' shape on a real toy batch, and
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import REPO
+from launch import REPO, toy_overrides
 
 REFERENCE = REPO / "tests" / "reference" / "opencood_state_dict"
 UPSTREAM_HYPES = REPO / "tests" / "reference" / "upstream_hypes"
@@ -38,11 +40,27 @@ MODELS = {
 }
 
 
-def hypes_of(path: Path, *overrides: str) -> dict:
-    from opencood_ddp.hypes import apply_overrides, load_hypes
-    from opencood_ddp.yaml_parsers import run_yaml_parser
+def hypes_of(config: Path | str, *overrides: str, toy_root: Path | None = None, layout: str = "opv2v",
+             **sections: object) -> dict:
+    """The hypes of `config` read as training, evaluation and the tools read them: `yaml_parsers.load_parsed_hypes`
+    (the --set overrides applied, the keys a run wrote about itself dropped, `imports:` imported, the `yaml_parser`
+    run, the engine's keys validated). The tests read hypes here; `load_hypes` alone only where a test is about the
+    file as written.
 
-    return run_yaml_parser(apply_overrides(load_hypes(path), list(overrides)), str(path))
+    config: a path, or a file under hypes_yaml/ named without `.yaml` ("toy/point_pillar_early_fusion").
+    toy_root: a toy world the config reads (`launch.toy_overrides(toy_root, layout)`), set before `overrides`.
+    sections: top-level sections given whole (`wild_setting={...}`), set last as `--set key=value` sets them (the
+    value written in YAML by the writer of config.yaml, so a NaN stays a float)."""
+    import yaml
+
+    from opencood_ddp.hypes import HypesDumper
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
+
+    path = REPO / "hypes_yaml" / f"{config}.yaml" if isinstance(config, str) else config
+    world = toy_overrides(toy_root, layout) if toy_root is not None else []
+    whole = [f"{key}={yaml.dump(value, Dumper=HypesDumper, default_flow_style=True, sort_keys=False, width=math.inf)}"
+             for key, value in sections.items()]
+    return load_parsed_hypes(path, [*world, *overrides, *whole])
 
 
 def reference_shapes(core_method: str) -> list[tuple[str, list[int]]]:
@@ -82,8 +100,7 @@ def toy_batch(config: Path, toy_root: Path, samples: int = 2, *overrides: str) -
     """(collated training batch of the first `samples` frames, model, task) of a toy config."""
     from opencood_ddp.tasks import build_task
 
-    hypes = hypes_of(config, f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}",
-                     f"test_dir={toy_root / 'test'}", *overrides)
+    hypes = hypes_of(config, *overrides, toy_root=toy_root)
     torch.manual_seed(0)
     task = build_task(hypes, for_training=True)
     batch = task.collate_train([task.train_set[i] for i in range(samples)])
@@ -94,8 +111,7 @@ def toy_samples(config: Path, toy_root: Path, count: int = 4) -> tuple[object, l
     """(task, samples): a toy config's task and its first `count` training samples, for a module-scoped fixture."""
     from opencood_ddp.tasks import build_task
 
-    hypes = hypes_of(config, f"root_dir={toy_root / 'train'}", f"validate_dir={toy_root / 'validate'}",
-                     f"test_dir={toy_root / 'test'}")
+    hypes = hypes_of(config, toy_root=toy_root)
     task = build_task(hypes, for_training=True)
     return task, [task.train_set[i] for i in range(count)]
 

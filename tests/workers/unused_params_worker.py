@@ -30,11 +30,11 @@ from opencood_ddp.engine.train import seed_everything
 from opencood_ddp.engine.options import ProcessOptions, LoopOptions, TrainOptions
 from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.trainer import Trainer
-from opencood_ddp.hypes import apply_overrides, load_hypes
 from opencood_ddp.models.modules.v2xvit_agents import INFRASTRUCTURE, PRIOR_INFRA
 from opencood_ddp.models.modules.v2xvit_hmsa import HeteroCavAttention
 from opencood_ddp.tasks import build_task
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.toy.config import split_overrides
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 TOY_V2XVIT = Path(__file__).resolve().parents[2] / "hypes_yaml" / "toy" / "point_pillar_v2xvit.yaml"
 STEPS, RSU_STEP = 3, 2  # 1-based
@@ -86,9 +86,8 @@ def average_gap(stepped: dict, local: dict, world_size: int) -> float:
 
 
 def run(toy: Path, out: Path, env: DistEnv) -> dict:
-    hypes = run_yaml_parser(apply_overrides(load_hypes(TOY_V2XVIT), [
-        f"root_dir={toy / 'train'}", f"validate_dir={toy / 'validate'}", f"test_dir={toy / 'test'}",
-        f"train_params.batch_size={env.world_size}", "model.args.transformer.encoder.depth=1"]))
+    hypes = load_parsed_hypes(TOY_V2XVIT, [*split_overrides(toy), f"train_params.batch_size={env.world_size}",
+                                           "model.args.transformer.encoder.depth=1"])
     seed_everything(0)
     task = build_task(hypes, for_training=True)
     step = RsuOnRankZero(task.step, env.rank, RSU_STEP)

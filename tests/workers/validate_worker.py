@@ -6,7 +6,6 @@ import argparse
 import json
 from pathlib import Path
 
-from opencood_ddp import hypes as hypes_lib
 from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import detect_from_process, distributed_session
@@ -15,6 +14,7 @@ from opencood_ddp.engine.options import ProcessOptions, TrainOptions
 from opencood_ddp.engine.run_dir import RunSetup
 from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.tasks import build_task
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 
 def main():
@@ -31,7 +31,7 @@ def main():
 
 
 def validate(args, env):
-    hypes = hypes_lib.load_hypes(args.hypes)
+    hypes = load_parsed_hypes(args.hypes)
     task = build_task(hypes, for_training=True)
     ckpt.load_weights(task.model, args.weights)
     plan = make_batch_plan(args.batch_size, env.world_size, 0.0)

@@ -31,9 +31,10 @@ from opencood_ddp.distributed.env import DistEnv, detect_from_process, distribut
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.train import seed_everything
-from opencood_ddp.hypes import apply_overrides, get_key, load_hypes
+from opencood_ddp.hypes import get_key
 from opencood_ddp.tasks import build_task
-from opencood_ddp.yaml_parsers import run_yaml_parser
+from opencood_ddp.toy.config import split_overrides
+from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 
 def gradients(model: torch.nn.Module) -> dict:
@@ -67,8 +68,7 @@ def relative_error(got: dict, exact: dict) -> float:
 
 
 def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
-    hypes = run_yaml_parser(apply_overrides(load_hypes(config), [
-        f"root_dir={toy / 'train'}", f"validate_dir={toy / 'validate'}", f"test_dir={toy / 'test'}"]))
+    hypes = load_parsed_hypes(config, split_overrides(toy))
     seed_everything(0)
     task = build_task(hypes, for_training=True)
     samples = [task.train_set[i] for i in range(env.world_size)]
