@@ -16,7 +16,9 @@ Checks, each ok / failed / skipped with the reason:
   (fp32, fp16 = `--half fp16`, bf16 = `--half bf16`): 2 optimizer steps (`--max_steps 2`), a resume of that run to
   the end of its epoch, and the evaluation of the epoch's checkpoint (`--eval_after_training`), each through the
   tools' own entry (`engine.train.main`) in this process; samples/s of the resumed steps and the peak memory
-  (reserved and allocated) of the whole;
+  (reserved and allocated) of the whole; then the step alone (the trainer's, on a batch already on the device)
+  at per-GPU batch 1 and 2, and the rate its FLOPs (torch's FlopCounterMode, engine/census.py) make beside the
+  device's published peak (issue 52);
 - cpu_weights: a weights file written on the device opened by `torch.load` without map_location (as upstream's
   loader does) in a process that sees no GPU;
 - repeat: the models that warp feature maps (V2VNet, V2X-ViT, CoBEVT) trained twice for 2 steps with
@@ -41,7 +43,10 @@ Checks, each ok / failed / skipped with the reason:
   beside the step alone on a batch already on the device (issue 51 asks for 90 %);
 - voxelizer: the device path's pillars (data/sorted_voxels.py) on the device against the same code on the CPU,
   bit for bit, on an OPV2V-size cloud; and whether spconv's voxelizer on the device gives the same voxels in the
-  same order twice, and the CPU generator's voxels (reported to depend on its threads' timing).
+  same order twice, and the CPU generator's voxels (reported to depend on its threads' timing);
+- host_syncs (CUDA only), for each config: a training step under torch.cuda.set_sync_debug_mode("error") after a
+  warm-up, which must read nothing back from the GPU in forward, loss, backward and the fused optimizer update
+  (issue 52; SECOND's spconv reads its voxel count back by design, reported).
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ import io
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,6 +87,7 @@ PARITY_KERNELS = {"default": "", "strict": "--deterministic --no_tf32"}  # train
 # runs the same function): their --deterministic runs must repeat bit for bit.
 REPEAT_CONFIGS = [f"toy/{name}" for name in ("point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt")]
 SPARSE_CONFIGS = ("second",)  # configs that need spconv's kernels on the device
+STEP_BATCHES = (1, 2)  # the per-GPU batches of the model table's step times and rates (issue 52)
 
 
 @dataclass
@@ -113,6 +120,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="parity with torch's default kernels, and with --deterministic --no_tf32 (strict)")
     parser.add_argument("--repeat_configs", nargs="*", default=REPEAT_CONFIGS,
                         help="configs trained twice with --deterministic --no_tf32, which must repeat bit for bit")
+    parser.add_argument("--sync_configs", nargs="*", default=TOY_CONFIGS,
+                        help="configs whose training step must read nothing back from the GPU (CUDA only)")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
     parser.add_argument("--loader_config", default=FULL_SIZE, help="config of the loader check ('none': leave out)")
     parser.add_argument("--loader_paths", nargs="+", choices=list(LOADER_PATHS), default=list(LOADER_PATHS),
@@ -320,7 +329,8 @@ def train_two_steps(config: str, run_dir: Path, data: Path, flags: Sequence[str]
 
 
 def check_training(config: str, precision: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
-    """2 steps, a resume to the end of the epoch, the evaluation of its checkpoint; samples/s and peak memory."""
+    """2 steps, a resume to the end of the epoch, the evaluation of its checkpoint; samples/s and peak memory; then
+    the step alone at batch 1 and 2 and its rate (`step_rates`, outside the peak-memory stretch)."""
     from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 
     if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
@@ -341,14 +351,15 @@ def check_training(config: str, precision: str, device: torch.device, data: Path
     rate = sum(r["samples_per_s"] for r in resumed) / len(resumed)
     figures = {"steps": len(rows), "losses": [round(x, 4) for x in losses], "samples_per_s": round(rate, 2),
                "ap_50": result["ap_50"], "frames": result["frames"], "seconds": round(time.perf_counter() - started, 1),
-               "weights": str(run_dir / "net_epoch1.pth"), **peak.mib()}
+               "weights": str(run_dir / "net_epoch1.pth"), **peak.mib(), **step_rates(config, precision, device, data)}
     scaler = ""
     if "scaler_skipped" in rows[0]:  # fp16: how many of its steps the GradScaler skipped (the step log says)
         figures["scaler_skips"] = int(sum(r["scaler_skipped"] for r in rows))
         scaler = f", {figures['scaler_skips']} of them skipped by the GradScaler"
     return (f"{len(rows)} steps (2, then resumed){scaler}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {rate:.1f} "
             f"samples/s, peak {figures['peak_reserved_mib']} MiB reserved; eval AP@0.5 {result['ap_50']:.3f} on "
-            f"{result['frames']} frames"), figures
+            f"{result['frames']} frames; the step alone {figures['step_ms_b1']} ms at batch 1, "
+            f"{figures['step_ms_b2']} ms at 2 ({figures['tflops_b2']} TFLOP/s)"), figures
 
 
 def check_repeatable(config: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
@@ -439,27 +450,52 @@ def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, d
             f"{figures['ratio']}"), figures
 
 
-def _steps_per_second(task, hypes: dict, device: torch.device, batch_size: int) -> float:
-    """Training samples/s of the model alone, the step as the trainer takes it (forward_backward, the hypes'
-    optimizer, optimizer_step) on one batch already on the device: median of 3 steps after a warm-up."""
+def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half: Optional[str] = None):
+    """The step as the trainer takes it (engine/census.py's trainer_step: forward_backward, the hypes' optimizer
+    with the device's kernels, optimizer_step), on one batch of `batch_size` already on the device."""
+    from opencood_ddp.engine.census import trainer_step
     from opencood_ddp.engine.optim import build_optimizer
-    from opencood_ddp.engine.step import Precision, forward_backward
-    from opencood_ddp.engine.trainer import optimizer_step
+    from opencood_ddp.engine.step import Precision
 
     model = task.model.to(device).train()
     batch = task.move_to(task.collate_train([task.train_set[i % len(task.train_set)] for i in range(batch_size)]),
                          device)
-    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]))
-    precision = Precision(False, device)
-    times = []
-    for _ in range(4):
-        started = time.perf_counter()
-        forward_backward(task.step, model, batch, precision, None)
-        optimizer_step(optimizer, None)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-    return batch_size / sorted(times[1:])[1]
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
+    precision = Precision(half, device)
+    return trainer_step(task.step, model, batch, optimizer, precision, precision.new_scaler())
+
+
+def _steps_per_second(task, hypes: dict, device: torch.device, batch_size: int) -> float:
+    """Training samples/s of the model alone, on one batch already on the device: median of 3 steps after a
+    warm-up."""
+    from opencood_ddp.engine.census import median_step_seconds
+
+    return batch_size / median_step_seconds(_trainer_step(task, hypes, device, batch_size), device)
+
+
+def step_rates(config: str, precision: str, device: torch.device, data: Path) -> dict:
+    """The training step alone at per-GPU batch 1 and 2 (STEP_BATCHES; median of 3 after a warm-up, on a batch
+    already on the device), its FLOPs (torch's FlopCounterMode over forward and backward, engine/census.py), the
+    rate those make over the step time, and the device's published peak for the precision (None: unknown). The
+    warm-up step is the one whose FLOPs are counted, and the CPU times one step, not 3: `make test` runs this on
+    the CPU only to keep it working, and fp16 there is emulated, seconds a step."""
+    from opencood_ddp.engine.census import count_flops, device_peak, step_seconds
+    from opencood_ddp.tasks import build_task
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
+
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
+    task = build_task(hypes, for_training=True)
+    figures = {}
+    for batch_size in STEP_BATCHES:
+        step = _trainer_step(task, hypes, device, batch_size, None if precision == "fp32" else precision)
+        flops = count_flops(step)
+        seconds = statistics.median(step_seconds(step, device, 3 if device.type == "cuda" else 1))
+        figures[f"step_ms_b{batch_size}"] = round(seconds * 1e3, 2)
+        figures[f"gflop_b{batch_size}"] = round(flops / 1e9, 2)
+        figures[f"tflops_b{batch_size}"] = float(f"{flops / seconds / 1e12:.3g}")  # 3 digits: a CPU is slow
+    peak = device_peak(device, precision)
+    figures["peak_tflops"] = None if peak is None else f"{peak[0]:g} ({peak[1]})"
+    return figures
 
 
 def _loader_samples_per_second(task, device: torch.device, workers: int, batch_size: int) -> float:
@@ -601,6 +637,52 @@ def check_voxelizer(device: torch.device, data: Path) -> tuple[str, dict]:
             f"{figures['spconv_cuda_same_pillars_as_cpu']}, in its order {figures['spconv_cuda_same_order_as_cpu']}",
             figures)
 
+def check_host_syncs(config: str, device: torch.device, data: Path) -> tuple[str, dict]:
+    """A training step of `config` under torch.cuda.set_sync_debug_mode("error"), after a warm-up step: forward,
+    loss and backward must not read anything back from the device (issue 52; on the CPU tests/test_host_syncs.py
+    proves it on the meta device), and neither may the fused optimizer's update. SECOND's spconv reads its voxel
+    count back by design: reported, not failed."""
+    from opencood_ddp.engine.optim import build_optimizer
+    from opencood_ddp.engine.step import Precision, forward_backward
+    from opencood_ddp.engine.trainer import optimizer_step
+    from opencood_ddp.tasks import build_task
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
+
+    if device.type != "cuda":
+        raise SkipCheck("torch's sync debug mode is CUDA's; tests/test_host_syncs.py runs the models on meta")
+    sparse = any(name in config for name in SPARSE_CONFIGS)
+    if sparse and sparse_conv_runs(device) != "yes":
+        raise SkipCheck(f"no CUDA spconv for this torch: {config} needs its sparse convolution")
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
+    task = build_task(hypes, for_training=True)
+    model = task.model.to(device).train()
+    batch = task.move_to(task.collate_train([task.train_set[i] for i in range(2)]), device)
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
+    precision = Precision(False, device)
+    forward_backward(task.step, model, batch, precision, None)  # warm-up: lazy handles and kernels may wait
+    optimizer_step(optimizer, None)
+    torch.cuda.synchronize(device)
+    figures = {"forward_backward": _first_sync(lambda: forward_backward(task.step, model, batch, precision, None)),
+               "optimizer": _first_sync(lambda: optimizer_step(optimizer, None))}
+    if sparse and figures["forward_backward"] != "none" and "spconv" in figures["forward_backward"]:
+        return f"spconv reads back, as designed: {figures['forward_backward']}", figures
+    assert figures == {"forward_backward": "none", "optimizer": "none"}, f"the step waits for the device: {figures}"
+    return "no read-back in forward, loss, backward or the optimizer's update", figures
+
+
+def _first_sync(action: Callable[[], object]) -> str:
+    """'none', or where the first synchronising call of `action` came from (torch raises it in 'error' mode)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        action()
+        return "none"
+    except RuntimeError as error:
+        frames = [f for f in traceback.extract_tb(error.__traceback__) if "site-packages/torch/" not in f.filename]
+        where = f"{'/'.join(Path(frames[-1].filename).parts[-3:])}:{frames[-1].lineno}" if frames else "?"
+        return f"{str(error).splitlines()[0][:120]} at {where}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
 
 # ------------------------------------------------------------------------------------------ report
 def environment(device: torch.device) -> dict:
@@ -615,16 +697,21 @@ def environment(device: torch.device) -> dict:
 
 
 def model_table(checks: list[Check]) -> list[str]:
-    """One row per trained config and precision: the figures docs/model_zoo.md's GPU columns take."""
-    lines = ["| config | precision | status | samples/s | peak reserved MiB | peak allocated MiB | AP@0.5 (toy) |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    """One row per trained config and precision: the figures docs/model_zoo.md's GPU columns take, and the step
+    alone at batch 1 and 2 with the rate its FLOPs make beside the device's peak (issue 52)."""
+    lines = ["| config | precision | status | samples/s | peak reserved MiB | peak allocated MiB | AP@0.5 (toy) | "
+             "step ms, batch 1 | step ms, batch 2 | TFLOP/s, batch 1 | TFLOP/s, batch 2 | device peak TFLOP/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for check in checks:
         if not check.name.startswith("train "):
             continue
         _, config, precision = check.name.split(" ")
         f = check.figures
+        steps = " | ".join(str(f.get(key, "")) for key in ("step_ms_b1", "step_ms_b2", "tflops_b1", "tflops_b2"))
+        peak = f.get("peak_tflops") or ("-" if f else "")
         lines.append(f"| {config} | {precision} | {check.status} | {f.get('samples_per_s', '')} | "
-                     f"{f.get('peak_reserved_mib', '')} | {f.get('peak_allocated_mib', '')} | {f.get('ap_50', '')} |")
+                     f"{f.get('peak_reserved_mib', '')} | {f.get('peak_allocated_mib', '')} | {f.get('ap_50', '')} | "
+                     f"{steps} | {peak} |")
     return lines
 
 
@@ -699,6 +786,9 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         record(timed(f"feed {args.feed_config}", lambda: check_feed(
             args.feed_config, device, loader_data, work, args.feed_workers, args.feed_steps)))
     record(timed("voxelizer", lambda: check_voxelizer(device, loader_data)))
+    if device.type == "cuda":  # torch's sync debug mode is CUDA's; on the CPU tests/test_host_syncs.py proves it
+        for config in args.sync_configs:
+            record(timed(f"host_syncs {config}", lambda c=config: check_host_syncs(c, device, data)))
     return checks
 
 

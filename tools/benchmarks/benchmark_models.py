@@ -1,15 +1,40 @@
 #!/usr/bin/env python
-"""Forward+backward time per sample and peak memory of each PointPillar config, on real toy-world batches.
+"""Each config's training step on real toy-world batches: time per sample, peak memory, and (--count) ops and FLOPs.
 
-Usage: python tools/benchmarks/benchmark_models.py [--configs toy/point_pillar_intermediate_fusion ...] [--batch-size 2]
-                                        [--repeats 3] [--data data/toy_opv2v] [--device cpu|cuda] [--half]
+With --count, the aten operators a step dispatches on the CUDA path and its FLOPs (issue 52), upstream's count
+beside ours.
 
-Each config runs in a fresh subprocess (peak memory is a per-process high-water mark). Batches are real
-training batches (labels included) read from the toy world; baseline configs (hypes_yaml/opv2v) read the same
-frames with their own range and voxel settings, so the BEV grid has the baseline's size (704 x 200). One
-warm-up step, then the median of ``--repeats`` timed steps of model forward + loss + backward (no optimizer
-step, no data loading). Memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the
-process's peak resident set (Linux VmHWM, reset before the timed steps) over the resident set before them.
+Usage: python tools/benchmarks/benchmark_models.py [--configs toy/point_pillar_intermediate_fusion ...]
+                                        [--batch-sizes 1 2 4 8] [--precisions fp32 bf16 fp16] [--half]
+                                        [--repeats 3] [--data data/toy_opv2v] [--device cpu|cuda]
+                                        [--count [--upstream OPENCOOD_CHECKOUT]]
+
+Each config, per-GPU batch size and precision (a row) runs in a fresh subprocess: peak memory is a per-process
+high-water mark. Batches are real training batches (labels included) read from the toy world; baseline configs
+(hypes_yaml/opv2v) read the same frames with their own range and voxel settings, so the BEV grid has the
+baseline's size (704 x 200). What is timed is the training step as the fit loop takes it, on a batch already on
+the device: engine/step.py's forward_backward (forward and loss under the precision's autocast, backward) and
+engine/trainer.py's optimizer_step (the hypes' optimizer with the device's kernels, engine/optim.py; through the
+GradScaler in fp16). No data loading. One warm-up step (it also creates the optimizer's state), then the median
+of ``--repeats`` steps. Memory: on CUDA ``torch.cuda.max_memory_allocated``; on CPU the growth of the process's
+peak resident set (Linux VmHWM, reset before the timed steps) over the resident set before them. On the CPU the
+time columns are CPU times: the header says which device they come from.
+
+``--precisions``: fp32, bf16 and fp16 autocast (fp16 with a GradScaler); ``--half`` alone is the trainer's bare
+``--half``: fp16 on CUDA, bf16 on the CPU.
+
+``--count`` (engine/census.py) adds, per row: the aten operators one step dispatches on the CUDA path (forward and
+loss, backward, optimizer; the second step, after the one that creates the optimizer's state), counted inside
+``cuda_kernels_on_cpu`` with the optimizer built for CUDA (fused Adam), so that on a machine without a GPU the
+count is the CUDA step's; the step's FLOPs by torch's FlopCounterMode (forward and backward: products and
+convolutions; the optimizer's elementwise update and spconv's sparse convolutions are not in it); the rate those
+FLOPs over the timed step make; and the device's published peak (engine/census.py's table; "-" for the CPU or an
+unlisted GPU). Under bf16/fp16 on the CPU the count follows the CPU's autocast lists, which differ from CUDA's;
+fp32 counts are device-independent. ``--upstream DIR`` adds upstream OpenCOOD's count for the same config, batch
+and precision: its model and loss classes from the checkout (tools/benchmarks/benchmark_vs_upstream.py's
+``build_upstream``, our weights loaded into them), its train.py's step (zero_grad, forward, loss, backward,
+``optimizer.step``, or the GradScaler's ``step``/``update`` in fp16) with the hypes' optimizer built as ours is
+for CUDA. An upstream class that fails to build or run is reported in its cell.
 """
 from __future__ import annotations
 
@@ -17,12 +42,12 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -31,21 +56,39 @@ DEFAULT_CONFIGS = ["toy/point_pillar_early_fusion", "toy/point_pillar_late_fusio
                    "toy/point_pillar_intermediate_fusion", "toy/point_pillar_fcooper",
                    "opv2v/point_pillar_early_fusion", "opv2v/point_pillar_late_fusion",
                    "opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_fcooper"]
+HALF = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}  # --precisions -> engine.step.Precision's half
+# Flags whose values name the rows: the driver hands each subprocess one row instead.
+ROW_FLAGS = ("--configs", "--batch-sizes", "--batch-size", "--precisions", "--half")
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, help="paths under hypes_yaml/, no .yaml")
     parser.add_argument("--data", default="data/toy_opv2v", help="toy OPV2V root (generated when absent)")
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--batch-sizes", "--batch-size", dest="batch_sizes", type=int, nargs="+", default=[2],
+                        help="per-GPU batch sizes, one row each (e.g. 1 2 4 8)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--half", action="store_true", help="autocast: fp16 on CUDA, bf16 on CPU")
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one config in this process
-    return parser.parse_args(argv)
+    parser.add_argument("--precisions", nargs="+", choices=list(HALF), help="autocast types, one row each "
+                                                                            "(default fp32)")
+    parser.add_argument("--half", action="store_true", help="autocast as the trainer's bare --half: fp16 on CUDA, "
+                                                            "bf16 on CPU (when --precisions is not given)")
+    parser.add_argument("--count", action="store_true", help="also the aten ops per step on the CUDA path, the "
+                                                             "FLOPs per step, the rate and the device's peak")
+    parser.add_argument("--upstream", metavar="DIR", help="with --count: upstream OpenCOOD's count beside ours, "
+                                                          "from this checkout")
+    parser.add_argument("--json", metavar="PATH", help="also write every row's figures (all op counts) here")
+    parser.add_argument("--one", nargs=3, metavar=("CONFIG", "BATCH", "PRECISION"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.upstream and not args.count:
+        parser.error("--upstream goes with --count")
+    if not args.precisions:
+        on_cuda = torch.device(args.device).type == "cuda"
+        args.precisions = [("fp16" if on_cuda else "bf16") if args.half else "fp32"]
+    return args
 
 
-# ------------------------------------------------------------------------------------------- one config
+# ------------------------------------------------------------------------------------------- one row
 def _load_batch(config: str, data: Path, batch_size: int):
     from opencood_ddp.yaml_parsers import load_parsed_hypes
     from opencood_ddp.tasks.opencood import build_task
@@ -55,46 +98,126 @@ def _load_batch(config: str, data: Path, batch_size: int):
     hypes["train_params"]["seed"] = 0
     task = build_task(hypes, for_training=True)
     batch = task.collate_train([task.train_set[i] for i in range(batch_size)])
-    return task, batch
+    return hypes, task, batch
 
 
-def run_one(config: str, args: argparse.Namespace) -> Dict[str, object]:
+def _trainer_step(hypes: dict, task, model, batch, precision, kernels_for):
+    """engine/census.py's Step of the fit loop, with the hypes' optimizer built for `kernels_for`."""
+    from opencood_ddp.engine.census import trainer_step
+    from opencood_ddp.engine.optim import build_optimizer
+
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=kernels_for)
+    return trainer_step(task.step, model, batch, optimizer, precision, precision.new_scaler())
+
+
+def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Namespace) -> Dict[str, object]:
+    from opencood_ddp.engine.census import step_seconds
     from opencood_ddp.engine.memory import PeakMemory
     from opencood_ddp.engine.step import Precision
 
     torch.manual_seed(0)
     device = torch.device(args.device)
-    task, batch = _load_batch(config, Path(args.data), args.batch_size)
+    hypes, task, batch = _load_batch(config, Path(args.data), batch_size)
     model = task.model.to(device).train()
     batch = task.move_to(batch, device)  # the task's own move (preprocess.on_device: the point work there)
-    precision = Precision(args.half, device)
-
-    def step() -> float:
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        started = time.perf_counter()
-        with precision.autocast():
-            out = task.step(model, batch)
-        out.total.backward()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - started
-
-    step()  # warm-up: allocator, kernels, lazy inits
-    model.zero_grad(set_to_none=True)
+    precision = Precision(HALF[precision_name], device)
+    step = _trainer_step(hypes, task, model, batch, precision, device)
+    step()  # warm-up: allocator, kernels, lazy inits, the optimizer's state
     memory = PeakMemory(device)
     memory.start()
-    times = [step() for _ in range(args.repeats)]
-    # CUDA: the high-water mark of tensors (weights, batch, activations, gradients); the growth of the reserved
-    # bytes is 0 once the warm-up step has filled the caching allocator. CPU: the resident set's growth.
+    times = step_seconds(step, device, args.repeats)
+    # CUDA: the high-water mark of tensors (weights, optimizer state, batch, activations, gradients); the growth of
+    # the reserved bytes is 0 once the warm-up step has filled the caching allocator. CPU: the resident set's growth.
     peak = memory.peak_allocated() if device.type == "cuda" else memory.growth()
     scatter = getattr(task.model, "scatter", None)  # the pillar models' BEV grid; SECOND has none
-    return {"config": config, "device": str(device), "half": args.half, "batch_size": args.batch_size,
-            "grid": f"{scatter.nx} x {scatter.ny}" if scatter is not None else "-",
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "step_s": statistics.median(times), "per_sample_s": statistics.median(times) / args.batch_size,
-            "peak_mib": peak / 2 ** 20, "threads": torch.get_num_threads()}
+    ego = batch["ego"]
+    result = {"config": config, "device": str(device), "precision": precision_name, "batch_size": batch_size,
+              "cavs": int(ego["record_len"].sum()) if "record_len" in ego else batch_size,
+              "grid": f"{scatter.nx} x {scatter.ny}" if scatter is not None else "-",
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "step_s": statistics.median(times), "per_sample_s": statistics.median(times) / batch_size,
+              "peak_mib": peak / 2 ** 20, "threads": torch.get_num_threads()}
+    if args.count:
+        result.update(census(hypes, task, model, batch, precision))
+        result.update(rate(result["flops"], result["step_s"], device, precision_name))
+    if args.upstream:
+        result["upstream"] = upstream_census(args.upstream, hypes, model, batch, precision)
+    return result
+
+
+# ------------------------------------------------------------------------------------------- --count
+def _seeded() -> None:
+    """The same seeds before each side's count: a model that draws in training (dropout, Where2comm's share of
+    cells sent, from Python's random) then draws alike, so its data-dependent ops do."""
+    random.seed(0)
+    torch.manual_seed(0)
+
+
+def _counted(step) -> Dict[str, Any]:
+    """engine/census.py's counts of `step` on the CUDA path: ops (by phase, the top ones) and FLOPs."""
+    from opencood_ddp.engine.census import count_ops
+    from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
+
+    _seeded()
+    with cuda_kernels_on_cpu():
+        ops = count_ops(step, flops=True)
+    return {"ops": ops.total, "ops_by_phase": ops.by_phase, "ops_by_name": ops.by_op,
+            "ops_by_phase_and_name": ops.calls, "python_functions": list(ops.python_functions), "flops": ops.flops}
+
+
+def census(hypes: dict, task, model, batch, precision) -> Dict[str, Any]:
+    """Our step's counts, with a fresh optimizer built for CUDA (the timed one has the device's kernels)."""
+    return _counted(_trainer_step(hypes, task, model, batch, precision, "cuda"))
+
+
+def rate(flops: int, seconds: float, device: torch.device, precision_name: str) -> Dict[str, Any]:
+    from opencood_ddp.engine.census import device_peak
+
+    peak = device_peak(device, precision_name)
+    return {"tflops_per_s": flops / seconds / 1e12, "peak": None if peak is None else f"{peak[0]:g} ({peak[1]})"}
+
+
+def _upstream_step(model, loss_fn, ego, optimizer, precision, scaler):
+    """Upstream train.py's step as a census Step: model.zero_grad and optimizer.zero_grad, forward and loss
+    (under autocast with --half), backward (scaled), ``optimizer.step`` or the scaler's step and update."""
+    from opencood_ddp.engine.census import Step
+
+    def forward_backward() -> torch.Tensor:
+        model.zero_grad()
+        optimizer.zero_grad()
+        with precision.autocast():
+            loss = loss_fn(model(ego), ego["label_dict"])
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        return loss
+
+    def update() -> None:
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+
+    return Step(forward_backward, update)
+
+
+def upstream_census(checkout: str, hypes: dict, ours, batch, precision) -> Dict[str, Any]:
+    """Upstream's counts for the same batch, or {"error": ...} where its class fails to build or run."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import benchmark_vs_upstream as vs
+    from opencood_ddp.engine.optim import build_optimizer
+
+    try:
+        theirs, loss_fn = vs.build_upstream(checkout, hypes)
+        weights = vs.share_weights(ours, theirs)
+        theirs = theirs.to(next(ours.parameters()).device).train()
+        ego = vs.upstream_input(batch["ego"])
+        # upstream's setup_optimizer takes the trainable parameters only
+        optimizer = build_optimizer(hypes, [p for p in theirs.parameters() if p.requires_grad],
+                                    float(hypes["optimizer"]["lr"]), kernels_for="cuda")
+        return {"weights": weights,
+                **_counted(_upstream_step(theirs, loss_fn, ego, optimizer, precision, precision.new_scaler()))}
+    except (Exception, SystemExit) as exc:  # noqa: BLE001  the cell says what broke; our count stands
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -106,37 +229,112 @@ def ensure_data(data: Path) -> None:
     print(f"toy world in {data}: {toy_world_in(data, scale='demo')['scale']}", flush=True)
 
 
+def passthrough(argv: Sequence[str]) -> List[str]:
+    """The command line less the flags that name rows (ROW_FLAGS) and their values."""
+    kept, skip = [], False
+    for arg in argv:
+        if arg.startswith("--"):
+            skip = arg in ROW_FLAGS
+        if not skip:
+            kept.append(arg)
+    return kept
+
+
 def run_all(args: argparse.Namespace, argv: Sequence[str]) -> List[Dict[str, object]]:
     results = []
-    passthrough = [a for a in argv if a != "--configs" and a not in args.configs]
     for config in args.configs:
-        command = [sys.executable, __file__, "--one", config] + passthrough
-        done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-        if done.returncode != 0:
-            print(f"{config}: failed\n{done.stderr[-2000:]}", file=sys.stderr)
-            continue
-        results.append(json.loads(done.stdout.strip().splitlines()[-1]))
-        print(format_row(results[-1]), flush=True)
+        for batch_size in args.batch_sizes:
+            for precision in args.precisions:
+                command = [sys.executable, __file__, "--one", config, str(batch_size), precision] + passthrough(argv)
+                done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+                if done.returncode != 0:
+                    print(f"{config} batch {batch_size} {precision}: failed, exit code {done.returncode}\n"
+                          f"{done.stderr[-2000:]}", file=sys.stderr, flush=True)
+                    continue
+                results.append(json.loads(done.stdout.strip().splitlines()[-1]))
+                print(format_row(results[-1], args), flush=True)
     return results
 
 
-def format_row(r: Dict[str, object]) -> str:
-    return (f"| {r['config']} | {r['grid']} | {r['parameters'] / 1e6:.2f} M | {r['batch_size']} | "
-            f"{r['step_s']:.3f} | {r['per_sample_s']:.3f} | {r['peak_mib']:.0f} |")
+def header(args: argparse.Namespace) -> str:
+    on = torch.device(args.device).type
+    # The first seven columns keep their places: benchmark_zoo.py reads the grid, parameters, step and memory.
+    cells = ["config", "BEV grid", "parameters", "batch", f"step on {on} (s)", f"per sample on {on} (s)",
+             "peak memory (MiB)", "precision"]
+    if args.count:
+        cells += ["CAVs", "ops per step (fwd / bwd / opt)", "GFLOP per step", f"TFLOP/s on {on}", "device peak TFLOP/s"]
+    if args.upstream:
+        cells += ["upstream ops per step (fwd / bwd / opt)"]
+    align = "|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * (len(cells) - 8)
+    return "| " + " | ".join(cells) + " |\n" + align
+
+
+def _ops_cell(counts: Dict[str, Any]) -> str:
+    if "error" in counts:
+        return counts["error"].replace("|", "/")
+    phases = counts["ops_by_phase"]
+    # upstream's model with weights other than ours (a name that differs) may branch otherwise: say so
+    weights = "" if counts.get("weights", "same") == "same" else f" ({counts['weights']})"
+    return f"{counts['ops']:,} ({phases['forward']:,} / {phases['backward']:,} / {phases['optimizer']:,}){weights}"
+
+
+def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
+    cells = [r["config"], r["grid"], f"{r['parameters'] / 1e6:.2f} M", r["batch_size"], f"{r['step_s']:.3f}",
+             f"{r['per_sample_s']:.3f}", f"{r['peak_mib']:.0f}", r["precision"]]
+    if args.count:
+        cells += [r["cavs"], _ops_cell(r), f"{r['flops'] / 1e9:,.1f}", f"{r['tflops_per_s']:.3f}", r["peak"] or "-"]
+    if args.upstream:
+        cells += [_ops_cell(r["upstream"])]
+    return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def _ops_list(pairs) -> str:
+    return ", ".join(f"{op.replace('aten::', '')} {calls}" for op, calls in pairs)
+
+
+def print_top_ops(results: Sequence[Dict[str, Any]], rows: int = 12) -> None:
+    """The most called aten ops of each counted row, ours and upstream's; then, where upstream was counted, the
+    ops we call more often than upstream, and those it calls more often than we do (calls, the largest first)."""
+    print("\nthe most called aten ops per step (calls), CUDA path; the custom autograd functions in the step's graph")
+    print("| config | batch | precision | side | ops | autograd functions |\n|---|---:|---|---|---|---|")
+    for r in results:
+        sides = [("ours", r)] + ([("upstream", r["upstream"])] if "ops_by_name" in r.get("upstream", {}) else [])
+        for side, counts in sides:
+            print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {side} | "
+                  f"{_ops_list(list(counts['ops_by_name'].items())[:rows])} | "
+                  f"{', '.join(counts['python_functions']) or '-'} |")
+    compared = [r for r in results if "ops_by_name" in r.get("upstream", {})]
+    if compared:
+        print("\nops per step, ours against upstream's: where we call an op more often, and where upstream does")
+        print("| config | batch | precision | ours more (ours - upstream) | upstream more (upstream - ours) |\n"
+              "|---|---:|---|---|---|")
+    for r in compared:
+        ours, theirs = r["ops_by_name"], r["upstream"]["ops_by_name"]
+        gaps = {op: ours.get(op, 0) - theirs.get(op, 0) for op in set(ours) | set(theirs)}
+        more = sorted(((op, g) for op, g in gaps.items() if g > 0), key=lambda item: (-item[1], item[0]))
+        less = sorted(((op, -g) for op, g in gaps.items() if g < 0), key=lambda item: (-item[1], item[0]))
+        print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {_ops_list(more[:rows])} | "
+              f"{_ops_list(less[:rows])} |")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.one:
-        print(json.dumps(run_one(args.one, args)))
+        config, batch_size, precision = args.one
+        print(json.dumps(run_one(config, int(batch_size), precision, args)))
         return 0
     ensure_data(Path(args.data))
+    device = (f"cuda ({torch.cuda.get_device_name(args.device)})" if torch.device(args.device).type == "cuda"
+              else "cpu")
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-          f"device {args.device}{', autocast' if args.half else ''}, median of {args.repeats} steps")
-    print("| config | BEV grid | parameters | batch | fwd+bwd per step (s) | per sample (s) | peak memory (MiB) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    run_all(args, argv)
+          f"device {device}, median of {args.repeats} training steps (optimizer step included)")
+    print(header(args))
+    results = run_all(args, argv)
+    if args.count:
+        print_top_ops(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
 
 

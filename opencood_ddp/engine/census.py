@@ -1,0 +1,217 @@
+"""What one training step asks of a device: the eager operators it dispatches, by phase, its floating-point
+operations, and the device's published peak rate beside them (issue 52; tools/benchmarks/benchmark_models.py
+``--count`` and tools/gpu_check.py's model table).
+
+Why count operators: a GPU step of the baselines' models at a small batch is bound by kernel launches, each of
+which costs the host microseconds whatever its size, not by arithmetic. The count does not depend on the device, so
+it is taken on a machine without a GPU as well: inside ``numerics.kernel_path.cuda_kernels_on_cpu`` the CPU-only
+kernels (float64 batch-norm statistics, the hashed dropout, CoBEVT's head loop) step aside for torch's native ones,
+which CUDA runs, and an optimizer built with ``build_optimizer(..., kernels_for="cuda")`` takes the fused or
+foreach kernels CUDA takes. Call the counters inside that context with such an optimizer to count the CUDA step.
+
+- `count_ops`: every aten operator call that reaches the dispatcher below autograd, as a ``TorchDispatchMode``
+  sees it: views and in-place ops included, an op with a kernel of its own (a convolution) once, a composite op
+  as the ops it decomposes into. Counted in one step after a first one that creates the optimizer's state, split
+  into forward and loss (with the gradient seed, which ``backward`` makes before autograd's engine starts),
+  backward (the calls the engine makes), and the optimizer's update. A kernel outside aten (spconv's sparse
+  convolutions, a numba loop) is not an aten call and is not counted; the tensors it allocates through torch are.
+  Where torch decomposes by device the CPU count is the CPU's: F.dropout in training dispatches empty_like,
+  bernoulli_, div_ and mul on a CPU tensor, native_dropout on a CUDA one.
+- `count_flops`: torch's ``FlopCounterMode`` over forward, loss and backward: the matrix products, convolutions
+  (forward and backward) and attention kernels it has formulas for. Elementwise work (activations, normalisation,
+  the loss's arithmetic, the optimizer's update, which runs outside the counted part) is not in it, nor are kernels
+  outside aten (spconv's), so it is a lower bound of the arithmetic.
+- `peak_tflops`: the published dense peak of a known device for a precision.
+"""
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from opencood_ddp.engine.step import Precision, forward_backward
+from opencood_ddp.engine.trainer import optimizer_step
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One training step as two calls: ``forward_backward`` runs the forward and the loss under the precision's
+    autocast and back-propagates, returning the (unscaled) loss; ``update`` steps the optimizer and drops the
+    gradients. The counters need the two apart: the optimizer's calls are told from the others by when they run."""
+
+    forward_backward: Callable[[], torch.Tensor]
+    update: Callable[[], object]
+
+    def __call__(self) -> torch.Tensor:
+        loss = self.forward_backward()
+        self.update()
+        return loss
+
+
+def trainer_step(task_step: Callable, model: torch.nn.Module, batch, optimizer: torch.optim.Optimizer,
+                 precision: Precision, scaler: Optional[torch.amp.GradScaler] = None) -> Step:
+    """The fit loop's step on one batch already on the device: engine/step.py's forward_backward and
+    engine/trainer.py's optimizer_step, so that what is counted and timed is the step a run takes."""
+    return Step(lambda: forward_backward(task_step, model, batch, precision, scaler).total,
+                lambda: optimizer_step(optimizer, scaler))
+
+
+# ------------------------------------------------------------------------------------------- operators
+class _OpCounter(TorchDispatchMode):
+    """Counts each aten call by (phase, op). The phase of a call made while autograd's engine runs a graph task is
+    "backward" (on CPU tensors the engine runs on the calling thread; on CUDA the mode travels to its device
+    threads with the rest of the thread-local state); ``updating`` marks the optimizer's calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+        self.updating = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.updating:
+            phase = "optimizer"
+        else:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        # aten only: the optimizer's profiler ranges (profiler::_record_function_*) dispatch no kernel.
+        if func.namespace == "aten":
+            self.calls[phase, func._schema.name] += 1  # "aten::addmm": the overload (.out, .Tensor) left out
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass(frozen=True)
+class OpCount:
+    """One step's aten calls: ``calls`` maps each phase (forward and loss, backward, optimizer) to its ops and
+    their calls, the most called first; ``python_functions``: the classes of the custom autograd functions (Python
+    ``torch.autograd.Function``) in the step's graph, where a CPU-only kernel would show up; ``flops``: the same
+    step's FLOPs (``count_flops``'s), where asked for, else None."""
+
+    calls: Dict[str, Dict[str, int]]
+    python_functions: Tuple[str, ...] = ()
+    flops: Optional[int] = None
+
+    @property
+    def by_phase(self) -> Dict[str, int]:
+        return {phase: sum(self.calls[phase].values()) for phase in PHASES}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_phase.values())
+
+    @property
+    def by_op(self) -> Dict[str, int]:
+        """Every op with its calls over the phases, the most called first (ties by name)."""
+        summed: Counter = Counter()
+        for ops in self.calls.values():
+            summed.update(ops)
+        return dict(sorted(summed.items(), key=lambda item: (-item[1], item[0])))
+
+
+def python_functions(loss: torch.Tensor) -> Tuple[str, ...]:
+    """The node classes of the custom autograd functions in the graph that produced ``loss`` (e.g.
+    "BatchNormFunctionBackward"), sorted. The graph's structure outlives its backward; only saved tensors go."""
+    names, seen, stack = set(), set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            names.add(type(node).__name__)
+        stack.extend(child for child, _ in node.next_functions)
+    return tuple(sorted(names))
+
+
+def count_ops(step: Step, flops: bool = False) -> OpCount:
+    """The aten calls of ``step``'s second run: the first creates the optimizer's state (Adam's moments), which
+    the steps of a run after it do not, and makes a model's lazy initialisations. ``flops``: also count that
+    run's FLOPs, saving ``count_flops``'s extra step. Its FlopCounterMode sits below the counter on torch's mode
+    stack, so the counter sees each call first, and only the model's (the counts with and without it agree)."""
+    step()
+    counter = _OpCounter()
+    with (FlopCounterMode(display=False) if flops else contextlib.nullcontext()) as flop_mode, counter:
+        loss = step.forward_backward()
+        counter.updating = True  # the optimizer's ops have no FLOP formula: they add nothing to flop_mode
+        step.update()
+    calls = {phase: dict(sorted(((op, n) for (p, op), n in counter.calls.items() if p == phase),
+                                key=lambda item: (-item[1], item[0]))) for phase in PHASES}
+    return OpCount(calls, python_functions(loss), int(flop_mode.get_total_flops()) if flops else None)
+
+
+# ------------------------------------------------------------------------------------------- arithmetic
+def count_flops(step: Step) -> int:
+    """FLOPs of ``step``'s forward, loss and backward by torch's FlopCounterMode (a multiply-add is 2); the
+    update runs after, uncounted. Run it after ``count_ops`` or a warm-up step, so that the model is past its
+    first call."""
+    with FlopCounterMode(display=False) as flops:
+        step.forward_backward()
+    step.update()
+    return int(flops.get_total_flops())
+
+
+def step_seconds(step: Step, device: torch.device, repeats: int) -> List[float]:
+    """Wall seconds of ``repeats`` steps, each waited for on a GPU (no warm-up: take one before)."""
+    times = []
+    for _ in range(repeats):
+        _synchronize(device)
+        started = time.perf_counter()
+        step()
+        _synchronize(device)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def median_step_seconds(step: Step, device: torch.device, repeats: int = 3) -> float:
+    """One warm-up step (allocator, kernel choice, optimizer state), then the median of ``repeats``."""
+    step()
+    return statistics.median(step_seconds(step, device, repeats))
+
+
+def _synchronize(device: torch.device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------- peaks
+# Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheet of each product; where a sheet gives only the
+# figure with sparsity, half of it. "tf32" is the tensor cores' rate on float32 inputs, which cuDNN's convolutions
+# take by default (torch.backends.cudnn.allow_tf32). Keys are substrings of torch.cuda.get_device_name(), the more
+# specific first (an H100 SXM reports "NVIDIA H100 80GB HBM3", a PCIe card "NVIDIA H100 PCIe").
+PEAK_TFLOPS: Tuple[Tuple[str, Dict[str, float]], ...] = (
+    ("H200 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
+    ("H200", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    ("H100 NVL", {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5}),
+    ("H100 PCIe", {"fp32": 51.0, "tf32": 378.0, "bf16": 756.5, "fp16": 756.5}),
+    ("H100", {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4}),
+    ("A100", {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}),
+)
+
+
+def peak_tflops(device_name: str, precision: str, tf32: bool = True) -> Optional[Tuple[float, str]]:
+    """(TFLOP/s, the rate's name) of ``precision`` ("fp32", "bf16", "fp16") on the device named so, or None for
+    a device not in the table (a CPU, an unlisted GPU). fp32 takes the TF32 rate where ``tf32`` says float32
+    convolutions may use it, else the plain FP32 rate."""
+    for key, rates in PEAK_TFLOPS:
+        if key in device_name:
+            rate = ("tf32" if tf32 else "fp32") if precision == "fp32" else precision
+            return rates[rate], rate.upper()
+    return None
+
+
+def device_peak(device: torch.device, precision: str) -> Optional[Tuple[float, str]]:
+    """``peak_tflops`` of this device with torch's current TF32 setting for convolutions; None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    return peak_tflops(torch.cuda.get_device_name(device), precision, torch.backends.cudnn.allow_tf32)
+
+
+__all__ = ["OpCount", "PEAK_TFLOPS", "PHASES", "Step", "count_flops", "count_ops", "device_peak",
+           "median_step_seconds", "peak_tflops", "python_functions", "step_seconds", "trainer_step"]

@@ -1,0 +1,125 @@
+"""engine/census.py: the aten calls and FLOPs of a training step (issue 52), on steps small enough to derive by
+hand, and the counted step of a toy model on the CUDA path (numerics/kernel_path.py's cuda_kernels_on_cpu, the
+optimizer built for CUDA). No timing is asserted."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from launch import REPO
+from opencood_ddp.engine.census import Step, count_flops, count_ops, peak_tflops, trainer_step
+from opencood_ddp.engine.optim import build_optimizer
+from opencood_ddp.engine.step import Precision
+from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
+
+ADAM = {"optimizer": {"core_method": "Adam", "lr": 1e-3}}
+# The custom autograd functions of the CPU-only kernels (numerics/batch_norm.py, numerics/dropout.py,
+# models/modules/biased_attention.py): none may be in a step on the CUDA path.
+CPU_ONLY_FUNCTIONS = {"BatchNormFunctionBackward", "_HashedDropoutBackward", "_BiasedAttentionBackward"}
+
+
+def _module_step(module: torch.nn.Module, x: torch.Tensor) -> Step:
+    """sum(module(x)) back-propagated, then Adam as CUDA runs it (fused), the gradients set to None."""
+    optimizer = build_optimizer(ADAM, module.parameters(), 1e-3, kernels_for="cuda")
+
+    def forward_backward() -> torch.Tensor:
+        loss = module(x).sum()
+        loss.backward()
+        return loss
+
+    def update() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Step(forward_backward, update)
+
+
+def test_a_linear_layers_step_dispatches_the_ops_derived_by_hand():
+    """Linear(4, 3) on a (5, 4) input that takes no gradient, loss = sum of the outputs, fused Adam:
+    - forward and loss (4): F.linear is addmm(bias, x, W.t()): ``t``, ``addmm``; the loss ``sum``; and the
+      gradient seed ``ones_like``, which torch.autograd.backward makes before autograd's engine starts;
+    - backward (9): SumBackward expands the seed (``expand``); AddmmBackward's weight gradient of the transposed
+      W (column-major, so torch returns it column-major too) is grad.t().mm(x).t(): ``t``, ``mm``, ``t``, and
+      TBackward transposes it back to W's shape (``t``); the bias gradient is the (5, 3) gradient summed to (3,)
+      (``sum`` with keepdim, then ``view``); AccumulateGrad takes each fresh gradient as the parameter's .grad
+      by ``detach`` (2 parameters);
+    - optimizer (2): fused Adam adds 1 to the step counts of all parameters at once (``_foreach_add_``) and
+      updates them in one ``_fused_adam_``; zero_grad(set_to_none=True) dispatches nothing.
+    The first step, which creates Adam's state, is not the one counted."""
+    torch.manual_seed(0)
+    count = count_ops(_module_step(torch.nn.Linear(4, 3), torch.randn(5, 4)))
+    assert count.by_phase == {"forward": 4, "backward": 9, "optimizer": 2} and count.total == 15
+    assert count.by_op == {"aten::t": 4, "aten::sum": 2, "aten::detach": 2, "aten::addmm": 1, "aten::ones_like": 1,
+                           "aten::expand": 1, "aten::mm": 1, "aten::view": 1, "aten::_foreach_add_": 1,
+                           "aten::_fused_adam_": 1}
+    assert count.python_functions == () and count.flops is None
+
+
+def test_the_flops_of_a_linear_and_a_convolution_are_the_hand_formulas():
+    """A multiply-add is 2 FLOPs. Linear(in, out) on N rows: 2 N in out forward; backward, the weight's gradient
+    is as many again and the input's (x takes none) is not computed. Conv2d(Cin, Cout, k) to an (N, Cout, H, W)
+    output: 2 N Cout H W Cin k^2 forward, and as many for each of the two gradients (weight, input). Biases and
+    the loss's sum are not products: FlopCounterMode leaves them out."""
+    torch.manual_seed(0)
+    n, features_in, features_out = 5, 4, 3
+    linear = _module_step(torch.nn.Linear(features_in, features_out), torch.randn(n, features_in))
+    assert count_flops(linear) == 2 * (2 * n * features_in * features_out)
+    x = torch.randn(2, 3, 16, 16, requires_grad=True)
+    conv = _module_step(torch.nn.Conv2d(3, 8, kernel_size=3, padding=1), x)
+    assert count_flops(conv) == 3 * (2 * 2 * 8 * 16 * 16 * 3 * 3 * 3)
+    # count_ops(flops=True) counts the same FLOPs in its counted step
+    assert count_ops(conv, flops=True).flops == count_flops(conv)
+
+
+def test_the_published_peaks_by_device_name():
+    assert peak_tflops("NVIDIA H200", "bf16") == (989.4, "BF16")
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32") == (494.7, "TF32")
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "fp32", tf32=False) == (67.0, "FP32")
+    assert peak_tflops("NVIDIA H100 PCIe", "fp16")[0] < peak_tflops("NVIDIA H100 80GB HBM3", "fp16")[0]
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "fp16") == (312.0, "FP16")
+    assert peak_tflops("NVIDIA GeForce GTX 1080", "fp32") is None
+
+
+@pytest.fixture(scope="module")
+def cobevt(toy_small):
+    """Toy CoBEVT with upstream's dropout (0.1; the toy config's is 0): batch norm, dropout and the windowed
+    attention, the three layers with CPU-only kernels, in one small model."""
+    from opencood_ddp.tasks.opencood import build_task
+    from opencood_ddp.toy.config import split_overrides
+    from opencood_ddp.yaml_parsers import load_parsed_hypes
+
+    hypes = load_parsed_hypes(REPO / "hypes_yaml" / "toy" / "point_pillar_cobevt.yaml",
+                              [*split_overrides(toy_small), "model.args.fax_fusion.drop_out=0.1"])
+    torch.manual_seed(0)
+    task = build_task(hypes, for_training=True)
+    batch = task.collate_train([task.train_set[0]])
+    return hypes, task, batch
+
+
+def _cobevt_step(cobevt) -> Step:
+    hypes, task, batch = cobevt
+    model = task.model.train()
+    optimizer = build_optimizer(hypes, model.parameters(), 1e-3, kernels_for="cuda")
+    return trainer_step(task.step, model, batch, optimizer, Precision(None, torch.device("cpu")))
+
+
+def _counted(step: Step, **kwargs):
+    random.seed(0), torch.manual_seed(0)
+    return count_ops(step, **kwargs)
+
+
+def test_a_toy_models_step_on_the_cuda_path_runs_no_cpu_only_kernel(cobevt):
+    """Outside cuda_kernels_on_cpu the CPU-only kernels serve the step (the graph holds their functions: the check
+    sees them); inside, torch's native batch norm, dropout and products do, and the count repeats exactly."""
+    step = _cobevt_step(cobevt)
+    assert CPU_ONLY_FUNCTIONS <= set(_counted(step).python_functions)
+    with cuda_kernels_on_cpu():
+        first, second = _counted(step, flops=True), _counted(step, flops=True)
+    assert not CPU_ONLY_FUNCTIONS & set(first.python_functions), first.python_functions
+    assert first.by_op == second.by_op and first.flops == second.flops > 0
+    assert first.total == sum(first.by_phase.values()) > 0 and all(first.by_phase.values())
+    # torch's own layers: batch norm's kernel, and F.dropout, which on a CPU tensor draws its mask with bernoulli_
+    # (CUDA runs the same layer as one native_dropout); Adam as CUDA runs it
+    assert {"aten::native_batch_norm", "aten::bernoulli_", "aten::_fused_adam_"} <= set(first.by_op)
