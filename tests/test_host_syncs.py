@@ -49,35 +49,43 @@ def _site() -> str:
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
 
 
-class HostReads(TorchFunctionMode):
-    """Records each read-back call on a device tensor (its name and site) and stops the step there."""
+def _has_bool_index(index) -> bool:
+    """Whether an index (one item or a sequence of them) holds a boolean mask: its result's shape needs the values."""
+    items = index if isinstance(index, (tuple, list)) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+class _Recorder:
+    """What the two modes below share: the list of what they saw, and stopping the step at the first."""
 
     def __init__(self):
         super().__init__()
         self.seen: List[str] = []
+
+    def stop(self, what: str, name: str) -> None:
+        self.seen.append(f"{name} at {_site()}")
+        raise AssertionError(f"the step {what}: {self.seen[-1]}")
+
+
+class HostReads(_Recorder, TorchFunctionMode):
+    """Records each read-back call on a device tensor (its name and site) and stops the step there."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", str(func))
         hit = name in READ_BACKS and _on_device(args[0] if args else None)
         if name == "__getitem__" and _on_device(args[0]):
-            index = args[1] if isinstance(args[1], tuple) else (args[1],)
-            hit = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+            hit = _has_bool_index(args[1])
         if name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) > 1 \
                 and _on_device(args[1]):
             hit = True
         if hit:
-            self.seen.append(f"{name} at {_site()}")
-            raise AssertionError(f"the step reads a device tensor back: {self.seen[-1]}")
+            self.stop("reads a device tensor back", name)
         return func(*args, **kwargs)
 
 
-class ValueShapedOps(TorchDispatchMode):
+class ValueShapedOps(_Recorder, TorchDispatchMode):
     """Records each operator whose output shape needs the device's values, as dispatched (backward included)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: List[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -85,12 +93,11 @@ class ValueShapedOps(TorchDispatchMode):
         device_args = [a for a in args if _on_device(a)]
         hit = bool(device_args) and name in VALUE_SHAPED_OPS
         if name == "aten::index" and device_args:
-            hit = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            hit = _has_bool_index(args[1])
         if name == "aten::_to_copy" and device_args and kwargs.get("device") == torch.device("cpu"):
             hit = True
         if hit:
-            self.seen.append(f"{name} at {_site()}")
-            raise AssertionError(f"the step runs an operator shaped by device values: {self.seen[-1]}")
+            self.stop("runs an operator shaped by device values", name)
         return func(*args, **kwargs)
 
 

@@ -480,11 +480,8 @@ def step_rates(config: str, precision: str, device: torch.device, data: Path) ->
     warm-up step is the one whose FLOPs are counted, and the CPU times one step, not 3: `make test` runs this on
     the CPU only to keep it working, and fp16 there is emulated, seconds a step."""
     from opencood_ddp.engine.census import count_flops, device_peak, step_seconds
-    from opencood_ddp.tasks import build_task
-    from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
-    task = build_task(hypes, for_training=True)
+    task, hypes = _task_of(config, data)
     figures = {}
     for batch_size in STEP_BATCHES:
         step = _trainer_step(task, hypes, device, batch_size, None if precision == "fp32" else precision)
@@ -526,12 +523,13 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _loader_path(config: str, data: Path, on_device: bool):
-    """The trainer's task over `data` with preprocess.on_device as given."""
+def _task_of(config: str, data: Path, on_device: bool = False):
+    """(the trainer's task, its hypes) of `config` over `data`; the device path where `on_device` (off is the
+    hypes' default, so the config is read as written)."""
     from opencood_ddp.tasks import build_task
     from opencood_ddp.yaml_parsers import load_parsed_hypes
 
-    overrides = split_overrides(data) + [f"preprocess.on_device={str(on_device).lower()}"]
+    overrides = split_overrides(data) + (["preprocess.on_device=true"] if on_device else [])
     hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", overrides)
     return build_task(hypes, for_training=True), hypes
 
@@ -544,7 +542,7 @@ def check_loader(config: str, device: torch.device, data: Path, batch_size: int 
     from opencood_ddp.engine.loaders import affinity_cores, default_workers
 
     cores = affinity_cores()
-    task, hypes = _loader_path(config, data, on_device=False)
+    task, hypes = _task_of(config, data)
     step_rate = _steps_per_second(task, hypes, device, batch_size)
     default = default_workers(device.type, cores)  # what a 1-rank run on this machine gets without --num_workers
     figures: dict = {"cores": cores, "step_samples_per_s": round(step_rate, 2), "batch_size": batch_size,
@@ -554,7 +552,7 @@ def check_loader(config: str, device: torch.device, data: Path, batch_size: int 
     lines = []
     for path in paths:
         clouds, on_device = LOADER_PATHS[path]
-        task, _ = _loader_path(config, roots[clouds], on_device)
+        task, _ = _task_of(config, roots[clouds], on_device)
         rates = {workers: _loader_samples_per_second(task, device, workers, batch_size)
                  for workers in LOADER_WORKERS if workers <= cores}
         enough = [workers for workers, rate in rates.items() if rate >= step_rate]
@@ -577,7 +575,7 @@ def check_feed(config: str, device: torch.device, data: Path, work: Path, worker
     from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 
     binary = binary_mirror(data)
-    task, hypes = _loader_path(config, binary, on_device=False)
+    task, hypes = _task_of(config, binary)
     batch = int(hypes["train_params"]["batch_size"])
     step_rate = _steps_per_second(task, hypes, device, batch)
     per_epoch = len(task.train_set) // batch
@@ -642,28 +640,16 @@ def check_host_syncs(config: str, device: torch.device, data: Path) -> tuple[str
     loss and backward must not read anything back from the device (issue 52; on the CPU tests/test_host_syncs.py
     proves it on the meta device), and neither may the fused optimizer's update. SECOND's spconv reads its voxel
     count back by design: reported, not failed."""
-    from opencood_ddp.engine.optim import build_optimizer
-    from opencood_ddp.engine.step import Precision, forward_backward
-    from opencood_ddp.engine.trainer import optimizer_step
-    from opencood_ddp.tasks import build_task
-    from opencood_ddp.yaml_parsers import load_parsed_hypes
-
     if device.type != "cuda":
         raise SkipCheck("torch's sync debug mode is CUDA's; tests/test_host_syncs.py runs the models on meta")
     sparse = any(name in config for name in SPARSE_CONFIGS)
     if sparse and sparse_conv_runs(device) != "yes":
         raise SkipCheck(f"no CUDA spconv for this torch: {config} needs its sparse convolution")
-    hypes = load_parsed_hypes(REPO / "hypes_yaml" / f"{config}.yaml", split_overrides(data))
-    task = build_task(hypes, for_training=True)
-    model = task.model.to(device).train()
-    batch = task.move_to(task.collate_train([task.train_set[i] for i in range(2)]), device)
-    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
-    precision = Precision(False, device)
-    forward_backward(task.step, model, batch, precision, None)  # warm-up: lazy handles and kernels may wait
-    optimizer_step(optimizer, None)
+    task, hypes = _task_of(config, data)
+    step = _trainer_step(task, hypes, device, batch_size=2)
+    step()  # warm-up: lazy handles and kernels may wait
     torch.cuda.synchronize(device)
-    figures = {"forward_backward": _first_sync(lambda: forward_backward(task.step, model, batch, precision, None)),
-               "optimizer": _first_sync(lambda: optimizer_step(optimizer, None))}
+    figures = {"forward_backward": _first_sync(step.forward_backward), "optimizer": _first_sync(step.update)}
     if sparse and figures["forward_backward"] != "none" and "spconv" in figures["forward_backward"]:
         return f"spconv reads back, as designed: {figures['forward_backward']}", figures
     assert figures == {"forward_backward": "none", "optimizer": "none"}, f"the step waits for the device: {figures}"

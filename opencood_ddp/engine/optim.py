@@ -28,9 +28,10 @@ def kernel_args(cls: type, device_type: str) -> dict:
     kernel, else {"foreach": True} there; {} on the CPU (torch's default)."""
     if device_type != "cuda":
         return {}
-    if "fused" in inspect.signature(cls.__init__).parameters:
+    parameters = inspect.signature(cls.__init__).parameters
+    if "fused" in parameters:
         return {"fused": True}
-    return {"foreach": True} if "foreach" in inspect.signature(cls.__init__).parameters else {}
+    return {"foreach": True} if "foreach" in parameters else {}
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:

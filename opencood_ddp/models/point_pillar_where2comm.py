@@ -54,7 +54,7 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, validate
 from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride, check_max_cav, check_shrink_neck,
                                         head_stride, level_map_sizes, refuse)
-from opencood_ddp.models.modules.ego_warp import EgoWarp, ego_rows
+from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp, ego_rows
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar, check_pillar_args
@@ -253,7 +253,7 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         return self.shrink(self.backbone({"spatial_features": spatial})["spatial_features_2d"])
 
     def fuse_levels(self, spatial: torch.Tensor, psm_single: torch.Tensor, record_len: torch.Tensor,
-                    warp: EgoWarp, is_ego: torch.Tensor) -> Tuple[torch.Tensor, Rates]:
+                    warp: Optional[EgoWarp], is_ego: torch.Tensor) -> Tuple[torch.Tensor, Rates]:
         """Upstream's multi-scale path: the backbone's levels again, level 0 masked, every level fused."""
         backbone, x, ups = self.backbone, spatial, []
         rates = None
@@ -273,7 +273,9 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         record_len = data_dict["record_len"]
         spatial = self.bev(data_dict)
         is_ego = ego_rows(record_len, spatial.device)
-        warp = self.fusion_net.ego_warp(data_dict["pairwise_t_matrix"], record_len)
+        # None where no map moves (proj_first: true): the fusions then take the maps as they are, as a warp would.
+        warp = batch_ego_warp({"record_len": record_len, "pairwise_t_matrix": data_dict["pairwise_t_matrix"]},
+                              self.fusion_net.lidar_range)
         if self.multi_scale:
             with torch.no_grad():  # feeds a threshold only: no gradient would flow back through it
                 psm_single = self.cls_head(self.single_maps(spatial))

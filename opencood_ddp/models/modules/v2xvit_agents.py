@@ -23,7 +23,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from opencood_ddp.models.modules.cav_layout import sample_and_slot, to_device
+from opencood_ddp.models.modules.cav_layout import counts, sample_and_slot, to_device
 
 VEHICLE, INFRASTRUCTURE = 0, 1
 NUM_KINDS = 2
@@ -95,7 +95,7 @@ class Agents:
         """From the batch's record_len and the optional per-CAV keys (defaults when absent), worked out where
         record_len is (the host in our batches: modules/cav_layout.py) and moved to ``device``."""
         record_len_tensor = data_dict["record_len"]
-        record_len = tuple(int(n) for n in record_len_tensor.tolist())
+        record_len = counts(record_len_tensor)
         if not record_len or min(record_len) < 1 or max(record_len) > max_cav:
             raise ValueError(f"record_len {list(record_len)}: every sample needs 1 to max_cav ({max_cav}) CAVs; "
                              f"set model.args.max_cav to the dataset's train_params.max_cav")

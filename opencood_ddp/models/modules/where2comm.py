@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opencood_ddp.models.modules.cav_layout import sample_and_slot, to_device
-from opencood_ddp.models.modules.ego_warp import EgoWarp, ego_frame_affines, ego_rows, to_ego_frame
+from opencood_ddp.models.modules.ego_warp import EgoWarp, to_ego_frame
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 
 AGGREGATORS = {"ATTEN": AttFusion, "MAX": MaxFusion}
@@ -138,11 +138,6 @@ class Where2commFusion(nn.Module):
         self.communicates = communication is not None and not fully
         self.lidar_range = [float(v) for v in lidar_range]
 
-    def ego_warp(self, pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor) -> EgoWarp:
-        """Every level's warp, where the batch's pairwise matrices are (the host: modules/cav_layout.py)."""
-        theta = ego_frame_affines(pairwise_t_matrix, record_len, self.lidar_range)
-        return EgoWarp(theta, ego_rows(record_len, theta.device))
-
     def communicate(self, psm_single: torch.Tensor, is_ego: torch.Tensor, record_len: torch.Tensor,
                     size: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Rates]:
         """(mask (N, 1, *size) or None when everything is sent, the two communication rates).
@@ -159,6 +154,6 @@ class Where2commFusion(nn.Module):
             mask = F.interpolate(mask, size=tuple(size), mode="bilinear", align_corners=False)
         return mask, Rates(communication_rate(mask, is_ego), com)
 
-    def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, warp: EgoWarp) -> torch.Tensor:
+    def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp]) -> torch.Tensor:
         """(sum(record_len), C, H, W) masked CAV maps -> (B, C, H, W): warped to the ego, fused per sample."""
         return self.fuse_modules[level](to_ego_frame(x, warp), record_len)
