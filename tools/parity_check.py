@@ -38,10 +38,11 @@ from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed.batch_plan import make_batch_plan
 from opencood_ddp.distributed.env import environ_without_launcher
 from opencood_ddp.distributed.launch import launcher_prefix, parse_world_sizes
+from opencood_ddp.engine.inference import choose_checkpoint
 from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
 from opencood_ddp.engine.parity import global_relative_difference, relative_differences
-from opencood_ddp.errors import ConfigError, OpencoodDdpError
+from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
@@ -127,14 +128,21 @@ class RunResult:
     weights: dict
 
 
+def run_weights(name: str, run_dir: Path, steps: int) -> Path:
+    """The run's weights after `steps` optimizer steps, picked as evaluation picks a checkpoint
+    (engine/inference.choose_checkpoint), or its last epoch's when the hypes' epochs ended the run first."""
+    try:
+        return choose_checkpoint(run_dir, step=steps)
+    except CheckpointError:
+        try:
+            return choose_checkpoint(run_dir)
+        except CheckpointError as error:
+            raise ConfigError(f"the {name} run saved no weights: {error}") from None
+
+
 def read_run(name: str, run_dir: Path, steps: int) -> RunResult:
     rows = read_step_log(run_dir / STEP_LOG_NAME)
-    path = run_dir / ckpt.step_weights_name(steps)
-    if not path.is_file():  # the hypes' epochs ended the run first: compare the last epoch's weights
-        done = ckpt.epochs_on_disk(run_dir)
-        if not done:
-            raise ConfigError(f"the {name} run in {run_dir} saved no weights")
-        path = run_dir / ckpt.weights_name(done[-1])
+    path = run_weights(name, run_dir, steps)
     rates = sorted(row["samples_per_s"] for row in rows[1:]) or [rows[0]["samples_per_s"]]
     return RunResult(name, [row["loss"] for row in rows], rates[len(rates) // 2], ckpt.load_file(path))
 
