@@ -1,8 +1,11 @@
 """tools/gpu_check.py on the CPU (`--device cpu`), as `make test` runs it, so that the GPU acceptance run cannot rot.
 
-On the CPU the same path runs with gloo, GlooSyncBatchNorm and the CPU's autocast (fp16 with a CPU GradScaler, and
-bf16). One toy model stands for the nine (each runs the same lines), the full-size model is left out (minutes per
-step on 2 cores), and the planner runs on the toy model; on a GPU `make gpu-check` runs them all."""
+On the CPU the same path runs with gloo, GlooSyncBatchNorm and the CPU's autocast (bf16). One toy model stands for
+the nine (each runs the same lines), the full-size model is left out (minutes per step on 2 cores), and the planner
+runs on the toy model; on a GPU `make gpu-check` runs them all. fp16 is left out here too: the CPU emulates its
+convolutions (3.7 s a toy step against 0.25 in fp32, 59 of the check's 160 s, measured 2026-11-28), and it runs the
+lines bf16 runs but for the GradScaler, whose skips reach the step log (tests/test_train_engine.py) that
+`check_training` reads."""
 import json
 
 import pytest
@@ -20,7 +23,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     out = tmp_path / "report"
     result = python(REPO / "tools" / "gpu_check.py", "--device", "cpu", "--out", out, "--work", tmp_path / "work",
                     "--data", toy_small,
-                    "--configs", TOY, "--full_size", "--precisions", "fp32", "fp16", "bf16",
+                    "--configs", TOY, "--full_size", "--precisions", "fp32", "bf16",
                     "--parity_kernels", "strict", "--repeat_configs", WARPING, "--planner_config", TOY,
                     "--loader_config", TOY, "--feed_config", TOY, "--feed_workers", "2", "--feed_steps", "8",
                     timeout=1200)
@@ -33,15 +36,14 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
             f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}", f"feed {TOY}", "voxelizer"} <= set(checks)
     assert checks[f"repeat {WARPING}"]["figures"]["tensors"] > 0
-    for precision in ("fp32", "fp16", "bf16"):
+    for precision in ("fp32", "bf16"):
         figures = checks[f"train {TOY} {precision}"]["figures"]
         assert figures["steps"] == 4 and figures["frames"] == 4  # 2 steps, 2 more after the resume; 4 test frames
         assert figures["samples_per_s"] > 0 and figures["peak_reserved_mib"] > 0
         # the step alone at batch 1 and 2 and its rate (issue 52); the CPU has no published peak
         assert all(figures[key] > 0 for key in ("step_ms_b1", "step_ms_b2", "tflops_b1", "tflops_b2"))
         assert figures["peak_tflops"] is None
-        # Only fp16 has a GradScaler, and the step log's skips reach the report.
-        assert ("scaler_skips" in figures) == (precision == "fp16")
+        assert "scaler_skips" not in figures  # only fp16 has a GradScaler
     planner = checks[f"planner {TOY}"]["figures"]
     assert set(planner["probes"]) == {"1", "2", "4"} and planner["ratio"] > 0
     loader = checks[f"loader {TOY}"]["figures"]
