@@ -130,10 +130,13 @@ def row_view(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def _rows_for_kernel(x: torch.Tensor) -> Optional[np.ndarray]:
-    rows = row_view(x)
-    if rows is None or x.dtype not in _COMPILED_DTYPES or x.device.type != "cpu" or not cpu_kernels_enabled():
+    """x's rows for the compiled kernels, or None where they do not serve it. The cheap tests come first: on CUDA
+    and inside kernel_path.cuda_kernels_on_cpu the row view's permute and reshape would be dispatched for nothing,
+    two operators per batch norm that the CUDA step does not run (docs/benchmarks.md, issue 52)."""
+    if x.dtype not in _COMPILED_DTYPES or x.device.type != "cpu" or not cpu_kernels_enabled():
         return None
-    return rows.detach().numpy()
+    rows = row_view(x)
+    return None if rows is None else rows.detach().numpy()
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:

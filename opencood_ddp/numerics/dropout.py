@@ -18,8 +18,12 @@ seed gives other draws than ``nn.Dropout`` (docs/compatibility.md).
 Kept values are scaled as torch scales them: x * (1 / (1 - p)) with the factor rounded to x's type, so NaN and
 inf in dropped values propagate as in torch (x * 0).
 
-Used where it applies (training, CPU, float32 or float64, 0 < p < 1); everywhere else (CUDA,
-bfloat16 under the CPU's autocast, eval mode) ``Dropout`` is ``nn.Dropout``.
+Used where it applies (training, CPU, float32 or float64, 0 < p < 1). On CUDA, and on the CPU inside
+``cuda_kernels_on_cpu``, a training-mode call with 0 < p < 1 on a non-empty tensor is ``torch.native_dropout``, the
+one fused op that torch's ``F.dropout`` takes on CUDA: taken here for ``inplace=True`` as well, where torch's
+in-place dropout would run four (a float mask filled by ``bernoulli_``, scaled, and multiplied in), and on the CPU
+in the census, whose ``F.dropout`` decomposes into those four (issue 52: the census counts the ops CUDA
+dispatches). Everywhere else (bfloat16 under the CPU's autocast, eval mode) ``Dropout`` is ``nn.Dropout``.
 """
 from __future__ import annotations
 
@@ -124,8 +128,16 @@ def applies(x: torch.Tensor, p: float) -> bool:
     return x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and 0.0 < p < 1.0 and cpu_kernels_enabled()
 
 
+def fused_applies(x: torch.Tensor, p: float) -> bool:
+    """Whether ``torch.native_dropout`` serves this training-mode call: 0 < p < 1 on a non-empty tensor on CUDA,
+    or on the CPU inside ``cuda_kernels_on_cpu`` (the conditions under which torch's F.dropout fuses on CUDA)."""
+    on_cuda_path = x.device.type == "cuda" or (x.device.type == "cpu" and not cpu_kernels_enabled())
+    return on_cuda_path and 0.0 < p < 1.0 and x.numel() > 0
+
+
 class Dropout(nn.Dropout):
-    """``nn.Dropout`` (same arguments, no state), whose training-mode CPU forward is ``hashed_dropout``.
+    """``nn.Dropout`` (same arguments, no state), whose training-mode CPU forward is ``hashed_dropout`` and whose
+    training-mode CUDA forward is ``torch.native_dropout`` (never in place: its output is a new tensor).
 
     ``inplace=True`` writes over the input, as torch's does (the input must be needed by nothing else, and
     should not be a view: autograd then copies the view's base in the backward, which costs more than the
@@ -134,4 +146,6 @@ class Dropout(nn.Dropout):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and applies(x, self.p):
             return hashed_dropout(x, self.p, self.inplace)
+        if self.training and fused_applies(x, self.p):
+            return torch.native_dropout(x, self.p, True)[0]
         return super().forward(x)
