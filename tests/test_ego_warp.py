@@ -106,7 +106,8 @@ def test_a_map_made_in_the_cavs_frame_and_warped_lines_up_with_the_map_made_afte
     own_frames, _, _ = toy_batch(config, toy_small, 2, "fusion.args.proj_first=false")
     model.eval()
     with torch.no_grad():
-        reference, own = model.encode(projected["ego"]), model.encode(own_frames["ego"])
+        reference, own = (model.backbone_map(model.front(batch["ego"]), model.layout(batch["ego"]))
+                          for batch in (projected, own_frames))
     warp = batch_ego_warp(own_frames["ego"], model.lidar_range)
     square = torch.cat([warp.theta, warp.theta.new_tensor([0.0, 0.0, 1.0]).expand(len(warp.theta), 1, 3)], dim=1)
     warped = warp_to_ego(own, warp.theta, warp.is_ego)

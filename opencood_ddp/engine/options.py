@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Protocol, Sequence, Union
 
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, LrScaling, Semantics
+from opencood_ddp.engine.capture import CAPTURE_MODES, CaptureMode
 from opencood_ddp.engine.step import HALF_MODES, HalfMode
 from opencood_ddp.engine.step_guard import NONFINITE_POLICIES, NonfinitePolicy
 
@@ -72,6 +73,7 @@ class LoopOptions:
     max_skips_in_a_row: int = 10
     max_skip_share: float = 0.1
     eval_after_training: bool = False
+    capture: Optional[CaptureMode] = None  # None: the eager step (engine/capture.py)
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,11 @@ def add_loop_arguments(parser: Any) -> None:
     parser.add_argument("--eval_after_training", action="store_true",
                         help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
                              "ranks; writes eval.yaml into the run folder")
+    parser.add_argument("--capture", choices=CAPTURE_MODES,
+                        help="compile the static-shape part of the step (backbone, fusion, heads, loss) with "
+                             "torch.compile: 'compile' is inductor (CUDA graphs on CUDA), 'aot_eager' the same "
+                             "graphs with eager kernels (bit for bit the eager step). On the CPU the step takes "
+                             "the kernels CUDA takes. Pillar models but Where2comm; float32 only")
 
 
 def eval_parser(task_options: Optional[type] = None) -> argparse.ArgumentParser:

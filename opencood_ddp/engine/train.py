@@ -149,8 +149,19 @@ def describe_start(env: DistEnv, trainer: Trainer, devices: Sequence[tuple[str, 
         trainer.plan.describe(),
         f"datasets: {sizes}; {steps}; {describe_workers(trainer.workers, trainer.options.process.num_workers)}",
         f"sync batch norm: {trainer.sync_bn_kind or 'off'}",
+        f"step: {describe_capture(trainer.loop.capture, env.device)}",
         f"run folder: {setup.run_dir}{' (resuming)' if setup.resume else ''}",
     ])
+
+
+def describe_capture(mode: Optional[str], device: str) -> str:
+    """--capture's line of the plan (engine/capture.py)."""
+    if mode is None:
+        return "eager"
+    kind = "CUDA graphs (reduce-overhead)" if mode == "compile" and device.startswith("cuda") else \
+        "inductor" if mode == "compile" else "eager kernels"
+    kernels = "; on the CPU with the kernels CUDA takes" if not device.startswith("cuda") else ""
+    return f"--capture {mode}: backbone, fusion, heads and loss compiled, {kind}{kernels}"
 
 
 # ------------------------------------------------------------------------------------------------ main

@@ -37,6 +37,7 @@ from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
+from opencood_ddp.engine.capture import CapturedStep, CaptureModule, check_capture
 from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.hooks import EpochSummary, Hooks, StepRecord
@@ -104,7 +105,12 @@ class Trainer:
         self.device = torch.device(env.device)
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=self.loop.sync_bn)
-        self.model = self._wrap(self.model_without_ddp)
+        check_capture(self.loop.capture, self.model_without_ddp, self.loop.half)
+        # --capture: DDP wraps the model with the step (engine/capture.py), whose dense part runs compiled.
+        self.capture = None if self.loop.capture is None else CaptureModule(self.model_without_ddp, task.step,
+                                                                             self.loop.capture, self.device)
+        self.model = self._wrap(self.capture if self.capture is not None else self.model_without_ddp)
+        self.train_step = CapturedStep() if self.capture is not None else task.step
         # Every parameter, where upstream passes the trainable ones only: a frozen one (backbone_fix) never has a
         # gradient, so torch's optimizers skip it alike, and the saved optimizer state keeps one layout whatever
         # is frozen (a resume that freezes the backbone loads it).
@@ -389,8 +395,9 @@ class Trainer:
         """Forward and backward of one micro-batch; its loss and parts go into `sums`, still on the device."""
         batch = self.task.move_to(batch, self.device)
         no_sync = self.model.no_sync if isinstance(self.model, DistributedDataParallel) and not sync else None
-        with no_sync() if no_sync else contextlib.nullcontext():
-            out = forward_backward(self.task.step, self.model, batch, self.precision, self.scaler,
+        kernels = self.capture.kernels() if self.capture is not None else contextlib.nullcontext()
+        with no_sync() if no_sync else contextlib.nullcontext(), kernels:
+            out = forward_backward(self.train_step, self.model, batch, self.precision, self.scaler,
                                    self.plan.accumulation)
         sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
 

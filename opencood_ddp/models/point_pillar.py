@@ -168,17 +168,37 @@ class PointPillar(nn.Module):
         when no map moves (proj_first: true)."""
         return batch_ego_warp(data_dict, self.lidar_range) if self.warps_to_ego else None
 
-    def encode(self, data_dict: Mapping) -> torch.Tensor:
+    # The forward pass in two stages, the seam of engine/capture.py's --capture: `front` (pillars and the BEV
+    # scatter, whose input has as many rows as the clouds have pillars) and `dense` (backbone, neck, heads: shapes
+    # fixed by the grid and the CAV layout). `layout` is what `dense` reads of the batch besides the map, derived
+    # where the batch keeps it (record_len on the host), so that a compiled `dense` is given it rather than
+    # computing it from tensors. Eager, forward = dense(front, layout): the same operations in the same order.
+    def front(self, data_dict: Mapping) -> torch.Tensor:
+        """(sum(record_len) or samples, C, H, W): the pillars scattered onto the BEV grid."""
         lidar = data_dict["processed_lidar"]
         batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
                  "voxel_num_points": lidar["voxel_num_points"], "record_len": data_dict.get("record_len")}
-        if self.fusion_factory is not None:  # fused inside the backbone, level by level
-            batch["ego_warp"] = self.ego_warp(data_dict)
         batch = self.pillar_vfe(batch)
-        batch = self.scatter(batch, self.num_images(data_dict))
+        return self.scatter(batch, self.num_images(data_dict))["spatial_features"]
+
+    def layout(self, data_dict: Mapping) -> dict:
+        """What `dense` reads of the batch besides the map: ``record_len`` and the maps' warp into their ego's
+        frame (None where nothing moves); the fusion models add their own keys."""
+        return {"record_len": data_dict.get("record_len"), "ego_warp": self.ego_warp(data_dict)}
+
+    def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
+        """Backbone, neck and heads on the scattered map."""
+        return self.heads(self.neck(self.backbone_map(features, layout), layout))
+
+    def backbone_map(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
+        """The backbone's output on the scattered map: one per CAV, or fused level by level (AttFuse)."""
+        batch = {"spatial_features": features, "record_len": layout["record_len"]}
+        if self.fusion_factory is not None:  # fused inside the backbone, level by level
+            batch["ego_warp"] = layout["ego_warp"]
         return self.backbone(batch)["spatial_features_2d"]
 
-    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
+        """Modules between the backbone and the heads (none here); `layout` is `layout(data_dict)`."""
         return features
 
     def heads(self, features: torch.Tensor) -> dict:
@@ -190,7 +210,7 @@ class PointPillar(nn.Module):
         return out
 
     def forward(self, data_dict: Mapping) -> dict:
-        return self.heads(self.neck(self.encode(data_dict), data_dict))
+        return self.dense(self.front(data_dict), self.layout(data_dict))
 
 
 def _grid_rows_cols(args: Mapping) -> Tuple[int, int]:
@@ -251,9 +271,9 @@ class PointPillarFCooper(ShrinkNeck, PointPillar):
     def build_fusion(self) -> nn.Module:
         return MaxFusion()
 
-    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
         features = self.shrink_and_compress(features)
-        return self.fusion_net(features, data_dict["record_len"], self.ego_warp(data_dict))
+        return self.fusion_net(features, layout["record_len"], layout["ego_warp"])
 
 
 @MODELS.register("point_pillar_opv2v", fusion="intermediate (attention, on the shrunk map)", required=PILLAR_KEYS,

@@ -14,7 +14,7 @@ Departures from upstream (docs/compatibility.md):
 """
 from __future__ import annotations
 
-from typing import Mapping, Tuple
+from typing import Mapping, NamedTuple, Tuple
 
 import torch
 
@@ -86,22 +86,40 @@ def check_cobevt_args(hypes: Mapping, source: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ the model
-def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(N, C, H, W) CAV maps -> ((B, slots, C, H, W) zero-padded, (B, slots) bool: the slot holds a CAV).
+class Slots(NamedTuple):
+    """Where each CAV map goes among a batch's ``max_cav`` slots per sample: ``index`` (sum(record_len),) long,
+    sample * slots + slot, and ``present`` (B, slots) bool, both on the maps' device."""
 
-    The slots are laid out channels-last (each cell's C values together), the layout the fusion works in."""
+    index: torch.Tensor
+    present: torch.Tensor
+    count: int  # slots per sample
+
+
+def slots_of(record_len: torch.Tensor, slots: int, device: torch.device) -> Slots:
+    """The slots of a batch, worked out where record_len is (the host: modules/cav_layout.py)."""
     samples = len(record_len)
     if max(counts(record_len), default=0) > slots:
         raise ValueError(f"a sample has {max(counts(record_len))} CAVs, more than max_cav = {slots}")
-    sample, slot = sample_and_slot(record_len)  # where record_len is (the host: modules/cav_layout.py)
+    sample, slot = sample_and_slot(record_len)
     index = sample * slots + slot
     present = torch.zeros(samples * slots, dtype=torch.bool, device=index.device)
     present[index] = True
-    index = to_device(index, x.device)
+    return Slots(to_device(index, device), to_device(present, device).view(samples, slots), slots)
+
+
+def to_slots(x: torch.Tensor, record_len: torch.Tensor, slots: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(N, C, H, W) CAV maps -> ((B, slots, C, H, W) zero-padded, (B, slots) bool: the slot holds a CAV)."""
+    return place_in_slots(x, slots_of(record_len, slots, x.device))
+
+
+def place_in_slots(x: torch.Tensor, slots: Slots) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`to_slots` with the slots already worked out. The slots are laid out channels-last (each cell's C values
+    together), the layout the fusion works in."""
+    samples = slots.present.shape[0]
     channels, height, width = x.shape[1:]
-    cells = x.new_zeros(samples * slots, height, width, channels).index_copy(0, index, x.permute(0, 2, 3, 1))
-    return cells.view(samples, slots, height, width, channels).permute(0, 1, 4, 2, 3), \
-        to_device(present, x.device).view(samples, slots)
+    cells = x.new_zeros(samples * slots.count, height, width, channels).index_copy(0, slots.index,
+                                                                                  x.permute(0, 2, 3, 1))
+    return cells.view(samples, slots.count, height, width, channels).permute(0, 1, 4, 2, 3), slots.present
 
 
 @MODELS.register("point_pillar_cobevt", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
@@ -119,8 +137,11 @@ class PointPillarCoBEVT(ShrinkNeck, PointPillar):
                                             int(fax["depth"]))
         self.max_cav = int(args["max_cav"])
 
-    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
-        features = self.shrink_and_compress(features)
-        features = to_ego_frame(features, self.ego_warp(data_dict))
-        slots, present = to_slots(features, data_dict["record_len"], self.max_cav)
-        return self.fusion_net(slots, present)
+    def layout(self, data_dict: Mapping) -> dict:
+        """The pillar layout (with the maps' warp) and the CAVs' attention slots."""
+        device = data_dict["processed_lidar"]["voxel_features"].device  # where the maps will be
+        return {**super().layout(data_dict), "slots": slots_of(data_dict["record_len"], self.max_cav, device)}
+
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
+        features = to_ego_frame(self.shrink_and_compress(features), layout["ego_warp"])
+        return self.fusion_net(*place_in_slots(features, layout["slots"]))

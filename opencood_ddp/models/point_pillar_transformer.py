@@ -125,6 +125,10 @@ class PointPillarTransformer(ShrinkNeck, PointPillar):
         self.build_shrink_neck(args)
         self.fusion_net = V2XTransformer(args["transformer"])
 
-    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
-        features = self.shrink_and_compress(features)
-        return self.fusion_net(features, Agents.from_batch(data_dict, self.max_cav, features.device))
+    def layout(self, data_dict: Mapping) -> dict:
+        """The pillar layout and the CAVs' agents (kinds, delays, where each sits), worked out on the host."""
+        device = data_dict["processed_lidar"]["voxel_features"].device  # where the maps will be
+        return {**super().layout(data_dict), "agents": Agents.from_batch(data_dict, self.max_cav, device)}
+
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
+        return self.fusion_net(self.shrink_and_compress(features), layout["agents"])

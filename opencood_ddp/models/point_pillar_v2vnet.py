@@ -96,11 +96,15 @@ class PointPillarV2VNet(ShrinkNeck, PointPillar):
                                        block["agg_operator"], kernel_sizes(block["conv_gru"]), args["lidar_range"],
                                        temporal=bool(block.get("use_temporal_encoding", False)))
 
-    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
+    def layout(self, data_dict: Mapping) -> dict:
+        """The pillar layout, the pairwise transforms and, with the temporal encoding, each CAV's delay."""
         record_len = data_dict["record_len"]
         delays = cav_delays(data_dict["prior_encoding"], record_len) if self.fusion_net.cnn is not None else None
-        return self.fusion_net(self.shrink_and_compress(features), record_len, data_dict["pairwise_t_matrix"],
-                               delays)
+        return {**super().layout(data_dict), "pairwise_t_matrix": data_dict["pairwise_t_matrix"], "delays": delays}
+
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
+        return self.fusion_net(self.shrink_and_compress(features), layout["record_len"], layout["pairwise_t_matrix"],
+                               layout["delays"])
 
 
 def cav_delays(prior_encoding: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:

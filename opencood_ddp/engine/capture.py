@@ -1,0 +1,170 @@
+"""``--capture``: the static-shape part of a training step compiled into graphs with ``torch.compile``.
+
+A pillar model's step has two parts (models/point_pillar.py's seam): the front (pillar encoder and BEV scatter),
+whose input has as many rows as the clouds have pillars, a number that changes every batch; and the dense part
+(backbone, fusion, heads) whose shapes are fixed by the BEV grid and the batch's CAV layout. ``--capture``
+compiles the dense part and the task's loss as one function (`dense_step`: forward and, through AOTAutograd,
+backward); the front stays eager, so no pillar is padded. On CUDA the mode is "reduce-overhead" (the graphs are
+replayed as CUDA graphs, cudagraph trees); on the CPU inductor's default. ``--capture aot_eager`` traces the same
+graphs and runs them with torch's eager kernels: no fusion, so it repeats the eager step bit for bit; it checks the
+capture path itself (graph breaks, guards, fallback) where inductor's re-rounding would hide a real difference.
+
+The layout the dense part reads of the batch (``record_len`` and what the models derive from it: the warp into
+the ego's frame, CoBEVT's slots, V2X-ViT's agents) is worked out eagerly by the model's ``layout`` on the host,
+where the batch keeps those keys (data/device_points.HOST_KEYS), and ``record_len`` goes in as `CavCounts`,
+Python ints: dynamo guards on them, so a new CAV layout compiles anew instead of tracing ``.tolist()`` of a tensor.
+Each new (layout, map shape) compiles once; past `MAX_SHAPES` of them, a new one runs the same function eagerly
+(one log line says so): a step whose shapes change falls back to the eager step, never to a wrong graph.
+
+The optimizer step stays eager: on CUDA it is already one fused kernel per step (engine/optim.py), the per-step
+lr schedule changes a Python float that a compiled step would guard on (a recompile per step, or the lr as a
+tensor in the saved optimizer state, which upstream's checkpoints do not hold), and the fit loop decides between
+backward and step on the host (the non-finite agreement, gradients no rank used).
+
+On the CPU the compiled step runs with the kernels CUDA takes (numerics/kernel_path.py): the CPU-only ones
+(float64 batch-norm statistics in numba, the hashed dropout, CoBEVT's per-head attention) cannot be traced. The
+fit loop enters `CaptureModule.kernels` around forward and backward, so the eager front and the fallback take the
+same kernels, and a captured run is compared with an eager one under the same switch.
+
+Under DDP the module DDP wraps is `CaptureModule` (the model, its parameters in their order, and the step), so
+the compiled function runs inside DDP's forward and its gradients reach DDP's hooks as an eager step's do.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, ContextManager, Literal, Mapping, Optional, get_args
+
+import torch
+from torch import nn
+
+from opencood_ddp.engine.logs import get_logger
+from opencood_ddp.engine.task import LossOutput, StepFn
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
+
+CaptureMode = Literal["compile", "aot_eager"]  # --capture compile: inductor; aot_eager: traced, eager kernels
+CAPTURE_MODES: tuple = get_args(CaptureMode)
+# (layout, map shape) pairs compiled per run; a batch past them runs eagerly. Dynamo's own recompile limit (8 per
+# function) is not reached first, so the fallback is this module's, with its log line.
+MAX_SHAPES = 6
+
+
+class CavCounts(tuple):
+    """``record_len`` as Python ints, as the compiled dense step takes it. ``models/modules/cav_layout.counts``
+    reads a record_len with ``.tolist()``: this one answers from the ints, which dynamo sees as constants."""
+
+    def tolist(self) -> list:
+        return list(self)
+
+
+def not_capturable(model: nn.Module) -> Optional[str]:
+    """Why `model` has no dense part to compile (None: it has one): its forward must be the `front` -> `layout` ->
+    `dense` composition of the class that defines `dense` (models/point_pillar.py's; the engine imports no model),
+    which Where2comm's forward (a data-dependent mask) and SECOND's are not."""
+    seam = next((cls for cls in type(model).__mro__ if "dense" in vars(cls)), None)
+    if seam is None or not all(callable(getattr(model, name, None)) for name in ("front", "layout")) \
+            or type(model).forward is not seam.forward:
+        return f"{type(model).__name__}'s forward is not the pillar models' front/dense seam"
+    return None
+
+
+def check_capture(mode: Optional[str], model: nn.Module, half: Any) -> None:
+    """One ConfigError line, naming the flag and the fix, for a run --capture cannot serve."""
+    if mode is None:
+        return
+    reason = not_capturable(model)
+    if reason is not None:
+        raise ConfigError(f"--capture {mode}: {reason} (models/point_pillar.py); train this model without --capture")
+    if half:
+        raise ConfigError(f"--capture {mode} with --half: the captured step is checked in float32 only; drop --half "
+                          f"or --capture")
+
+
+class DenseStage:
+    """What the task's step sees as the model inside the compiled function: ``model(ego)`` gives the dense part's
+    output on the front's map. The step must call it on the batch's ``ego`` dict (tasks/opencood.py's step)."""
+
+    def __init__(self, model: nn.Module, features: torch.Tensor, layout: Mapping, data_dict: Mapping):
+        self.model, self.features, self.layout, self.data_dict = model, features, layout, data_dict
+
+    def __call__(self, data_dict: Mapping) -> dict:
+        if data_dict is not self.data_dict:
+            raise RuntimeError("--capture: the task's step ran the model on another input than batch['ego']")
+        return self.model.dense(self.features, self.layout)
+
+
+def dense_step(step: StepFn, model: nn.Module, features: torch.Tensor, layout: Mapping, batch: Any) -> LossOutput:
+    """The task's step with the front already run: dense part and loss. The function --capture compiles; its
+    fallback calls it as it is."""
+    return step(DenseStage(model, features, layout, batch["ego"]), batch)
+
+
+def captured_layout(layout: Mapping) -> dict:
+    """The model's layout with ``record_len`` as `CavCounts` (the rest is tensors and Python values already)."""
+    record_len = layout.get("record_len")
+    counts = None if record_len is None else CavCounts(int(n) for n in record_len.tolist())
+    return {**layout, "record_len": counts}
+
+
+class CaptureModule(nn.Module):
+    """The model and the task's step as one module, forward(batch) -> the step's LossOutput, its dense part
+    compiled. DDP wraps it under --capture; checkpoints keep the model's own state dict (the trainer's
+    ``model_without_ddp``)."""
+
+    def __init__(self, model: nn.Module, step: StepFn, mode: CaptureMode, device: torch.device,
+                 max_shapes: int = MAX_SHAPES):
+        super().__init__()
+        self.model, self.step, self.mode, self.device = model, step, mode, torch.device(device)
+        self.max_shapes, self.shapes, self.eager_shapes = max_shapes, set(), set()
+        self.cuda_graphs = mode == "compile" and self.device.type == "cuda"
+        self.compiled = torch.compile(dense_step, backend="aot_eager" if mode == "aot_eager" else "inductor",
+                                      mode="reduce-overhead" if self.cuda_graphs else None, dynamic=False)
+        self.log = get_logger()
+
+    def kernels(self) -> ContextManager:
+        """Around forward and backward: on the CPU, the kernels CUDA takes (the module's docstring says why)."""
+        return cuda_kernels_on_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+
+    def forward(self, batch: Any) -> LossOutput:
+        ego = batch["ego"]
+        with self.kernels():
+            features = self.model.front(ego)
+            layout = captured_layout(self.model.layout(ego))
+            run = self.compiled if self._compiles(layout["record_len"], tuple(features.shape)) else dense_step
+            if self.cuda_graphs and run is self.compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            out = run(self.step, self.model, features, layout, batch)
+        if self.cuda_graphs:  # a CUDA graph's outputs are overwritten by its next replay; the loop keeps these
+            out = LossOutput(out.total.clone(), {name: value.clone() for name, value in out.parts.items()})
+        return out
+
+    def _compiles(self, counts: Optional[CavCounts], shape: tuple) -> bool:
+        """Whether this (layout, map shape) runs compiled: one seen before, or a new one within the limit."""
+        key = (counts, shape)
+        if key in self.shapes:
+            return True
+        if len(self.shapes) < self.max_shapes:
+            self.shapes.add(key)
+            self.log.info(f"--capture {self.mode}: compiling the dense step for CAV layout {_describe(counts)}, map "
+                          f"{list(shape)} ({len(self.shapes)} of at most {self.max_shapes} shapes)")
+            return True
+        if key not in self.eager_shapes:
+            self.eager_shapes.add(key)
+            self.log.warning(f"--capture {self.mode}: CAV layout {_describe(counts)}, map {list(shape)} is past the "
+                             f"{self.max_shapes} compiled shapes: its steps run eagerly")
+        return False
+
+
+def _describe(counts: Optional[CavCounts]) -> str:
+    return "none" if counts is None else str(list(counts))
+
+
+class CapturedStep:
+    """The step the fit loop calls with the (DDP-wrapped) `CaptureModule`: its forward is the whole step."""
+
+    def __call__(self, model: nn.Module, batch: Any) -> LossOutput:
+        return model(batch)
+
+
+__all__ = ["CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep", "CavCounts", "check_capture",
+           "not_capturable", "MAX_SHAPES"]

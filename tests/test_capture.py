@@ -1,0 +1,125 @@
+"""--capture (engine/capture.py): the dense part of the step compiled, its results the eager step's.
+
+The checks compile with backend aot_eager (the traced graphs run by torch's eager kernels, seconds a compile here):
+it must repeat the eager step bit for bit, so any difference is the capture path's (a wrong guard, a stale layout).
+Every comparison runs both sides under numerics/kernel_path.cuda_kernels_on_cpu, as the captured step does.
+
+Inductor (--capture compile) fuses and rounds anew, so it cannot equal the eager step; how near it is is a
+measurement, not a test here (an inductor compile takes minutes on 2 cores): tools/benchmarks/benchmark_capture.py
+sets its gap to float64 beside eager float32's, and docs/capture.md keeps the figures and the verdict."""
+from __future__ import annotations
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from launch import REPO, explain, split_set_flags, train
+from opencood_ddp.engine.capture import CaptureModule, CavCounts, check_capture
+from opencood_ddp.engine.options import parse_train_options, train_argv
+from opencood_ddp.errors import ConfigError
+from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
+from zoo import hypes_of
+
+ATTFUSE = "toy/point_pillar_intermediate_fusion"
+
+
+@pytest.fixture(scope="module")
+def attfuse(toy_small):
+    """(task, (a, b)): AttFuse's toy task and two batches of two CAV layouts: one sample of 2 CAVs, two of 2."""
+    from opencood_ddp.tasks import build_task
+
+    torch.manual_seed(0)
+    task = build_task(hypes_of(ATTFUSE, toy_root=toy_small), for_training=True)
+    samples = [task.train_set[i] for i in range(3)]
+    return task, (task.collate_train([samples[2]]), task.collate_train(samples[:2]))
+
+
+def train_steps(task, batches, capture=None, after_step=lambda: None):
+    """(losses, model) after one SGD step per batch, eager or through a CaptureModule made by `capture(model)`;
+    `after_step()` is called after each step."""
+    model = copy.deepcopy(task.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    module = capture(model) if capture is not None else None
+    losses = []
+    for batch in batches:
+        with cuda_kernels_on_cpu():
+            out = module(batch) if module is not None else task.step(model, batch)
+            out.total.backward()
+        losses.append(out.total.detach())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after_step()
+    return losses, model
+
+
+def max_difference(a: nn.Module, b: nn.Module) -> float:
+    return max((x.double() - y.double()).abs().max().item()
+               for x, y in zip(a.state_dict().values(), b.state_dict().values()) if x.is_floating_point())
+
+
+def test_aot_eager_capture_is_the_eager_step_and_a_shape_past_the_limit_runs_eagerly(attfuse, caplog):
+    """Layouts A, A, B with room for one compiled shape: A compiles, A replays its graphs (no new one traced), B is
+    past the limit and runs eagerly. Every loss and every parameter and running statistic after the three steps
+    equal the eager step's bit for bit."""
+    from torch._dynamo.utils import counters
+
+    task, (a, b) = attfuse  # A: the one-sample batch (the cheapest step), B: another CAV layout
+    batches = [a, a, b]
+    modules, graphs = [], []
+
+    def capture(model):
+        modules.append(CaptureModule(model, task.step, "aot_eager", torch.device("cpu"), max_shapes=1))
+        return modules[0]
+
+    eager_losses, eager = train_steps(task, batches)
+    with caplog.at_level(logging.INFO):
+        losses, captured = train_steps(task, batches, capture,
+                                       after_step=lambda: graphs.append(counters["stats"]["unique_graphs"]))
+    assert [loss.item() for loss in losses] == [loss.item() for loss in eager_losses]
+    assert max_difference(eager, captured) == 0.0
+    assert graphs[1] == graphs[0] > 0 and graphs[2] == graphs[1], graphs  # A's replay and B traced nothing new
+    module = modules[0]
+    assert [counts for counts, _ in module.shapes] == [CavCounts((2,))]
+    assert [counts for counts, _ in module.eager_shapes] == [CavCounts((2, 2))]
+    assert caplog.text.count("compiling the dense step") == 1
+    assert "past the 1 compiled shapes: its steps run eagerly" in caplog.text
+
+
+def test_capture_flag_parses_and_passes_on():
+    options = parse_train_options(["--hypes_yaml", "x.yaml", "--capture", "compile"])
+    assert options.loop.capture == "compile"
+    assert parse_train_options(train_argv(options)) == options
+    assert parse_train_options([]).loop.capture is None
+    with pytest.raises(SystemExit):
+        parse_train_options(["--capture", "cudagraphs"])
+
+
+def test_capture_refuses_what_it_cannot_serve(attfuse):
+    task, _ = attfuse
+    with pytest.raises(ConfigError, match=r"^--capture compile: Linear's forward is not .*without --capture$"):
+        check_capture("compile", nn.Linear(2, 2), None)
+    with pytest.raises(ConfigError, match=r"^--capture aot_eager with --half: .*drop --half or --capture$"):
+        check_capture("aot_eager", task.model, "bf16")
+    check_capture("compile", task.model, None)
+    check_capture(None, nn.Linear(2, 2), "fp16")
+
+
+@pytest.mark.slow
+def test_two_rank_capture_trains(toy_small, tmp_path):
+    """torchrun, 2 gloo ranks, batch norm synchronised over them: DDP wraps the CaptureModule, the compiled function
+    runs inside its forward (the synchronised batch norm's collectives break the graph there and run eagerly).
+    The run compiles, takes its step and saves finite weights. As cheap as that proof allows: one step of one
+    sample a rank, at most 2,000 pillars a cloud. Its weights are not the eager run's bit for bit: the captured step
+    takes CUDA's kernels on the CPU (float32 batch-norm statistics), the eager run the float64 ones."""
+    run_dir = tmp_path / "captured"
+    result = train(2, "--hypes_yaml", REPO / "hypes_yaml" / f"{ATTFUSE}.yaml", "--model_dir", run_dir,
+                   "--num_workers", "0", "--set", "train_params.batch_size=2", "--set", "train_params.epoches=1",
+                   "--set", "preprocess.args.max_voxel_train=2000", "--max_steps", "1", "--capture", "aot_eager",
+                   *split_set_flags(toy_small), timeout=600)
+    assert result.returncode == 0, explain(result)
+    assert "--capture aot_eager: compiling the dense step" in result.stdout + result.stderr
+    weights = torch.load(run_dir / "net_step1.pth", map_location="cpu", weights_only=True)
+    assert all(torch.isfinite(value).all() for value in weights.values() if value.is_floating_point())
