@@ -106,6 +106,12 @@ def captured_layout(layout: Mapping) -> dict:
     return {**layout, "record_len": counts}
 
 
+def step_kernels(device: torch.device) -> ContextManager:
+    """The kernels a captured step takes on `device`: on the CPU those CUDA takes (the module's docstring says why),
+    on CUDA its own."""
+    return cuda_kernels_on_cpu() if torch.device(device).type == "cpu" else contextlib.nullcontext()
+
+
 class CaptureModule(nn.Module):
     """The model and the task's step as one module, forward(batch) -> the step's LossOutput, its dense part
     compiled. DDP wraps it under --capture; checkpoints keep the model's own state dict (the trainer's
@@ -122,8 +128,8 @@ class CaptureModule(nn.Module):
         self.log = get_logger()
 
     def kernels(self) -> ContextManager:
-        """Around forward and backward: on the CPU, the kernels CUDA takes (the module's docstring says why)."""
-        return cuda_kernels_on_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+        """Around forward and backward: `step_kernels` of this module's device."""
+        return step_kernels(self.device)
 
     def forward(self, batch: Any) -> LossOutput:
         ego = batch["ego"]
@@ -167,4 +173,4 @@ class CapturedStep:
 
 
 __all__ = ["CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep", "CavCounts", "check_capture",
-           "not_capturable", "MAX_SHAPES"]
+           "not_capturable", "MAX_SHAPES", "step_kernels"]

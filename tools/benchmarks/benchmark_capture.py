@@ -49,7 +49,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -58,6 +58,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmark_numerics import floats_as  # noqa: E402  (this folder: the script's own)
+from opencood_ddp.engine.capture import step_kernels  # noqa: E402
 from opencood_ddp.engine.options import training_flags  # noqa: E402
 
 DEFAULT_HYPES = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
@@ -118,25 +120,6 @@ def pick_batches(task, count: int, batch_size: int, device: torch.device) -> lis
     raise SystemExit(f"only {len(batches)} batches of CAV layout {wanted} in the training split; fewer --steps")
 
 
-def to_dtype(value: Any, dtype: torch.dtype) -> Any:
-    """`value` with every floating tensor of its nested dicts, lists and tuples in `dtype`; integer tensors
-    (record_len, voxel coordinates, indices) and everything else as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {key: to_dtype(item, dtype) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_dtype(item, dtype) for item in value)
-    return value
-
-
-def kernels(device: torch.device) -> ContextManager:
-    """The kernels every run takes: CUDA's on the CPU (those the captured step must take), native on CUDA."""
-    from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
-
-    return cuda_kernels_on_cpu() if device.type == "cpu" else contextlib.nullcontext()
-
-
 def make_optimizer(args: argparse.Namespace, hypes: dict, model: nn.Module, device: torch.device):
     from opencood_ddp.engine.optim import build_optimizer
 
@@ -167,7 +150,7 @@ class Run:
 
     def step(self, batch: Any) -> float:
         """One training step on `batch` (already in this run's dtype); its loss."""
-        with contextlib.nullcontext() if self.cpu_kernels else kernels(self.device):
+        with contextlib.nullcontext() if self.cpu_kernels else step_kernels(self.device):
             out = self.module(batch) if self.module is not None else self.task.step(self.model, batch)
             out.total.backward()
         self.optimizer.step()
@@ -179,7 +162,7 @@ class Run:
         torch.manual_seed(0)  # every run draws alike (dropout)
         losses = []
         for batch in batches:
-            batch = to_dtype(batch, self.dtype)
+            batch = floats_as(batch, self.dtype)
             synchronize(self.device)
             started = time.perf_counter()
             losses.append(self.step(batch))
@@ -213,7 +196,7 @@ def seconds(step: Callable[[], Any], device: torch.device) -> float:
 
 def median_step(run: Run, batch: Any, args: argparse.Namespace) -> float:
     """Median seconds of --timed steps on `batch` after --warmup ones."""
-    batch = to_dtype(batch, run.dtype)
+    batch = floats_as(batch, run.dtype)
     for _ in range(args.warmup):
         run.step(batch)
     return statistics.median(seconds(lambda: run.step(batch), run.device) for _ in range(args.timed))

@@ -105,13 +105,15 @@ def timing_table() -> None:
 
 
 # ------------------------------------------------------------------------------------------------- models
-def _as(value, dtype: torch.dtype):
+def floats_as(value, dtype: torch.dtype):
+    """`value` with every floating tensor of its nested dicts, lists and tuples in `dtype`; integer tensors
+    (record_len, voxel coordinates, indices) and everything else as they are."""
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, dict):
-        return {key: _as(item, dtype) for key, item in value.items()}
+        return {key: floats_as(item, dtype) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(_as(item, dtype) for item in value)
+        return type(value)(floats_as(item, dtype) for item in value)
     return value
 
 
@@ -139,7 +141,7 @@ def step_errors(task, model32: torch.nn.Module, batch: dict) -> tuple[float, flo
     """(output error, gradient error) of a float32 step against the same step in float64."""
     model64 = copy.deepcopy(model32).double()
     outputs32, grads32 = training_step(task, model32, batch)
-    outputs64, grads64 = training_step(task, model64, _as(batch, torch.float64))
+    outputs64, grads64 = training_step(task, model64, floats_as(batch, torch.float64))
     return relative(outputs32, outputs64), relative(grads32, grads64)
 
 
