@@ -58,7 +58,8 @@ def forward_backward(step: StepFn, model: nn.Module, batch: Any, precision: Prec
     is given), so that the gradients summed over a step's micro-batches are the mean over its batch."""
     with precision.autocast():
         out = step(model, batch)
-    loss = out.total / micro_batches
+    # x / 1 is x, bit for bit, and so is its gradient: no division, forward or backward, in a step of one micro-batch
+    loss = out.total if micro_batches == 1 else out.total / micro_batches
     (scaler.scale(loss) if scaler is not None else loss).backward()
     return out
 

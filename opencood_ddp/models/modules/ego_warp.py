@@ -93,11 +93,22 @@ def _resample(maps: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     return grid_sample(maps, grid, mode="bilinear", align_corners=False)
 
 
+def all_identity(pairwise: torch.Tensor) -> bool:
+    """Whether every (4, 4) matrix of ``pairwise`` is exactly the identity, as the dataset writes them with
+    proj_first. Then every row of ``ego_frame_affines`` is exactly the identity (R = I and t = 0 give S^-1 I S = I
+    and (c + 0 - c) / S = 0 without rounding, S > 0 the range's half extents), and no map moves: ``batch_ego_warp``
+    returns None without that derivation, three ops (eye, expand, equal) where it dispatches some sixty per step
+    (issue 52's op budget). Any other matrix takes the derivation."""
+    if tuple(pairwise.shape[-2:]) != (4, 4):
+        return False
+    return torch.equal(pairwise, torch.eye(4, dtype=pairwise.dtype, device=pairwise.device).expand_as(pairwise))
+
+
 def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float]) -> Optional[EgoWarp]:
     """The batch's EgoWarp from its ``record_len`` and ``pairwise_t_matrix``, where those are; None when it has
     neither (no fusion) or when no CAV's map moves (proj_first: true), so that nothing is computed per level."""
     record_len, pairwise = data_dict.get("record_len"), data_dict.get("pairwise_t_matrix")
-    if record_len is None or pairwise is None:
+    if record_len is None or pairwise is None or all_identity(pairwise):
         return None
     theta = ego_frame_affines(pairwise, record_len, lidar_range)
     is_ego = ego_rows(record_len, theta.device)
@@ -111,5 +122,5 @@ def to_ego_frame(x: torch.Tensor, warp: Optional[EgoWarp]) -> torch.Tensor:
     return x if warp is None else warp_to_ego(x, warp.theta, warp.is_ego)
 
 
-__all__ = ["EgoWarp", "batch_ego_warp", "ego_frame_affines", "ego_rows", "moving_rows", "to_ego_frame",
-           "warp_to_ego"]
+__all__ = ["EgoWarp", "all_identity", "batch_ego_warp", "ego_frame_affines", "ego_rows", "moving_rows",
+           "to_ego_frame", "warp_to_ego"]

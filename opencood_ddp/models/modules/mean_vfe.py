@@ -21,8 +21,11 @@ class MeanVFE(nn.Module):
 
     def forward(self, batch_dict: dict) -> dict:
         voxels, counts = batch_dict["voxel_features"], batch_dict["voxel_num_points"]
-        real = torch.arange(voxels.shape[1], device=voxels.device).view(1, -1) < counts.view(-1, 1)
-        total = (voxels * real.unsqueeze(-1).to(voxels.dtype)).sum(dim=1)
+        # Broadcasting and type promotion do what views and casts would: (P,) < (V, 1) is the (V, P) mask, and a
+        # float times a bool, or over an integer, computes in the float's type, as the cast operands would, with
+        # the same results. Nine ops instead of twelve (issue 52's op budget).
+        real = torch.arange(voxels.shape[1], device=voxels.device) < counts.view(-1, 1)
+        total = (voxels * real.unsqueeze(-1)).sum(dim=1)
         # A voxel always has a point; the clamp only keeps a malformed count of 0 from dividing by zero.
-        batch_dict["voxel_features"] = total / counts.clamp(min=1).view(-1, 1).to(voxels.dtype)
+        batch_dict["voxel_features"] = total / counts.clamp(min=1).view(-1, 1)
         return batch_dict

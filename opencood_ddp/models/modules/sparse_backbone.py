@@ -178,10 +178,10 @@ def dense_of(x: Any) -> torch.Tensor:
     One index_put instead of spconv's ``dense()``, whose indexing with a list of index tensors torch has
     deprecated (a warning on every step, and a different meaning in a later torch).
     """
-    cells = x.indices.long()
     depth, height, width = (int(v) for v in x.spatial_shape)
     canvas = x.features.new_zeros(x.batch_size, depth, height, width, x.features.shape[1])
-    canvas = canvas.index_put((cells[:, 0], cells[:, 1], cells[:, 2], cells[:, 3]), x.features)
+    # One unbind for the four index columns (one op where four selects were: issue 52's op budget).
+    canvas = canvas.index_put(x.indices.long().unbind(1), x.features)
     return canvas.permute(0, 4, 1, 2, 3)
 
 
