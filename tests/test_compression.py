@@ -288,8 +288,7 @@ def test_bytes_per_cav_frame_by_hand():
 def test_where2comm_rates_by_hand():
     """Sample 0: ego with 1 of 4 cells above the threshold, one cooperator with 2; sample 1: a lone ego with 4.
     OpenCOOD's com: (3 / 8 + 4 / 4) / 2; ours: the cooperator's 2 of 4 cells."""
-    from opencood_ddp.models.modules.ego_warp import ego_rows
-    from opencood_ddp.models.modules.where2comm import Communication, Where2commFusion
+    from opencood_ddp.models.modules.where2comm import Communication, Where2commFusion, cav_rows
 
     high, low = 9.0, -9.0
     psm = torch.full((3, 2, 2, 2), low)
@@ -298,12 +297,12 @@ def test_where2comm_rates_by_hand():
     psm[2] = high
     record_len = torch.tensor([2, 1])
     fusion = Where2commFusion([4], "MAX", [-1, -1, -1, 1, 1, 1], Communication(0.5))
-    mask, rates = fusion.communicate(psm, ego_rows(record_len, psm.device), record_len)
+    mask, rates = fusion.communicate(psm, cav_rows(record_len, psm.device))
     assert rates.com.item() == pytest.approx((3 / 8 + 1) / 2)
     assert rates.comm_rate.item() == pytest.approx(0.5)
     assert mask[0].sum() == 4 and mask[1].sum() == 2  # the ego whole, the cooperator's two cells
     fully = Where2commFusion([4], "MAX", [-1, -1, -1, 1, 1, 1], Communication(0.5), fully=True)
-    _, everything = fully.communicate(psm, ego_rows(record_len, psm.device), record_len)
+    _, everything = fully.communicate(psm, cav_rows(record_len, psm.device))
     assert everything.com.item() == everything.comm_rate.item() == 1.0
 
 

@@ -54,9 +54,9 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, validate
 from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_anchor_stride, check_max_cav, check_shrink_neck,
                                         head_stride, level_map_sizes, refuse)
-from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp, ego_rows
+from opencood_ddp.models.modules.ego_warp import batch_ego_warp
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
-from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion
+from opencood_ddp.models.modules.where2comm import AGGREGATORS, Communication, Rates, Where2commFusion, cav_rows
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
 
@@ -240,51 +240,49 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         rows, cols = level_map_sizes(args["base_bev_backbone"], int(grid[1]), int(grid[0]))[0]
         return [(int(args["base_bev_backbone"]["num_filters"][0]), rows, cols)]
 
-    def bev(self, data_dict: Mapping) -> torch.Tensor:
-        """Pillars scattered to one (C, H, W) map per CAV: the backbone's input."""
-        lidar = data_dict["processed_lidar"]
-        batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
-                 "voxel_num_points": lidar["voxel_num_points"]}
-        batch = self.pillar_vfe(batch)
-        return self.scatter(batch, self.num_images(data_dict))["spatial_features"]
-
     def single_maps(self, spatial: torch.Tensor) -> torch.Tensor:
         """Every CAV's own shrunk backbone output (no fusion)."""
         return self.shrink(self.backbone({"spatial_features": spatial})["spatial_features_2d"])
 
-    def fuse_levels(self, spatial: torch.Tensor, psm_single: torch.Tensor, record_len: torch.Tensor,
-                    warp: Optional[EgoWarp], is_ego: torch.Tensor) -> Tuple[torch.Tensor, Rates]:
+    def fuse_levels(self, spatial: torch.Tensor, psm_single: torch.Tensor,
+                    layout: Mapping) -> Tuple[torch.Tensor, Rates]:
         """Upstream's multi-scale path: the backbone's levels again, level 0 masked, every level fused."""
         backbone, x, ups = self.backbone, spatial, []
         rates = None
         for level, block in enumerate(backbone.blocks):
             x = block(x)
             if level == 0:  # the masked maps also feed the deeper levels, as upstream
-                mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len, tuple(x.shape[-2:]))
+                mask, rates = self.fusion_net.communicate(psm_single, layout["cav_rows"], tuple(x.shape[-2:]))
                 x = x if mask is None else x * mask
-            fused = self.fusion_net.fuse(level, x, record_len, warp)
+            fused = self.fusion_net.fuse(level, x, layout["record_len"], layout["ego_warp"])
             ups.append(backbone.deblocks[level](fused) if len(backbone.deblocks) > 0 else fused)
         x = torch.cat(ups, dim=1) if len(ups) > 1 else ups[0]
         if len(backbone.deblocks) > len(backbone.blocks):
             x = backbone.deblocks[-1](x)
         return self.shrink(x), rates
 
-    def forward(self, data_dict: Mapping) -> dict:
+    def layout(self, data_dict: Mapping) -> dict:
+        """``record_len``, the warp into the ego's frame (normalised by the fusion's lidar_range; None where no map
+        moves, proj_first: true, and the fusions then take the maps as they are, as a warp would) and the CAV rows
+        the communication reads, made where ``record_len`` is."""
         record_len = data_dict["record_len"]
-        spatial = self.bev(data_dict)
-        is_ego = ego_rows(record_len, spatial.device)
-        # None where no map moves (proj_first: true): the fusions then take the maps as they are, as a warp would.
         warp = batch_ego_warp({"record_len": record_len, "pairwise_t_matrix": data_dict["pairwise_t_matrix"]},
                               self.fusion_net.lidar_range)
+        device = data_dict["processed_lidar"]["voxel_features"].device
+        return {"record_len": record_len, "ego_warp": warp, "cav_rows": cav_rows(record_len, device)}
+
+    def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
+        """Confidence, communication mask, fusion and heads on the scattered maps."""
         if self.multi_scale:
             with torch.no_grad():  # feeds a threshold only: no gradient would flow back through it
-                psm_single = self.cls_head(self.single_maps(spatial))
-            fused, rates = self.fuse_levels(spatial, psm_single, record_len, warp, is_ego)
+                psm_single = self.cls_head(self.single_maps(features))
+            fused, rates = self.fuse_levels(features, psm_single, layout)
         else:
-            features = self.single_maps(spatial)
+            shrunk = self.single_maps(features)
             with torch.no_grad():
-                psm_single = self.cls_head(features)  # the confidence comes from the uncompressed map, as upstream
-            features = self.compress(features)
-            mask, rates = self.fusion_net.communicate(psm_single, is_ego, record_len)
-            fused = self.fusion_net.fuse(0, features if mask is None else features * mask, record_len, warp)
+                psm_single = self.cls_head(shrunk)  # the confidence comes from the uncompressed map, as upstream
+            shrunk = self.compress(shrunk)
+            mask, rates = self.fusion_net.communicate(psm_single, layout["cav_rows"])
+            fused = self.fusion_net.fuse(0, shrunk if mask is None else shrunk * mask, layout["record_len"],
+                                         layout["ego_warp"])
         return {**self.heads(fused), "comm_rate": rates.comm_rate, "com": rates.com}

@@ -100,18 +100,31 @@ def communication_rate(mask: Optional[torch.Tensor], is_ego: torch.Tensor) -> to
     return torch.where(senders > 0, sent / cells.clamp(min=1).float(), sent.new_zeros(()))
 
 
-def opencood_com(selected: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:
+def opencood_com(selected: torch.Tensor, rows: "CavRows") -> torch.Tensor:
     """0-d float32, detached: OpenCOOD's ``com`` (``where2comm_fuse.py``'s ``communication_rates``).
 
     Per sample: the cells above the threshold over all its L CAVs, the ego's own map included (counted before
     the ego is kept whole), divided by L x H x W, on the heads' grid; then the mean over the batch's samples.
     Everything sent (``fully``, no communication block) is 1, as upstream's ``fully`` (``Where2commFusion``).
     """
-    device = selected.device
-    sample = to_device(sample_and_slot(record_len)[0], device)
     per_cav = (selected.detach() > 0).flatten(1).float().mean(dim=1)  # every CAV's map has H x W cells
-    per_sample = torch.zeros(len(record_len), device=device).index_add_(0, sample, per_cav)
-    return (per_sample / to_device(record_len, device)).mean()
+    per_sample = torch.zeros(rows.cavs.shape[0], device=selected.device).index_add_(0, rows.sample, per_cav)
+    return (per_sample / rows.cavs).mean()
+
+
+class CavRows(NamedTuple):
+    """The batch's CAV rows as the communication reads them, on the maps' device: made once per batch from
+    ``record_len`` where it is (the host), so that the dense part of the step (engine/capture.py) is given them
+    rather than deriving them from ``record_len`` itself."""
+
+    is_ego: torch.Tensor  # (sum(record_len),) bool: the row is its sample's first CAV
+    sample: torch.Tensor  # (sum(record_len),) long: the row's sample
+    cavs: torch.Tensor  # (B,) record_len itself
+
+
+def cav_rows(record_len: torch.Tensor, device: torch.device) -> CavRows:
+    sample, slot = sample_and_slot(record_len)
+    return CavRows(to_device(slot == 0, torch.device(device)), to_device(sample, device), to_device(record_len, device))
 
 
 class Rates(NamedTuple):
@@ -138,7 +151,7 @@ class Where2commFusion(nn.Module):
         self.communicates = communication is not None and not fully
         self.lidar_range = [float(v) for v in lidar_range]
 
-    def communicate(self, psm_single: torch.Tensor, is_ego: torch.Tensor, record_len: torch.Tensor,
+    def communicate(self, psm_single: torch.Tensor, rows: CavRows,
                     size: Optional[Tuple[int, int]] = None) -> Tuple[Optional[torch.Tensor], Rates]:
         """(mask (N, 1, *size) or None when everything is sent, the two communication rates).
 
@@ -146,13 +159,13 @@ class Where2commFusion(nn.Module):
         cell there counts as sent when its mask is non-zero. OpenCOOD's ``com`` is counted on the heads' grid.
         """
         if not self.communicates:
-            return None, Rates(communication_rate(None, is_ego), torch.ones((), device=is_ego.device))
+            return None, Rates(communication_rate(None, rows.is_ego), torch.ones((), device=rows.is_ego.device))
         selected = self.naive_communication.selected(psm_single)
-        mask = keep_egos_whole(selected, is_ego)
-        com = opencood_com(selected, record_len)
+        mask = keep_egos_whole(selected, rows.is_ego)
+        com = opencood_com(selected, rows)
         if size is not None and tuple(mask.shape[-2:]) != tuple(size):
             mask = F.interpolate(mask, size=tuple(size), mode="bilinear", align_corners=False)
-        return mask, Rates(communication_rate(mask, is_ego), com)
+        return mask, Rates(communication_rate(mask, rows.is_ego), com)
 
     def fuse(self, level: int, x: torch.Tensor, record_len: torch.Tensor, warp: Optional[EgoWarp]) -> torch.Tensor:
         """(sum(record_len), C, H, W) masked CAV maps -> (B, C, H, W): warped to the ego, fused per sample."""
