@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import List, Mapping, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from opencood_ddp.errors import ConfigError
@@ -195,18 +196,32 @@ class SecondIntermediate(nn.Module):
         _, rows, cols = output_shape(args["grid_size"])
         return attfuse_sent_maps(args["base_bev_backbone"], rows, cols)
 
-    def forward(self, data_dict: Mapping) -> dict:
+    # The pillar models' seam (models/point_pillar.py; engine/capture.py's --capture): `front` is everything whose
+    # shapes follow the voxels (the mean VFE and spconv's sparse backbone, which no compiler traces) up to the
+    # dense BEV map; `dense` is the fused BEV backbone and the heads, whose shapes the grid and the CAV layout fix.
+    def front(self, data_dict: Mapping) -> torch.Tensor:
+        """(sum(record_len), C, H, W): the sparse backbone's output, its height folded into the channels."""
         lidar, record_len = data_dict["processed_lidar"], data_dict["record_len"]
         batch = {"voxel_features": lidar["voxel_features"], "voxel_coords": lidar["voxel_coords"],
                  "voxel_num_points": lidar["voxel_num_points"], "record_len": record_len,
                  # Every CAV gets a map, a trailing one without voxels included (upstream: sum(record_len)).
-                 "num_images": sum(counts(record_len)),
-                 "ego_warp": batch_ego_warp(data_dict, self.lidar_range)}
+                 "num_images": sum(counts(record_len))}
         batch = self.mean_vfe(batch)
         batch = self.backbone_3d(batch)
-        batch = self.height_compression(batch)
+        return self.height_compression(batch)["spatial_features"]
+
+    def layout(self, data_dict: Mapping) -> dict:
+        """``record_len`` and the maps' warp into their ego's frame (None where no map moves)."""
+        return {"record_len": data_dict["record_len"], "ego_warp": batch_ego_warp(data_dict, self.lidar_range)}
+
+    def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
+        """The BEV backbone, fused level by level as AttFuse's, and the 1x1 heads."""
+        batch = {"spatial_features": features, "record_len": layout["record_len"], "ego_warp": layout["ego_warp"]}
         features = self.backbone_2d(batch)["spatial_features_2d"]
         return {"psm": self.cls_head(features), "rm": self.reg_head(features)}
+
+    def forward(self, data_dict: Mapping) -> dict:
+        return self.dense(self.front(data_dict), self.layout(data_dict))
 
 
 __all__ = ["SecondIntermediate", "SECOND_KEYS", "SECOND_OPTIONAL_KEYS", "check_second_args", "head_map_shape",
