@@ -17,8 +17,10 @@ import torch
 from torch import nn
 
 from launch import REPO, explain, split_set_flags, train
-from opencood_ddp.engine.capture import CaptureModule, CavCounts, check_capture
+from opencood_ddp.engine.capture import CapturedStep, CaptureModule, CavCounts, check_capture
 from opencood_ddp.engine.options import parse_train_options, train_argv
+from opencood_ddp.engine.step import Precision, forward_backward
+from opencood_ddp.engine.trainer import optimizer_step
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
 from zoo import hypes_of
@@ -37,20 +39,21 @@ def attfuse(toy_small):
     return task, (task.collate_train([samples[2]]), task.collate_train(samples[:2]))
 
 
-def train_steps(task, batches, capture=None, after_step=lambda: None):
+def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None):
     """(losses, model) after one SGD step per batch, eager or through a CaptureModule made by `capture(model)`;
-    `after_step()` is called after each step."""
+    `after_step()` is called after each step. Under `half` (--half's value) and with a GradScaler the step is the
+    fit loop's: engine/step.forward_backward, then engine/trainer.optimizer_step."""
     model = copy.deepcopy(task.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     module = capture(model) if capture is not None else None
+    precision = Precision(half, torch.device("cpu"))
     losses = []
     for batch in batches:
         with cuda_kernels_on_cpu():
-            out = module(batch) if module is not None else task.step(model, batch)
-            out.total.backward()
+            out = forward_backward(CapturedStep() if module is not None else task.step, module or model, batch,
+                                   precision, scaler)
         losses.append(out.total.detach())
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(optimizer, scaler)
         after_step()
     return losses, model
 
@@ -88,6 +91,59 @@ def test_aot_eager_capture_is_the_eager_step_and_a_shape_past_the_limit_runs_eag
     assert "past the 1 compiled shapes: its steps run eagerly" in caplog.text
 
 
+@pytest.mark.parametrize("half", ["auto", "fp16"])
+def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
+    """--capture with --half: on the CPU a bare --half is bfloat16 autocast (three steps of layout A); fp16 is
+    float16 autocast with the GradScaler (two steps, float16's slow CPU kernels), whose first scale (2^40)
+    overflows float16 so that the first step is skipped, as eager skips it, and whose backoff leaves 2^10 for the
+    step taken. Every loss and every weight equal the eager step's under the same autocast bit for bit, the
+    compiled graphs hold the autocast (the class head's convolution gives the 16-bit type inside them, the loss is
+    not float32's) and one compile serves the steps (the autocast state and the changing scale trace nothing
+    new)."""
+    from torch._dynamo.utils import counters
+
+    task, (a, _) = attfuse
+    dtype = Precision(half, torch.device("cpu")).autocast_dtype
+    batches, modules, graphs, scales, head_dtypes = [a] * (2 if half == "fp16" else 3), [], [], [], []
+    # the hook overwrites a key: a list it appended to would change length, which dynamo guards on (a recompile a step)
+    head = {"dtype": None}
+
+    def new_scaler():  # a fresh one per run: the eager run's and the captured run's scale the same way
+        return torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -30) if half == "fp16" \
+            else None
+
+    def capture(model):
+        model.cls_head.register_forward_hook(lambda module, args, output: head.update(dtype=output.dtype))
+        modules.append(CaptureModule(model, task.step, "aot_eager", torch.device("cpu"), max_shapes=1))
+        return modules[0]
+
+    def after_step():
+        graphs.append(counters["stats"]["unique_graphs"])
+        head_dtypes.append(head["dtype"])
+        head["dtype"] = None
+        if scaler is not None:
+            scales.append(scaler.get_scale())
+
+    scaler = new_scaler()
+    eager_losses, eager = train_steps(task, batches, half=half, scaler=scaler, after_step=after_step)
+    eager_scales, scaler = scales[:], new_scaler()
+    for record in (graphs, scales, head_dtypes):
+        record.clear()
+    compiled_before = counters["stats"]["unique_graphs"]
+    losses, captured = train_steps(task, batches, capture, half=half, scaler=scaler, after_step=after_step)
+    assert [loss.item() for loss in losses] == [loss.item() for loss in eager_losses]
+    assert max_difference(eager, captured) == 0.0
+    assert head_dtypes == [dtype] * len(batches), head_dtypes
+    with torch.no_grad(), cuda_kernels_on_cpu():
+        assert task.step(copy.deepcopy(task.model), a).total.item() != losses[0].item()  # float32's first loss
+    assert graphs[0] > compiled_before and set(graphs) == {graphs[0]}, (compiled_before, graphs)
+    assert len(modules[0].shapes) == 1 and not modules[0].eager_shapes
+    if half == "fp16":
+        assert scales == eager_scales == [2.0 ** 10] * 2
+        assert losses[0].item() == losses[1].item()  # step 1 skipped: the weights step 2 ran with are the first
+        assert max_difference(task.model, captured) > 0  # step 2 taken
+
+
 def test_capture_flag_parses_and_passes_on():
     options = parse_train_options(["--hypes_yaml", "x.yaml", "--capture", "compile"])
     assert options.loop.capture == "compile"
@@ -100,11 +156,9 @@ def test_capture_flag_parses_and_passes_on():
 def test_capture_refuses_what_it_cannot_serve(attfuse):
     task, _ = attfuse
     with pytest.raises(ConfigError, match=r"^--capture compile: Linear's forward is not .*without --capture$"):
-        check_capture("compile", nn.Linear(2, 2), None)
-    with pytest.raises(ConfigError, match=r"^--capture aot_eager with --half: .*drop --half or --capture$"):
-        check_capture("aot_eager", task.model, "bf16")
-    check_capture("compile", task.model, None)
-    check_capture(None, nn.Linear(2, 2), "fp16")
+        check_capture("compile", nn.Linear(2, 2))
+    check_capture("compile", task.model)
+    check_capture(None, nn.Linear(2, 2))
 
 
 @pytest.mark.slow

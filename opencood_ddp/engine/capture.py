@@ -26,6 +26,17 @@ On the CPU the compiled step runs with the kernels CUDA takes (numerics/kernel_p
 fit loop enters `CaptureModule.kernels` around forward and backward, so the eager front and the fallback take the
 same kernels, and a captured run is compared with an eager one under the same switch.
 
+Under ``--half`` the fit loop enters autocast around the module's forward (engine/step.forward_backward), so
+dynamo traces the dense step under it: the casts are in the graphs, and the autocast state, part of dynamo's
+global-state guard, is the same every step (one compile per shape). The eager step's backward runs outside
+autocast, and AOTAutograd traces the compiled backward so too (`backward_outside_autocast`; by default it traces it
+under the forward's autocast, which rounds the backward products of the float32 islands,
+models/modules/precision.py, to 16 bits). Under fp16 the GradScaler multiplies the loss outside the compiled
+function: the scale reaches the compiled backward as its incoming gradient, a tensor, never a guarded constant,
+and unscaling, the inf check and the skipped step stay in the eager optimizer step. With ``aot_eager`` a step under
+bf16 or fp16 autocast, GradScaler included, is the eager step's bit for bit, on the CPU (CUDA's not run yet):
+``.venv/bin/python -m pytest -q tests/test_capture.py -k under_half`` (docs/capture.md, "Under --half").
+
 Under DDP the module DDP wraps is `CaptureModule` (the model, its parameters in their order, and the step), so
 the compiled function runs inside DDP's forward and its gradients reach DDP's hooks as an eager step's do.
 """
@@ -36,6 +47,7 @@ from typing import Any, ContextManager, Literal, Mapping, Optional, get_args
 
 import torch
 from torch import nn
+from torch._functorch import config as functorch_config
 
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.task import LossOutput, StepFn
@@ -68,16 +80,14 @@ def not_capturable(model: nn.Module) -> Optional[str]:
     return None
 
 
-def check_capture(mode: Optional[str], model: nn.Module, half: Any) -> None:
-    """One ConfigError line, naming the flag and the fix, for a run --capture cannot serve."""
+def check_capture(mode: Optional[str], model: nn.Module) -> None:
+    """One ConfigError line, naming the flag and the fix, for a run --capture cannot serve. Every --half serves
+    (the module's docstring, "Under --half")."""
     if mode is None:
         return
     reason = not_capturable(model)
     if reason is not None:
         raise ConfigError(f"--capture {mode}: {reason} (models/point_pillar.py); train this model without --capture")
-    if half:
-        raise ConfigError(f"--capture {mode} with --half: the captured step is checked in float32 only; drop --half "
-                          f"or --capture")
 
 
 class DenseStage:
@@ -104,6 +114,14 @@ def captured_layout(layout: Mapping) -> dict:
     record_len = layout.get("record_len")
     counts = None if record_len is None else CavCounts(int(n) for n in record_len.tolist())
     return {**layout, "record_len": counts}
+
+
+def backward_outside_autocast() -> ContextManager:
+    """Around the compiled call: AOTAutograd traces the backward graph with autocast off, as the eager step's
+    backward runs (engine/step.forward_backward leaves autocast before it). Its default ("same_as_forward")
+    traces the backward under the forward's autocast, so a float32 product of the backward (an island's, or a
+    16-bit product's float32 input gradient) would be cast to 16 bits where eager's is not."""
+    return functorch_config.patch(backward_pass_autocast="off")
 
 
 def step_kernels(device: torch.device) -> ContextManager:
@@ -139,7 +157,8 @@ class CaptureModule(nn.Module):
             run = self.compiled if self._compiles(layout["record_len"], tuple(features.shape)) else dense_step
             if self.cuda_graphs and run is self.compiled:
                 torch.compiler.cudagraph_mark_step_begin()
-            out = run(self.step, self.model, features, layout, batch)
+            with backward_outside_autocast():
+                out = run(self.step, self.model, features, layout, batch)
         if self.cuda_graphs:  # a CUDA graph's outputs are overwritten by its next replay; the loop keeps these
             out = LossOutput(out.total.clone(), {name: value.clone() for name, value in out.parts.items()})
         return out
@@ -172,5 +191,5 @@ class CapturedStep:
         return model(batch)
 
 
-__all__ = ["CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep", "CavCounts", "check_capture",
-           "not_capturable", "MAX_SHAPES", "step_kernels"]
+__all__ = ["backward_outside_autocast", "CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep", "CavCounts",
+           "check_capture", "not_capturable", "MAX_SHAPES", "step_kernels"]

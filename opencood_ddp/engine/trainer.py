@@ -105,7 +105,7 @@ class Trainer:
         self.device = torch.device(env.device)
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=self.loop.sync_bn)
-        check_capture(self.loop.capture, self.model_without_ddp, self.loop.half)
+        check_capture(self.loop.capture, self.model_without_ddp)
         # --capture: DDP wraps the model with the step (engine/capture.py), whose dense part runs compiled.
         self.capture = None if self.loop.capture is None else CaptureModule(self.model_without_ddp, task.step,
                                                                              self.loop.capture, self.device)
