@@ -58,6 +58,15 @@ def train_steps(task, batches, capture=None, after_step=lambda: None, half=None,
     return losses, model
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles `dense_step` anew: dynamo keeps at most 8 graphs per code object for the process, and
+    the tests here would share them (one past the limit would run eagerly and prove nothing)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def max_difference(a: nn.Module, b: nn.Module) -> float:
     return max((x.double() - y.double()).abs().max().item()
                for x, y in zip(a.state_dict().values(), b.state_dict().values()) if x.is_floating_point())
@@ -142,6 +151,35 @@ def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
         assert scales == eager_scales == [2.0 ** 10] * 2
         assert losses[0].item() == losses[1].item()  # step 1 skipped: the weights step 2 ran with are the first
         assert max_difference(task.model, captured) > 0  # step 2 taken
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("toy/point_pillar_where2comm", ()),  # multi_scale: level 0 masked, every level fused
+    ("toy/point_pillar_where2comm", ("model.args.where2comm_fusion.multi_scale=false",)),  # the shrunk map masked
+    ("toy/second_intermediate_fusion", ()),  # spconv's sparse backbone in the eager front
+], ids=["where2comm-multi-scale", "where2comm-single-scale", "second"])
+def test_aot_eager_capture_of_where2comm_and_second_is_the_eager_step(toy_small, config, overrides):
+    """The two models whose dense part is not a plain backbone: Where2comm's communication (a confidence
+    threshold's mask, the rates, all traced) and SECOND (the front is spconv's, outside the graphs). Two steps on
+    one two-sample batch: the second replays the first's graphs, and every loss and weight is the eager step's bit
+    for bit."""
+    from torch._dynamo.utils import counters
+
+    from opencood_ddp.tasks import build_task
+
+    torch.manual_seed(0)
+    task = build_task(hypes_of(config, *overrides, toy_root=toy_small), for_training=True)
+    check_capture("aot_eager", task.model)
+    batch = task.collate_train([task.train_set[i] for i in range(2)])
+    eager_losses, eager = train_steps(task, [batch, batch])
+    graphs = []
+    losses, captured = train_steps(task, [batch, batch],
+                                   lambda model: CaptureModule(model, task.step, "aot_eager", torch.device("cpu")),
+                                   after_step=lambda: graphs.append(counters["stats"]["unique_graphs"]))
+    assert [loss.item() for loss in losses] == [loss.item() for loss in eager_losses]
+    assert losses[0].item() != losses[1].item()  # the first step moved the weights
+    assert max_difference(eager, captured) == 0.0
+    assert graphs[0] == graphs[1] > 0, graphs  # the second step replayed the first's graphs
 
 
 def test_capture_flag_parses_and_passes_on():

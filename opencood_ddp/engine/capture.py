@@ -71,12 +71,12 @@ class CavCounts(tuple):
 
 def not_capturable(model: nn.Module) -> Optional[str]:
     """Why `model` has no dense part to compile (None: it has one): its forward must be the `front` -> `layout` ->
-    `dense` composition of the class that defines `dense` (models/point_pillar.py's; the engine imports no model),
-    which Where2comm's forward (a data-dependent mask) and SECOND's are not."""
+    `dense` composition of the class that defines `dense` (models/point_pillar.py's, or a model's own, as
+    SECOND's; the engine imports no model). Every model of the zoo has it; an out-of-tree model may not."""
     seam = next((cls for cls in type(model).__mro__ if "dense" in vars(cls)), None)
     if seam is None or not all(callable(getattr(model, name, None)) for name in ("front", "layout")) \
             or type(model).forward is not seam.forward:
-        return f"{type(model).__name__}'s forward is not the pillar models' front/dense seam"
+        return f"{type(model).__name__}'s forward is not the front/layout/dense seam"
     return None
 
 

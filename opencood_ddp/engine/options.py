@@ -231,7 +231,7 @@ def add_loop_arguments(parser: Any) -> None:
                         help="compile the static-shape part of the step (backbone, fusion, heads, loss) with "
                              "torch.compile: 'compile' is inductor (CUDA graphs on CUDA), 'aot_eager' the same "
                              "graphs with eager kernels (bit for bit the eager step). On the CPU the step takes "
-                             "the kernels CUDA takes. Pillar models but Where2comm; with or without --half")
+                             "the kernels CUDA takes. Every model of the zoo; with or without --half")
 
 
 def eval_parser(task_options: Optional[type] = None) -> argparse.ArgumentParser:
