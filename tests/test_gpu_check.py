@@ -26,6 +26,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
                     "--configs", TOY, "--full_size", "--precisions", "fp32", "bf16",
                     "--parity_kernels", "strict", "--repeat_configs", WARPING, "--planner_config", TOY,
                     "--loader_config", TOY, "--feed_config", TOY, "--feed_workers", "2", "--feed_steps", "8",
+                    "--capture_configs", TOY,
                     timeout=1200)
     assert result.returncode == 0, explain(result)
     # The report alone in --out (a lent device machine returns a few files), the runs' folders under --work.
@@ -34,7 +35,8 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     checks = {c["name"]: c for c in report["checks"]}
     assert all(c["status"] == "ok" for c in checks.values()), checks
     assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
-            f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}", f"feed {TOY}", "voxelizer"} <= set(checks)
+            f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}", f"feed {TOY}", "voxelizer", f"capture {TOY}"} \
+        <= set(checks)
     assert checks[f"repeat {WARPING}"]["figures"]["tensors"] > 0
     for precision in ("fp32", "bf16"):
         figures = checks[f"train {TOY} {precision}"]["figures"]
@@ -59,6 +61,9 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert feed["steps"] == 8 and feed["workers"] == 2 and feed["train_samples_per_s"] > 0
     assert feed["ratio"] == pytest.approx(feed["train_samples_per_s"] / feed["step_samples_per_s"], rel=0.01)
     assert checks["voxelizer"]["figures"]["sorted_device_equals_cpu"] is True
+    capture = checks[f"capture {TOY}"]["figures"]  # aot_eager on the CPU: the first loss is eager's bit for bit
+    assert capture["mode"] == "aot_eager" and capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == 0
+    assert all(capture[f"{side}_ms_b{b}"] > 0 for side in ("eager", "captured") for b in (1, 2))
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table

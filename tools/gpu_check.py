@@ -46,12 +46,17 @@ Checks, each ok / failed / skipped with the reason:
   same order twice, and the CPU generator's voxels (reported to depend on its threads' timing);
 - host_syncs (CUDA only), for each config: a training step under torch.cuda.set_sync_debug_mode("error") after a
   warm-up, which must read nothing back from the GPU in forward, loss, backward and the fused optimizer update
-  (issue 52; SECOND's spconv reads its voxel count back by design, reported).
+  (issue 52; SECOND's spconv reads its voxel count back by design, reported);
+- capture, for each of `--capture_configs` (the full-size AttFuse; last, since inductor compiles for minutes): the
+  trainer's step under `--capture` beside the eager step at per-GPU batch 1 and 2, from the same weights on the
+  same batch: on CUDA `compile` (inductor with CUDA graphs), both steps' ms, the speed-up and the first loss's
+  relative gap to eager's; on the CPU `aot_eager`, whose first loss must be eager's bit for bit (issue 52 item 3).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import datetime
 import gc
 import io
@@ -120,6 +125,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="parity with torch's default kernels, and with --deterministic --no_tf32 (strict)")
     parser.add_argument("--repeat_configs", nargs="*", default=REPEAT_CONFIGS,
                         help="configs trained twice with --deterministic --no_tf32, which must repeat bit for bit")
+    parser.add_argument("--capture_configs", nargs="*", default=[FULL_SIZE],
+                        help="configs of the --capture check (none: leave it out)")
     parser.add_argument("--sync_configs", nargs="*", default=TOY_CONFIGS,
                         help="configs whose training step must read nothing back from the GPU (CUDA only)")
     parser.add_argument("--planner_config", default=FULL_SIZE, help="config of the planner check ('none': leave out)")
@@ -450,9 +457,13 @@ def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, d
             f"{figures['ratio']}"), figures
 
 
-def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half: Optional[str] = None):
+def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half: Optional[str] = None,
+                  capture: Optional[str] = None):
     """The step as the trainer takes it (engine/census.py's trainer_step: forward_backward, the hypes' optimizer
-    with the device's kernels, optimizer_step), on one batch of `batch_size` already on the device."""
+    with the device's kernels, optimizer_step), on one batch of `batch_size` already on the device. With `capture`
+    (a --capture mode) the step is the trainer's under --capture, on a copy of the model: engine/capture.py's
+    CaptureModule, its dense part compiled on its first call."""
+    from opencood_ddp.engine.capture import CapturedStep, CaptureModule
     from opencood_ddp.engine.census import trainer_step
     from opencood_ddp.engine.optim import build_optimizer
     from opencood_ddp.engine.step import Precision
@@ -460,8 +471,13 @@ def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half
     model = task.model.to(device).train()
     batch = task.move_to(task.collate_train([task.train_set[i % len(task.train_set)] for i in range(batch_size)]),
                          device)
+    if capture is not None:
+        model = copy.deepcopy(model)
     optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
     precision = Precision(half, device)
+    if capture is not None:
+        return trainer_step(CapturedStep(), CaptureModule(model, task.step, capture, device), batch, optimizer,
+                            precision, precision.new_scaler())
     return trainer_step(task.step, model, batch, optimizer, precision, precision.new_scaler())
 
 
@@ -656,6 +672,40 @@ def check_host_syncs(config: str, device: torch.device, data: Path) -> tuple[str
     return "no read-back in forward, loss, backward or the optimizer's update", figures
 
 
+def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, dict]:
+    """--capture's step beside the eager step at per-GPU batch 1 and 2, each from the same weights on the same batch
+    (issue 52 item 3). On CUDA `compile` (inductor, CUDA graphs): both steps' ms (median of 5 after the first,
+    which compiles), the speed-up, and the first loss's relative gap to eager's (inductor rounds anew; docs/capture.md
+    judges its accuracy against float64). On the CPU `aot_eager`, which keeps the check's code working in
+    `make test` (inductor compiles for minutes on a CPU): its first loss must be eager's bit for bit."""
+    from opencood_ddp.engine.capture import step_kernels
+    from opencood_ddp.engine.census import step_seconds
+
+    if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
+        raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
+    mode = "compile" if device.type == "cuda" else "aot_eager"
+    task, hypes = _task_of(config, data)
+    figures: dict = {"mode": mode}
+    with step_kernels(device):  # the kernels a captured step takes, for both sides (on CUDA its own)
+        for batch_size in STEP_BATCHES:
+            eager, captured = (_trainer_step(task, hypes, device, batch_size, capture=c) for c in (None, mode))
+            first = [step().item() for step in (eager, captured)]
+            assert all(map(_finite, first)), f"non-finite first loss at batch {batch_size}: {first}"
+            gap = abs(first[1] - first[0]) / max(abs(first[0]), 1e-30)
+            assert mode != "aot_eager" or gap == 0, f"aot_eager's first loss {first[1]} is not eager's {first[0]}"
+            repeats = 5 if device.type == "cuda" else 1
+            eager_ms, captured_ms = (1e3 * statistics.median(step_seconds(step, device, repeats))
+                                     for step in (eager, captured))
+            figures.update({f"eager_ms_b{batch_size}": round(eager_ms, 2),
+                            f"captured_ms_b{batch_size}": round(captured_ms, 2),
+                            f"speedup_b{batch_size}": round(eager_ms / captured_ms, 2),
+                            f"first_loss_gap_b{batch_size}": float(f"{gap:.3g}")})
+    steps = ", ".join(f"batch {b}: {figures[f'captured_ms_b{b}']} ms against eager's {figures[f'eager_ms_b{b}']} "
+                      f"({figures[f'speedup_b{b}']}x), first loss {figures[f'first_loss_gap_b{b}']:.3g} from eager's"
+                      for b in STEP_BATCHES)
+    return f"--capture {mode}: {steps}", figures
+
+
 def _first_sync(action: Callable[[], object]) -> str:
     """'none', or where the first synchronising call of `action` came from (torch raises it in 'error' mode)."""
     torch.cuda.set_sync_debug_mode("error")
@@ -775,6 +825,8 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     if device.type == "cuda":  # torch's sync debug mode is CUDA's; on the CPU tests/test_host_syncs.py proves it
         for config in args.sync_configs:
             record(timed(f"host_syncs {config}", lambda c=config: check_host_syncs(c, device, data)))
+    for config in args.capture_configs:  # last: inductor's compiles take minutes, and a cut run keeps the rest
+        record(timed(f"capture {config}", lambda c=config: check_capture(c, device, data)))
     return checks
 
 
