@@ -17,8 +17,7 @@ Per CAV the batch may carry (upstream's keys; absent, OPV2V's case: vehicles onl
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -45,12 +44,24 @@ class Agents:
     to_ego: torch.Tensor  # (N, 4, 4) into the ego's current frame; identity for the ego
     kinds: Tuple[int, ...] = ()
     delays: Tuple[int, ...] = ()
+    # The rows the layers select, made with the rest: where the batch is laid out (eagerly, on the host), not on
+    # first use inside the model. A lazy property would be made inside --capture's compiled dense step, and dynamo
+    # breaks the graph at functools.cached_property's lock (an RLock on Python 3.11): 7 breaks in a V2X-ViT step.
+    ego_rows: torch.Tensor = field(init=False, repr=False, compare=False)
+    other_rows: torch.Tensor = field(init=False, repr=False, compare=False)
+    rows_of_kind: Tuple[torch.Tensor, ...] = field(init=False, repr=False, compare=False)  # VEHICLE first
 
     def __post_init__(self):
         if len(self.kinds) != len(self.kind):
             object.__setattr__(self, "kinds", tuple(int(k) for k in self.kind.tolist()))
         if len(self.delays) != len(self.delay):
             object.__setattr__(self, "delays", tuple(int(d) for d in self.delay.tolist()))
+        egos = _starts(self.record_len)
+        object.__setattr__(self, "ego_rows", self._rows(egos))
+        object.__setattr__(self, "other_rows", self._rows([r for r in range(len(self.kinds)) if r not in egos]))
+        # The rows of each kind (empty where a kind is absent).
+        object.__setattr__(self, "rows_of_kind", tuple(self._rows([r for r, k in enumerate(self.kinds) if k == kind])
+                                                       for kind in range(NUM_KINDS)))
 
     @property
     def num_samples(self) -> int:
@@ -62,20 +73,6 @@ class Agents:
 
     def _rows(self, rows: Sequence[int]) -> torch.Tensor:
         return to_device(torch.tensor(list(rows), dtype=torch.long), self.slot.device)
-
-    @cached_property
-    def ego_rows(self) -> torch.Tensor:
-        return self._rows(_starts(self.record_len))
-
-    @cached_property
-    def other_rows(self) -> torch.Tensor:
-        egos = set(_starts(self.record_len))
-        return self._rows(r for r in range(len(self.kinds)) if r not in egos)
-
-    @cached_property
-    def rows_of_kind(self) -> Tuple[torch.Tensor, ...]:
-        """The rows of each kind, VEHICLE first (empty where a kind is absent)."""
-        return tuple(self._rows(r for r, k in enumerate(self.kinds) if k == kind) for kind in range(NUM_KINDS))
 
     def kinds_present(self) -> Tuple[int, ...]:
         return tuple(sorted(set(self.kinds)))
