@@ -25,7 +25,7 @@ import torch
 from opencood_ddp.models.checks import SHRINK_HEADER_KEYS, check_anchor_stride, check_shrink_neck, head_stride, refuse
 from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
-from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion
+from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion, geometry
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
 from opencood_ddp.registry import MODELS
 
@@ -97,14 +97,16 @@ class PointPillarV2VNet(ShrinkNeck, PointPillar):
                                        temporal=bool(block.get("use_temporal_encoding", False)))
 
     def layout(self, data_dict: Mapping) -> dict:
-        """The pillar layout, the pairwise transforms and, with the temporal encoding, each CAV's delay."""
+        """The pillar layout, how the CAVs see each other (`v2vnet.geometry`, from the pairwise transforms, where
+        they are) and, with the temporal encoding, each CAV's delay."""
         record_len = data_dict["record_len"]
         delays = cav_delays(data_dict["prior_encoding"], record_len) if self.fusion_net.cnn is not None else None
-        return {**super().layout(data_dict), "pairwise_t_matrix": data_dict["pairwise_t_matrix"], "delays": delays}
+        seen = geometry(data_dict["pairwise_t_matrix"], counts(record_len), self.fusion_net.lidar_range)
+        return {**super().layout(data_dict), "geometry": seen, "delays": delays}
 
     def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
-        return self.fusion_net(self.shrink_and_compress(features), layout["record_len"], layout["pairwise_t_matrix"],
-                               layout["delays"])
+        return self.fusion_net(self.shrink_and_compress(features), layout["record_len"], None, layout["delays"],
+                               seen=layout["geometry"])
 
 
 def cav_delays(prior_encoding: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ Departures from upstream (docs/compatibility.md):
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -144,6 +144,20 @@ def identity_samples(thetas: torch.Tensor, counts: Sequence[int]) -> List[bool]:
     return torch.stack(flags).tolist() if flags else []
 
 
+class Geometry(NamedTuple):
+    """How each sample's CAVs see each other, worked out where the pairwise matrices are (the host:
+    cav_layout.py), once per batch: the model's `layout` makes it, so that --capture's compiled dense step is given
+    the identity flags as Python bools rather than reading them back from a tensor (a graph break per step)."""
+
+    thetas: torch.Tensor  # (B, L, L, 2, 3) float64 `pairwise_affines`
+    identities: List[bool]  # per sample: every transform among its CAVs the identity (no warp, every cell covered)
+
+
+def geometry(pairwise_t_matrix: torch.Tensor, cav_counts: Sequence[int], lidar_range: Sequence[float]) -> Geometry:
+    thetas = pairwise_affines(pairwise_t_matrix, lidar_range)
+    return Geometry(thetas, identity_samples(thetas, cav_counts))
+
+
 class V2VNetFusion(nn.Module):
     """Message passing among each sample's CAVs; returns the ego's updated map per sample."""
 
@@ -188,18 +202,18 @@ class V2VNetFusion(nn.Module):
         delay_map = to_device(delays, x.device).to(x.dtype).view(n, 1, 1, 1).expand(n, 1, h, w)
         return self.cnn(torch.cat([x, delay_map], dim=1))
 
-    def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: torch.Tensor,
-                delays: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: Optional[torch.Tensor],
+                delays: Optional[torch.Tensor] = None, seen: Optional[Geometry] = None) -> torch.Tensor:
         """(sum(record_len), C, H, W) CAV maps -> (B, C, H, W) fused ego maps; ``delays`` (sum(record_len),),
-        each CAV's delay, is read with the temporal encoding only."""
+        each CAV's delay, is read with the temporal encoding only. ``seen``: the batch's `geometry`, if the caller
+        has worked it out (the model's layout); else it is made here from ``pairwise_t_matrix``."""
         if self.cnn is not None:
             x = self.encode_delays(x, delays)
         h, w = x.shape[-2:]
-        # Which samples need no warp is decided where the pairwise matrices are (the host: cav_layout.py).
-        thetas = pairwise_affines(pairwise_t_matrix, self.lidar_range)
         groups = regroup(x, record_len)
-        identities = identity_samples(thetas, [nodes.shape[0] for nodes in groups])
-        thetas = to_device(thetas, x.device)
+        if seen is None:
+            seen = geometry(pairwise_t_matrix, [nodes.shape[0] for nodes in groups], self.lidar_range)
+        thetas, identities = to_device(seen.thetas, x.device), seen.identities
         egos: List[torch.Tensor] = []
         for b, nodes in enumerate(groups):
             n = nodes.shape[0]
