@@ -186,6 +186,12 @@ class PointPillar(nn.Module):
         frame (None where nothing moves); the fusion models add their own keys."""
         return {"record_len": data_dict.get("record_len"), "ego_warp": self.ego_warp(data_dict)}
 
+    @staticmethod
+    def maps_device(data_dict: Mapping) -> torch.device:
+        """Where the maps will be, for a layout's tensors: the pillars' device (the layout runs before `front`'s
+        map exists, on keys the batch keeps on the host)."""
+        return data_dict["processed_lidar"]["voxel_features"].device
+
     def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
         """Backbone, neck and heads on the scattered map."""
         return self.heads(self.neck(self.backbone_map(features, layout), layout))

@@ -139,8 +139,8 @@ class PointPillarCoBEVT(ShrinkNeck, PointPillar):
 
     def layout(self, data_dict: Mapping) -> dict:
         """The pillar layout (with the maps' warp) and the CAVs' attention slots."""
-        device = data_dict["processed_lidar"]["voxel_features"].device  # where the maps will be
-        return {**super().layout(data_dict), "slots": slots_of(data_dict["record_len"], self.max_cav, device)}
+        slots = slots_of(data_dict["record_len"], self.max_cav, self.maps_device(data_dict))
+        return {**super().layout(data_dict), "slots": slots}
 
     def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
         features = to_ego_frame(self.shrink_and_compress(features), layout["ego_warp"])

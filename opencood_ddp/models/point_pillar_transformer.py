@@ -127,8 +127,8 @@ class PointPillarTransformer(ShrinkNeck, PointPillar):
 
     def layout(self, data_dict: Mapping) -> dict:
         """The pillar layout and the CAVs' agents (kinds, delays, where each sits), worked out on the host."""
-        device = data_dict["processed_lidar"]["voxel_features"].device  # where the maps will be
-        return {**super().layout(data_dict), "agents": Agents.from_batch(data_dict, self.max_cav, device)}
+        agents = Agents.from_batch(data_dict, self.max_cav, self.maps_device(data_dict))
+        return {**super().layout(data_dict), "agents": agents}
 
     def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
         return self.fusion_net(self.shrink_and_compress(features), layout["agents"])

@@ -268,8 +268,8 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         record_len = data_dict["record_len"]
         warp = batch_ego_warp({"record_len": record_len, "pairwise_t_matrix": data_dict["pairwise_t_matrix"]},
                               self.fusion_net.lidar_range)
-        device = data_dict["processed_lidar"]["voxel_features"].device
-        return {"record_len": record_len, "ego_warp": warp, "cav_rows": cav_rows(record_len, device)}
+        rows = cav_rows(record_len, self.maps_device(data_dict))
+        return {"record_len": record_len, "ego_warp": warp, "cav_rows": rows}
 
     def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
         """Confidence, communication mask, fusion and heads on the scattered maps."""
