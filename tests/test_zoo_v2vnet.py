@@ -16,7 +16,8 @@ from zoo import (REPO, assert_forward_backward, assert_key_error, hypes_of, lone
                  toy_batch)
 
 from opencood_ddp.models import create_model
-from opencood_ddp.models.modules.v2vnet import V2VNetFusion, field_of_view, pairwise_affines, warp_all_pairs
+from opencood_ddp.models.modules.v2vnet import (Geometry, V2VNetFusion, field_of_view, geometry, pairwise_affines,
+                                                 warp_all_pairs)
 
 CORE = "point_pillar_v2vnet"
 OPV2V = REPO / "hypes_yaml" / "opv2v" / "point_pillar_v2vnet.yaml"
@@ -69,7 +70,8 @@ def test_a_translation_of_one_cell_moves_the_map_by_one_cell():
 
 def test_hidden_state_follows_the_map_size_not_conv_gru_hw():
     fusion = V2VNetFusion(8, 2, "max", [[3, 3]], [-10, -6, -3, 10, 6, 1])
-    out = fusion(torch.randn(3, 8, 7, 9), torch.tensor([2, 1]), torch.eye(4).repeat(2, 5, 5, 1, 1))
+    seen = seen_by(fusion, torch.eye(4).repeat(2, 5, 5, 1, 1), [2, 1])
+    out = fusion(torch.randn(3, 8, 7, 9), torch.tensor([2, 1]), seen)
     assert out.shape == (2, 8, 7, 9) and torch.isfinite(out).all()
 
 
@@ -145,6 +147,11 @@ def test_with_temporal_encoding_a_cavs_delay_changes_the_ego_output_and_every_pa
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def seen_by(fusion: V2VNetFusion, pairwise: torch.Tensor, cav_counts) -> Geometry:
+    """The batch's geometry as the model's layout makes it."""
+    return geometry(pairwise, list(cav_counts), fusion.lidar_range)
+
+
 # ------------------------------------------------------------------- the rearranged arithmetic, in float64
 def plain_fusion(fusion: V2VNetFusion, x: torch.Tensor, record_len: torch.Tensor,
                  pairwise: torch.Tensor) -> torch.Tensor:
@@ -198,7 +205,10 @@ def test_fusion_equals_the_plain_message_passing_in_float64(aggregation, transfo
     record_len = torch.tensor([3, 2])
     x = torch.randn(5, 4, 6, 10, dtype=torch.float64)
     results = []
-    for forward in (fusion, lambda *a: plain_fusion(fusion, *a)):
+    def ours(inputs, record_len, pairwise):
+        return fusion(inputs, record_len, seen_by(fusion, pairwise, record_len.tolist()))
+
+    for forward in (ours, lambda *a: plain_fusion(fusion, *a)):
         fusion.zero_grad(set_to_none=True)
         inputs = x.clone().requires_grad_()
         out = forward(inputs, record_len, pairwise)
@@ -216,7 +226,8 @@ def test_fusion_equals_the_plain_message_passing_in_float64(aggregation, transfo
 def test_the_gru_weights_that_meet_the_zero_state_get_an_exact_zero_gradient():
     """As upstream's: Adam's weight decay moves a parameter with a zero gradient, and not one without."""
     fusion = V2VNetFusion(4, 1, "avg", [[3, 3]], [-8, -4, -3, 8, 4, 1])
-    fusion(torch.randn(3, 4, 6, 10), torch.tensor([3]), torch.eye(4).repeat(1, 3, 3, 1, 1)).sum().backward()
+    seen = seen_by(fusion, torch.eye(4).repeat(1, 3, 3, 1, 1), [3])
+    fusion(torch.randn(3, 4, 6, 10), torch.tensor([3]), seen).sum().backward()
     cell = fusion.conv_gru.cell_list[0]
     assert torch.count_nonzero(cell.conv_gates.weight.grad[:4]) == 0  # the reset gate's rows
     assert torch.count_nonzero(cell.conv_gates.bias.grad[:4]) == 0

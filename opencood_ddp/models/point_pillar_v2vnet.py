@@ -105,8 +105,8 @@ class PointPillarV2VNet(ShrinkNeck, PointPillar):
         return {**super().layout(data_dict), "geometry": seen, "delays": delays}
 
     def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
-        return self.fusion_net(self.shrink_and_compress(features), layout["record_len"], None, layout["delays"],
-                               seen=layout["geometry"])
+        return self.fusion_net(self.shrink_and_compress(features), layout["record_len"], layout["geometry"],
+                               layout["delays"])
 
 
 def cav_delays(prior_encoding: torch.Tensor, record_len: torch.Tensor) -> torch.Tensor:

@@ -202,17 +202,15 @@ class V2VNetFusion(nn.Module):
         delay_map = to_device(delays, x.device).to(x.dtype).view(n, 1, 1, 1).expand(n, 1, h, w)
         return self.cnn(torch.cat([x, delay_map], dim=1))
 
-    def forward(self, x: torch.Tensor, record_len: torch.Tensor, pairwise_t_matrix: Optional[torch.Tensor],
-                delays: Optional[torch.Tensor] = None, seen: Optional[Geometry] = None) -> torch.Tensor:
-        """(sum(record_len), C, H, W) CAV maps -> (B, C, H, W) fused ego maps; ``delays`` (sum(record_len),),
-        each CAV's delay, is read with the temporal encoding only. ``seen``: the batch's `geometry`, if the caller
-        has worked it out (the model's layout); else it is made here from ``pairwise_t_matrix``."""
+    def forward(self, x: torch.Tensor, record_len: torch.Tensor, seen: Geometry,
+                delays: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(sum(record_len), C, H, W) CAV maps -> (B, C, H, W) fused ego maps; ``seen`` is the batch's `geometry`
+        (the model's layout makes it); ``delays`` (sum(record_len),), each CAV's delay, is read with the temporal
+        encoding only."""
         if self.cnn is not None:
             x = self.encode_delays(x, delays)
         h, w = x.shape[-2:]
         groups = regroup(x, record_len)
-        if seen is None:
-            seen = geometry(pairwise_t_matrix, [nodes.shape[0] for nodes in groups], self.lidar_range)
         thetas, identities = to_device(seen.thetas, x.device), seen.identities
         egos: List[torch.Tensor] = []
         for b, nodes in enumerate(groups):
