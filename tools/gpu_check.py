@@ -335,13 +335,22 @@ def train_two_steps(config: str, run_dir: Path, data: Path, flags: Sequence[str]
     return weights
 
 
+def needs_sparse_conv(config: str) -> bool:
+    return any(name in config for name in SPARSE_CONFIGS)
+
+
+def skip_without_sparse_conv(config: str, device: torch.device) -> None:
+    """SkipCheck for a config that needs spconv's kernels on a device this torch's spconv lacks."""
+    if needs_sparse_conv(config) and sparse_conv_runs(device) != "yes":
+        raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
+
+
 def check_training(config: str, precision: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
     """2 steps, a resume to the end of the epoch, the evaluation of its checkpoint; samples/s and peak memory; then
     the step alone at batch 1 and 2 and its rate (`step_rates`, outside the peak-memory stretch)."""
     from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 
-    if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
-        raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
+    skip_without_sparse_conv(config, device)
     run_dir = work / f"{config.replace('/', '_')}_{precision}"
     started = time.perf_counter()
     with Peak(device) as peak:
@@ -471,14 +480,13 @@ def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half
     model = task.model.to(device).train()
     batch = task.move_to(task.collate_train([task.train_set[i % len(task.train_set)] for i in range(batch_size)]),
                          device)
+    step, module = task.step, model
     if capture is not None:
         model = copy.deepcopy(model)
+        step, module = CapturedStep(), CaptureModule(model, task.step, capture, device)
     optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
     precision = Precision(half, device)
-    if capture is not None:
-        return trainer_step(CapturedStep(), CaptureModule(model, task.step, capture, device), batch, optimizer,
-                            precision, precision.new_scaler())
-    return trainer_step(task.step, model, batch, optimizer, precision, precision.new_scaler())
+    return trainer_step(step, module, batch, optimizer, precision, precision.new_scaler())
 
 
 def _steps_per_second(task, hypes: dict, device: torch.device, batch_size: int) -> float:
@@ -658,9 +666,8 @@ def check_host_syncs(config: str, device: torch.device, data: Path) -> tuple[str
     count back by design: reported, not failed."""
     if device.type != "cuda":
         raise SkipCheck("torch's sync debug mode is CUDA's; tests/test_host_syncs.py runs the models on meta")
-    sparse = any(name in config for name in SPARSE_CONFIGS)
-    if sparse and sparse_conv_runs(device) != "yes":
-        raise SkipCheck(f"no CUDA spconv for this torch: {config} needs its sparse convolution")
+    skip_without_sparse_conv(config, device)
+    sparse = needs_sparse_conv(config)
     task, hypes = _task_of(config, data)
     step = _trainer_step(task, hypes, device, batch_size=2)
     step()  # warm-up: lazy handles and kernels may wait
@@ -681,8 +688,7 @@ def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, d
     from opencood_ddp.engine.capture import step_kernels
     from opencood_ddp.engine.census import step_seconds
 
-    if any(name in config for name in SPARSE_CONFIGS) and sparse_conv_runs(device) != "yes":
-        raise SkipCheck(f"no {device.type.upper()} spconv for this torch: {config} needs its sparse convolution")
+    skip_without_sparse_conv(config, device)
     mode = "compile" if device.type == "cuda" else "aot_eager"
     task, hypes = _task_of(config, data)
     figures: dict = {"mode": mode}
