@@ -26,5 +26,5 @@ class GatedAttFuse(PointPillarIntermediate):
         super().__init__(args)
         self.gate = nn.Parameter(torch.full((self.head_channels(),), float(args.get("gate_init", 0.0))))
 
-    def neck(self, features: torch.Tensor, data_dict: Mapping) -> torch.Tensor:
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
         return features * torch.sigmoid(self.gate)[None, :, None, None]
