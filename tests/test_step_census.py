@@ -1,15 +1,16 @@
 """engine/census.py: the aten calls and FLOPs of a training step (issue 52), on steps small enough to derive by
 hand, and the counted step of a toy model on the CUDA path (numerics/kernel_path.py's cuda_kernels_on_cpu, the
-optimizer built for CUDA). No timing is asserted."""
+optimizer built for CUDA; under autocast, CUDA's cast lists). No timing is asserted."""
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
 import torch
 
 from launch import REPO
-from opencood_ddp.engine.census import Step, count_flops, count_ops, peak_tflops, trainer_step
+from opencood_ddp.engine.census import Step, count_flops, count_ops, cuda_path_on_cpu, peak_tflops, trainer_step
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -55,6 +56,32 @@ def test_a_linear_layers_step_dispatches_the_ops_derived_by_hand():
                            "aten::expand": 1, "aten::mm": 1, "aten::view": 1, "aten::_foreach_add_": 1,
                            "aten::_fused_adam_": 1}
     assert count.python_functions == () and count.flops is None
+
+
+def test_a_bf16_step_on_the_cuda_path_casts_as_cudas_autocast_lists_say():
+    """Linear -> LayerNorm -> Linear -> softmax, loss = sum, under bf16 autocast, the casts by hand from CUDA's
+    lists (numerics/cuda_autocast.py). Forward (8): x, W1, b1 down; the LayerNorm's input up (fp32 list); its
+    output, W2, b2 down; the softmax's input up (softmax takes float32 as its dtype). Backward (7): each of those
+    casts whose input takes a gradient casts its gradient back (all but x's). Under the CPU's own lists the
+    LayerNorm and the softmax run in bfloat16: 5 and 4."""
+    def casts(counted_on) -> tuple:
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+        optimizer = build_optimizer(ADAM, net.parameters(), 1e-3, kernels_for="cuda")
+        x = torch.randn(2, 8)
+
+        def forward_backward() -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.softmax(net(x), -1).sum()
+            loss.backward()
+            return loss
+
+        with counted_on():
+            count = count_ops(Step(forward_backward, lambda: (optimizer.step(), optimizer.zero_grad())))
+        return count.calls["forward"]["aten::_to_copy"], count.calls["backward"]["aten::_to_copy"]
+
+    assert casts(cuda_path_on_cpu) == (8, 7)
+    assert casts(contextlib.nullcontext) == (5, 4)
 
 
 def test_the_flops_of_a_linear_and_a_convolution_are_the_hand_formulas():

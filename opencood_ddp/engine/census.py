@@ -4,10 +4,11 @@ operations, and the device's published peak rate beside them (issue 52; tools/be
 
 Why count operators: a GPU step of the baselines' models at a small batch is bound by kernel launches, each of
 which costs the host microseconds whatever its size, not by arithmetic. The count does not depend on the device, so
-it is taken on a machine without a GPU as well: inside ``numerics.kernel_path.cuda_kernels_on_cpu`` the CPU-only
-kernels (float64 batch-norm statistics, the hashed dropout, CoBEVT's head loop) step aside for torch's native ones,
-which CUDA runs, and an optimizer built with ``build_optimizer(..., kernels_for="cuda")`` takes the fused or
-foreach kernels CUDA takes. Call the counters inside that context with such an optimizer to count the CUDA step.
+it is taken on a machine without a GPU as well: inside ``cuda_path_on_cpu`` the CPU-only kernels (float64
+batch-norm statistics, the hashed dropout, CoBEVT's head loop) step aside for torch's native ones, which CUDA runs
+(``numerics.kernel_path``), a 16-bit autocast casts by CUDA's lists, not the CPU's (``numerics.cuda_autocast``),
+and an optimizer built with ``build_optimizer(..., kernels_for="cuda")`` takes the fused or foreach kernels CUDA
+takes. Call the counters inside that context with such an optimizer to count the CUDA step.
 
 - `count_ops`: every aten operator call that reaches the dispatcher below autograd, as a ``TorchDispatchMode``
   sees it: views and in-place ops included, an op with a kernel of its own (a convolution) once, a composite op
@@ -30,7 +31,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -38,6 +39,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.trainer import optimizer_step
+from opencood_ddp.numerics.cuda_autocast import cuda_autocast_on_cpu
+from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -63,6 +66,14 @@ def trainer_step(task_step: Callable, model: torch.nn.Module, batch, optimizer: 
     engine/trainer.py's optimizer_step, so that what is counted and timed is the step a run takes."""
     return Step(lambda: forward_backward(task_step, model, batch, precision, scaler).total,
                 lambda: optimizer_step(optimizer, scaler))
+
+
+@contextlib.contextmanager
+def cuda_path_on_cpu() -> Iterator[None]:
+    """CPU tensors on the path a CUDA step takes: CUDA's kernels for the layers with CPU-only ones
+    (numerics/kernel_path.py) and, under a 16-bit autocast, CUDA's autocast lists (numerics/cuda_autocast.py)."""
+    with cuda_kernels_on_cpu(), cuda_autocast_on_cpu():
+        yield
 
 
 # ------------------------------------------------------------------------------------------- operators

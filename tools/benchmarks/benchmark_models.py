@@ -25,16 +25,15 @@ time columns are CPU times: the header says which device they come from.
 
 ``--count`` (engine/census.py) adds, per row: the aten operators one step dispatches on the CUDA path (forward and
 loss, backward, optimizer; the second step, after the one that creates the optimizer's state), counted inside
-``cuda_kernels_on_cpu`` with the optimizer built for CUDA (fused Adam), so that on a machine without a GPU the
-count is the CUDA step's; the step's FLOPs by torch's FlopCounterMode (forward and backward: products and
-convolutions; the optimizer's elementwise update and spconv's sparse convolutions are not in it); the rate those
-FLOPs over the timed step make; and the device's published peak (engine/census.py's table; "-" for the CPU or an
-unlisted GPU). Under bf16/fp16 on the CPU the count follows the CPU's autocast lists, which differ from CUDA's;
-fp32 counts are device-independent. ``--upstream DIR`` adds upstream OpenCOOD's count for the same config, batch
-and precision: its model and loss classes from the checkout (tools/benchmarks/benchmark_vs_upstream.py's
-``build_upstream``, our weights loaded into them), its train.py's step (zero_grad, forward, loss, backward,
-``optimizer.step``, or the GradScaler's ``step``/``update`` in fp16) with the hypes' optimizer built as ours is
-for CUDA. An upstream class that fails to build or run is reported in its cell.
+``engine.census.cuda_path_on_cpu`` (CUDA's kernels and, under bf16/fp16, CUDA's autocast lists) with the optimizer
+built for CUDA (fused Adam), so that on a machine without a GPU the count is the CUDA step's; the step's FLOPs by
+torch's FlopCounterMode (forward and backward: products and convolutions; the optimizer's elementwise update and
+spconv's sparse convolutions are not in it); the rate those FLOPs over the timed step make; and the device's
+published peak (engine/census.py's table; "-" for the CPU or an unlisted GPU). ``--upstream DIR`` adds upstream
+OpenCOOD's count for the same config, batch and precision: its model and loss classes from the checkout
+(tools/benchmarks/benchmark_vs_upstream.py's ``build_upstream``, our weights loaded into them), its train.py's step
+(zero_grad, forward, loss, backward, ``optimizer.step``, or the GradScaler's ``step``/``update`` in fp16) with the
+hypes' optimizer built as ours is for CUDA. An upstream class that fails to build or run is reported in its cell.
 """
 from __future__ import annotations
 
@@ -155,11 +154,10 @@ def _seeded() -> None:
 
 def _counted(step) -> Dict[str, Any]:
     """engine/census.py's counts of `step` on the CUDA path: ops (by phase, the top ones) and FLOPs."""
-    from opencood_ddp.engine.census import count_ops
-    from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
+    from opencood_ddp.engine.census import count_ops, cuda_path_on_cpu
 
     _seeded()
-    with cuda_kernels_on_cpu():
+    with cuda_path_on_cpu():
         ops = count_ops(step, flops=True)
     return {"ops": ops.total, "ops_by_phase": ops.by_phase, "ops_by_name": ops.by_op,
             "ops_by_phase_and_name": ops.calls, "python_functions": list(ops.python_functions), "flops": ops.flops}
