@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import random
+import time
 
 import pytest
 import torch
 
 from launch import REPO
-from opencood_ddp.engine.census import Step, count_flops, count_ops, cuda_path_on_cpu, peak_tflops, trainer_step
+from opencood_ddp.engine.census import (Step, activity_of, busy_seconds, count_flops, count_ops, cuda_path_on_cpu,
+                                        peak_tflops, trainer_step)
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -151,3 +153,28 @@ def test_a_toy_models_step_on_the_cuda_path_runs_no_cpu_only_kernel(cobevt):
     # F.dropout on a CPU tensor would draw its mask with bernoulli_, four ops), Adam fused
     assert {"aten::native_batch_norm", "aten::native_dropout", "aten::_fused_adam_"} <= set(first.by_op)
     assert "aten::bernoulli_" not in first.by_op
+
+
+def test_the_gpus_busy_time_is_the_union_of_its_activities():
+    """By hand, in ns: [0, 10] and [5, 20] overlap (20); [20, 25] touches them (25); [30, 31] after a gap (26);
+    [2, 4] lies inside the first (26)."""
+    assert busy_seconds([(30, 31), (0, 10), (5, 20), (20, 25), (2, 4)]) == 26e-9
+    assert busy_seconds([]) == 0.0
+
+
+def test_a_profiled_steps_activity_is_read_from_the_profilers_own_events():
+    """The Kineto events device_activity reads on a GPU, here of a CPU profile (the CPU's ops stand for the kinds
+    read): a Linear step's addmm is there once a forward, and the busy time is within the profiled step's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    step = _module_step(torch.nn.Linear(4, 3), torch.randn(5, 4))
+    step()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    elapsed = time.perf_counter() - started
+    activity = activity_of(prof.profiler.kineto_results.events(), kinds=("cpu_op",))
+    assert activity.by_name["aten::addmm"][0] == 1 and activity.kernels == 0  # no "kernel" on a CPU
+    assert 0 < activity.busy_s <= elapsed
+    assert list(activity.by_name) == sorted(activity.by_name, key=lambda name: -activity.by_name[name][1])

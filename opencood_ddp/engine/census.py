@@ -22,6 +22,9 @@ takes. Call the counters inside that context with such an optimizer to count the
   (forward and backward) and attention kernels it has formulas for. Elementwise work (activations, normalisation,
   the loss's arithmetic, the optimizer's update, which runs outside the counted part) is not in it, nor are kernels
   outside aten (spconv's), so it is a lower bound of the arithmetic.
+- `device_activity`: on a GPU, what one profiled step ran there (kernels, copies, fills by name; launches) and how
+  long the GPU was busy: beside the unprofiled step time, whether the step is bound by the GPU's work or by the
+  host's launches.
 - `peak_tflops`: the published dense peak of a known device for a precision.
 """
 from __future__ import annotations
@@ -31,7 +34,7 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -191,6 +194,64 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# ------------------------------------------------------------------------------------------- the GPU's side
+# Kineto's names of the activities that occupy the GPU itself (not the host's launch calls, "cuda_runtime").
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+@dataclass(frozen=True)
+class DeviceActivity:
+    """What one profiled step ran on the GPU: ``by_name`` maps each kernel, copy or fill to (calls, seconds), the
+    longest first; ``kernels`` counts the kernel launches; ``busy_s`` is the time at least one of them ran (their
+    intervals' union: kernels on several streams overlap). Over the step's unprofiled wall time, ``busy_s`` says
+    how much of the step the GPU worked: near 1 the step is bound by the GPU's work, far below by the host's
+    launches."""
+
+    by_name: Dict[str, Tuple[int, float]]
+    kernels: int
+    busy_s: float
+
+
+def busy_seconds(intervals: Iterable[Tuple[int, int]]) -> float:
+    """The length of the union of (start_ns, end_ns) intervals, in seconds."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total += end - start
+            reach = end
+        elif end > reach:
+            total += end - reach
+            reach = end
+    return total / 1e9
+
+
+def activity_of(events, kinds: Sequence[str] = GPU_ACTIVITIES) -> DeviceActivity:
+    """``DeviceActivity`` of a profile's Kineto events (``profiler.kineto_results.events()``) of the given
+    activity kinds; "kernel" ones count as launches."""
+    chosen = [e for e in events if e.activity_type() in kinds]
+    by_name: Dict[str, List[float]] = {}
+    for e in chosen:
+        calls_and_ns = by_name.setdefault(e.name(), [0, 0])
+        calls_and_ns[0] += 1
+        calls_and_ns[1] += e.duration_ns()
+    ranked = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))
+    return DeviceActivity({name: (int(calls), ns / 1e9) for name, (calls, ns) in ranked},
+                          sum(1 for e in chosen if e.activity_type() == "kernel"),
+                          busy_seconds((e.start_ns(), e.start_ns() + e.duration_ns()) for e in chosen))
+
+
+def device_activity(step: Step, device: torch.device) -> DeviceActivity:
+    """One run of ``step`` under torch's profiler with CUDA's activities (CUPTI): what it ran on the GPU. Take it
+    after a warm-up step; the profiler slows the host's side, so time the step without it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    _synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _synchronize(device)
+    return activity_of(prof.profiler.kineto_results.events())
+
+
 # ------------------------------------------------------------------------------------------- peaks
 # Dense (no structured sparsity) peak TFLOP/s from NVIDIA's datasheet of each product; where a sheet gives only the
 # figure with sparsity, half of it. "tf32" is the tensor cores' rate on float32 inputs, which cuDNN's convolutions
@@ -224,5 +285,6 @@ def device_peak(device: torch.device, precision: str) -> Optional[Tuple[float, s
     return peak_tflops(torch.cuda.get_device_name(device), precision, torch.backends.cudnn.allow_tf32)
 
 
-__all__ = ["OpCount", "PEAK_TFLOPS", "PHASES", "Step", "count_flops", "count_ops", "device_peak",
+__all__ = ["DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step", "activity_of",
+           "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu", "device_activity", "device_peak",
            "median_step_seconds", "peak_tflops", "python_functions", "step_seconds", "trainer_step"]

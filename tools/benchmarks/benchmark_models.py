@@ -7,7 +7,7 @@ beside ours.
 Usage: python tools/benchmarks/benchmark_models.py [--configs toy/point_pillar_intermediate_fusion ...]
                                         [--batch-sizes 1 2 4 8] [--precisions fp32 bf16 fp16] [--half]
                                         [--repeats 3] [--data data/toy_opv2v] [--device cpu|cuda]
-                                        [--count [--upstream OPENCOOD_CHECKOUT]]
+                                        [--count [--upstream OPENCOOD_CHECKOUT]] [--profile]
 
 Each config, per-GPU batch size and precision (a row) runs in a fresh subprocess: peak memory is a per-process
 high-water mark. Batches are real training batches (labels included) read from the toy world; baseline configs
@@ -34,6 +34,11 @@ OpenCOOD's count for the same config, batch and precision: its model and loss cl
 (tools/benchmarks/benchmark_vs_upstream.py's ``build_upstream``, our weights loaded into them), its train.py's step
 (zero_grad, forward, loss, backward, ``optimizer.step``, or the GradScaler's ``step``/``update`` in fp16) with the
 hypes' optimizer built as ours is for CUDA. An upstream class that fails to build or run is reported in its cell.
+
+``--profile`` (CUDA) adds, per row, one more step under torch's profiler (engine/census.py's device_activity): the
+kernels it launched, the time the GPU was busy (the union of its kernels, copies and fills) and that time over the
+row's unprofiled median step: near 1 the step is bound by the GPU's work, far below by the host's launches (issue
+52). A table of each row's longest kernels follows: where a half-precision step spends what fp32 does not.
 """
 from __future__ import annotations
 
@@ -76,11 +81,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                                              "FLOPs per step, the rate and the device's peak")
     parser.add_argument("--upstream", metavar="DIR", help="with --count: upstream OpenCOOD's count beside ours, "
                                                           "from this checkout")
+    parser.add_argument("--profile", action="store_true", help="CUDA: also one profiled step per row: the GPU's "
+                                                               "kernels, launches and busy time beside the step's")
     parser.add_argument("--json", metavar="PATH", help="also write every row's figures (all op counts) here")
     parser.add_argument("--one", nargs=3, metavar=("CONFIG", "BATCH", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.upstream and not args.count:
         parser.error("--upstream goes with --count")
+    if args.profile and torch.device(args.device).type != "cuda":
+        parser.error("--profile reads what ran on the GPU: it needs --device cuda")
     if not args.precisions:
         on_cuda = torch.device(args.device).type == "cuda"
         args.precisions = [("fp16" if on_cuda else "bf16") if args.half else "fp32"]
@@ -136,12 +145,36 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
               "parameters": sum(p.numel() for p in model.parameters()),
               "step_s": statistics.median(times), "per_sample_s": statistics.median(times) / batch_size,
               "peak_mib": peak / 2 ** 20, "threads": torch.get_num_threads()}
+    if args.profile:
+        result["gpu"] = gpu_activity(step, device, result["step_s"])
     if args.count:
         result.update(census(hypes, task, model, batch, precision))
         result.update(rate(result["flops"], result["step_s"], device, precision_name))
     if args.upstream:
         result["upstream"] = upstream_census(args.upstream, hypes, model, batch, precision)
     return result
+
+
+# ------------------------------------------------------------------------------------------- --profile
+def gpu_activity(step, device: torch.device, step_s: float) -> Dict[str, Any]:
+    """engine/census.py's device_activity of one more step: kernel launches, the GPU's busy time and its share of
+    the unprofiled median step (near 1: bound by the GPU's work; far below: by the host's launches), and the
+    kernels, copies and fills that took the most time."""
+    from opencood_ddp.engine.census import device_activity
+
+    activity = device_activity(step, device)
+    return {"kernels": activity.kernels, "busy_s": activity.busy_s, "busy_share": activity.busy_s / step_s,
+            "by_name": [[name, calls, seconds] for name, (calls, seconds) in activity.by_name.items()]}
+
+
+def print_top_kernels(results: Sequence[Dict[str, Any]], rows: int = 10) -> None:
+    """The kernels (copies, fills) that took the most GPU time in each profiled row."""
+    print("\nthe GPU's longest kernels per step (calls, ms), one profiled step")
+    print("| config | batch | precision | kernels |\n|---|---:|---|---|")
+    for r in results:
+        top = r["gpu"]["by_name"][:rows]
+        cells = "; ".join(f"{name[:70]} ({calls}, {seconds * 1e3:.2f})" for name, calls, seconds in top)
+        print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {cells.replace('|', '/')} |")
 
 
 # ------------------------------------------------------------------------------------------- --count
@@ -263,6 +296,8 @@ def header(args: argparse.Namespace) -> str:
         cells += ["CAVs", "ops per step (fwd / bwd / opt)", "GFLOP per step", f"TFLOP/s on {on}", "device peak TFLOP/s"]
     if args.upstream:
         cells += ["upstream ops per step (fwd / bwd / opt)"]
+    if args.profile:
+        cells += ["GPU kernels per step", "GPU busy (ms)", "GPU busy / step"]
     align = "|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * (len(cells) - 8)
     return "| " + " | ".join(cells) + " |\n" + align
 
@@ -283,6 +318,9 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
         cells += [r["cavs"], _ops_cell(r), f"{r['flops'] / 1e9:,.1f}", f"{r['tflops_per_s']:.3f}", r["peak"] or "-"]
     if args.upstream:
         cells += [_ops_cell(r["upstream"])]
+    if args.profile:
+        gpu = r["gpu"]
+        cells += [f"{gpu['kernels']:,}", f"{gpu['busy_s'] * 1e3:.2f}", f"{gpu['busy_share']:.2f}"]
     return "| " + " | ".join(map(str, cells)) + " |"
 
 
@@ -331,6 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_all(args, argv)
     if args.count:
         print_top_ops(results)
+    if args.profile:
+        print_top_kernels(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
