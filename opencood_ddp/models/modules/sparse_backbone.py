@@ -98,11 +98,20 @@ class SparseStage(nn.Sequential):
                 x = layer(x)
             elif _is_sparse_conv(layer):
                 x = _sparse_conv(layer, x) if x.indices.shape[0] else _empty_conv(layer, x)
-            elif isinstance(layer, _BatchNorm):  # float32 under --half: a rank without a voxel (precision.py)
-                x = x.replace_feature(in_full_precision(layer, x.features))
+            elif isinstance(layer, _BatchNorm):
+                x = x.replace_feature(_batch_norm(layer, x.features))
             else:
                 x = x.replace_feature(layer(x.features))
         return x
+
+
+def _batch_norm(layer: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """A rank without a voxel runs its BatchNorm in float32 under --half: SyncBatchNorm sends an empty input's
+    statistics in the input's dtype, and the other ranks' are float32 (models/modules/precision.py). Voxels run it
+    as autocast does, as upstream's: in float16 on CUDA after spconv's float16 convolution, so that the step casts
+    neither the features up for it nor back down for the next convolution (float32 on the CPU, and under bfloat16,
+    where the convolutions run in float32)."""
+    return layer(features) if features.shape[0] else in_full_precision(layer, features)
 
 
 def _sparse_conv(layer: nn.Module, x: Any) -> Any:
