@@ -560,9 +560,11 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scaler: Optional[torch.amp.
     Returns whether the optimizer stepped (False: the scaler skipped the step)."""
     taken = True
     if scaler is not None:
-        # scaler.step unscales, then reads its overflow flags on the host before it steps. Unscaling first and
-        # reading the same flags here is that read, made earlier: no device wait is added, and step sees the
-        # gradients already unscaled, as after a user's unscale_ for clipping (the same arithmetic).
+        # The overflow flags are read here to report a skipped step. With a foreach optimizer scaler.step would
+        # read them itself before stepping; a fused one (CUDA's Adam) reads nothing and skips inside its kernel,
+        # so there this read is a device wait of its own, for the unscale alone: the fit loop has just waited
+        # for the step's losses (LossSums.settle). step sees the gradients already unscaled, as after a user's
+        # unscale_ for clipping (the same arithmetic).
         scaler.unscale_(optimizer)
         taken = not any(found.item() for found in scaler._found_inf_per_device(optimizer).values())
         scaler.step(optimizer)
