@@ -75,8 +75,8 @@ CPU_KERNEL_AS_CUDA = frozenset((
     "_convolution.deprecated", "prelu", "addmm", "addbmm", "baddbmm", "bmm", "mm", "matmul", "linear",
     "linalg_vecdot", "scaled_dot_product_attention"))
 # norm's dtype overloads, which CUDA's fp32_append_dtype wrappers call with dtype float32
-_APPENDED = {"norm.Scalar": "ScalarOpt_dtype", "norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
-             "norm.names_ScalarOpt_dim": "names_ScalarOpt_dim_dtype"}
+_APPENDED = {"norm.Scalar": "norm.ScalarOpt_dtype", "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
+             "norm.names_ScalarOpt_dim": "norm.names_ScalarOpt_dim_dtype"}
 
 _AUTOCAST_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 _lock = threading.Lock()
@@ -184,13 +184,15 @@ class _Kernel:
         if self.policy == BANNED:
             raise RuntimeError(f"aten::{self.name} is unsafe to autocast (on CUDA); use the _with_logits form")
         if self.policy in (LOWER, FP32, PROMOTE):
-            dtype = {LOWER: lower, FP32: torch.float32}.get(self.policy) or _promoted([*args, *kwargs.values()], lower)
+            if self.policy == PROMOTE:
+                dtype = _promoted([*args, *kwargs.values()], lower)
+            else:
+                dtype = lower if self.policy == LOWER else torch.float32
             args = [_map_tensors(lambda t: self.cache.cast(t, dtype), a) for a in args]
             kwargs = {k: _map_tensors(lambda t: self.cache.cast(t, dtype), v) for k, v in kwargs.items()}
         elif self.policy in (FP32_SET_OPT_DTYPE, FP32_APPEND_DTYPE) and _eligible(_first_tensor(args)):
             if self.policy == FP32_APPEND_DTYPE:
-                base = self.name.split(".")[0]
-                return getattr(getattr(torch.ops.aten, base), _APPENDED[self.name])(*args, **kwargs, dtype=torch.float32)
+                return _overload(_APPENDED[self.name])(*args, **kwargs, dtype=torch.float32)
             self._set_missing_dtype(args, kwargs)
         return self.op(*args, **kwargs)
 
