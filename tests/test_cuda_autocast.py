@@ -8,26 +8,14 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_calls import OpCalls
 from opencood_ddp.numerics import cuda_autocast
 from opencood_ddp.numerics.cuda_autocast import CUDA_POLICY, cuda_autocast_on_cpu
 
 
-class Ops(TorchDispatchMode):
-    """The aten ops dispatched inside, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func._schema.name.split("::")[1]] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def dispatched(fn, *args):
-    with Ops() as ops:
+    with OpCalls() as ops:
         out = fn(*args)
     return out, ops.calls
 

@@ -2,14 +2,13 @@
 dispatch what CUDA needs, inside ``cuda_kernels_on_cpu`` (the census's path) as on a GPU. In process, CPU only."""
 from __future__ import annotations
 
-from collections import Counter
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_calls import OpCalls
 from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.task import LossOutput
 from opencood_ddp.models.modules.ego_warp import batch_ego_warp, ego_frame_affines, ego_rows, moving_rows
@@ -18,18 +17,6 @@ from opencood_ddp.models.modules.scatter import PointPillarScatter
 from opencood_ddp.models.modules.sparse_backbone import dense_of
 from opencood_ddp.numerics.dropout import Dropout
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
-
-
-class _Ops(TorchDispatchMode):
-    """The aten ops called inside, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _scattered(channels: int = 8, nx: int = 6, ny: int = 5) -> dict:
@@ -67,7 +54,7 @@ def test_a_convolution_over_the_cuda_layout_gets_its_weight_gradient_without_a_c
     conv = nn.Conv2d(8, 4, 3, padding=1, bias=False)
     with cuda_kernels_on_cpu():
         out = conv(_image(data))
-        with _Ops() as ops:
+        with OpCalls() as ops:
             out.square().sum().backward()
     assert conv.weight.grad.is_contiguous() and "new_empty_strided" not in ops.calls, ops.calls
 
@@ -76,7 +63,7 @@ def test_a_convolution_over_the_cuda_layout_gets_its_weight_gradient_without_a_c
 def test_dropout_on_the_cuda_path_is_one_native_dropout(inplace):
     layer = Dropout(0.3, inplace=inplace).train()
     x = torch.randn(64, 16, requires_grad=True)
-    with cuda_kernels_on_cpu(), _Ops() as ops:
+    with cuda_kernels_on_cpu(), OpCalls() as ops:
         out = layer(x * 1.0)
     assert ops.calls["native_dropout"] == 1 and "bernoulli_" not in ops.calls, ops.calls
     kept = out != 0
@@ -86,7 +73,7 @@ def test_dropout_on_the_cuda_path_is_one_native_dropout(inplace):
 def test_dropout_outside_the_cuda_path_stays_the_hashed_kernel_and_eval_is_identity():
     layer = Dropout(0.3).train()
     x = torch.randn(64, 16)
-    with _Ops() as ops:
+    with OpCalls() as ops:
         layer(x)
     assert "native_dropout" not in ops.calls and "bernoulli_" not in ops.calls, ops.calls
     with cuda_kernels_on_cpu():
@@ -106,7 +93,7 @@ def _identity_pairwise(samples: int = 2, max_cav: int = 5) -> torch.Tensor:
 def test_the_proj_first_check_of_the_ego_warp_is_three_ops_and_agrees_with_the_full_derivation():
     record_len, lidar_range = torch.tensor([2, 3]), [-140.8, -40, -3, 140.8, 40, 1]
     pairwise = _identity_pairwise()
-    with _Ops() as ops:
+    with OpCalls() as ops:
         assert batch_ego_warp({"record_len": record_len, "pairwise_t_matrix": pairwise}, lidar_range) is None
     assert sum(ops.calls.values()) <= 3 and "_local_scalar_dense" not in ops.calls, ops.calls
     # the derivation the check skips finds the same: every matrix exactly the identity, no map moves
@@ -138,7 +125,7 @@ def test_mean_vfe_casts_nothing_and_gives_the_old_means_bit_for_bit(dtype, count
     voxels = torch.randn(300, 5, 4, generator=g, dtype=dtype) * 30
     counts = torch.randint(1, 6, (300,), generator=g).to(count_dtype)
     counts[:3] = torch.tensor([0, 1, 5])  # a malformed empty voxel (the clamp), one point, a full one
-    with _Ops() as ops:
+    with OpCalls() as ops:
         out = MeanVFE(4)({"voxel_features": voxels, "voxel_num_points": counts})["voxel_features"]
     assert sum(ops.calls.values()) <= 9 and "_to_copy" not in ops.calls, ops.calls
     old = _old_mean_vfe(voxels, counts)
@@ -151,7 +138,7 @@ def test_dense_of_indexes_with_one_unbind_and_gives_the_old_canvas_and_gradient(
     indices = torch.stack([cells // 126, cells // 42 % 3, cells // 7 % 6, cells % 7], dim=1).int()
     features = torch.randn(40, 8, generator=g, requires_grad=True)
     sparse = SimpleNamespace(indices=indices, features=features, spatial_shape=[3, 6, 7], batch_size=2)
-    with _Ops() as ops:
+    with OpCalls() as ops:
         dense = dense_of(sparse)
     assert "select" not in ops.calls and sum(ops.calls.values()) <= 5, ops.calls
     cols = indices.long()
@@ -173,7 +160,7 @@ def test_a_step_of_one_micro_batch_does_not_divide_its_loss():
     grads = {}
     for micro_batches in (1, 2):
         model.zero_grad(set_to_none=True)
-        with _Ops() as ops:
+        with OpCalls() as ops:
             forward_backward(step, model, x, Precision(None, torch.device("cpu")), None, micro_batches)
         assert ("div" in ops.calls) == (micro_batches > 1), ops.calls
         grads[micro_batches] = model.weight.grad.clone()
