@@ -3,7 +3,10 @@
 A GPU step whose forward reads a value back (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``) or runs
 an operator whose output's shape depends on the values (``nonzero``, boolean-mask indexing, ``masked_select``,
 ``unique``, ``repeat_interleave`` without ``output_size``) stops the host until the device has caught up, and the
-launches after it are no longer hidden behind the device's work (issue 52). On a GPU,
+launches after it are no longer hidden behind the device's work (issue 52). So does a blocking host-to-device
+copy: torch sends ``x.new_tensor(values)``, ``torch.tensor(values, device=...)``, an index that is a Python list
+(``x[:, [3, 2, 1]]``) and ``.to(device)`` without ``non_blocking`` from pageable memory, and waits for the device's
+queue to drain first (``memcpy_and_sync``). On a GPU,
 ``torch.cuda.set_sync_debug_mode("error")`` finds them (tools/gpu_check.py); here torch's ``meta`` device stands for
 the GPU: its tensors have shapes and no values, so none of these can run on it, and an operation that mixes a host
 tensor into the device's work fails as it would on CUDA.
@@ -29,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from opencood_ddp.models.modules.cav_layout import device_constant
 from tests.zoo import toy_batch
 
 TOY = Path(__file__).resolve().parents[1] / "hypes_yaml" / "toy"
@@ -47,6 +51,26 @@ def _site() -> str:
     """The innermost frame of this package that made the call."""
     frames = [f for f in traceback.extract_stack() if "/opencood_ddp/" in f.filename]
     return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+
+
+def _has_list_index(index) -> bool:
+    """Whether an index holds a Python sequence of positions (``x[[0, 2]]``, ``x[:, [3, 2, 1]]``): torch copies it
+    to the device, and waits. A tuple of integers (``x[0, 1]``) is one position per dimension, no copy."""
+    if isinstance(index, list):
+        return True
+    return isinstance(index, tuple) and any(isinstance(i, (list, tuple)) for i in index)
+
+
+def _blocking_upload(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a Python-level call builds a device tensor from host data with a blocking copy."""
+    if name == "new_tensor":
+        return _on_device(args[0])
+    if name in ("tensor", "as_tensor", "asarray"):
+        device = kwargs.get("device")
+        return device is not None and torch.device(device).type != "cpu"
+    if name in ("__getitem__", "__setitem__"):
+        return _on_device(args[0]) and _has_list_index(args[1])
+    return False
 
 
 def _has_bool_index(index) -> bool:
@@ -81,6 +105,8 @@ class HostReads(_Recorder, TorchFunctionMode):
             hit = True
         if hit:
             self.stop("reads a device tensor back", name)
+        if _blocking_upload(name, args, kwargs):
+            self.stop("copies host data to the device and waits", name)
         return func(*args, **kwargs)
 
 
@@ -98,7 +124,23 @@ class ValueShapedOps(_Recorder, TorchDispatchMode):
             hit = True
         if hit:
             self.stop("runs an operator shaped by device values", name)
+        if _blocking_copy(name, args, kwargs):
+            self.stop("copies host data to the device and waits", name)
         return func(*args, **kwargs)
+
+
+def _blocking_copy(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a dispatched copy moves a host tensor (more than one number: a 0-d host tensor is a scalar to the
+    kernel) to the device without ``non_blocking``."""
+    if kwargs.get("non_blocking") or (name == "aten::copy_" and len(args) > 2 and args[2]):
+        return False
+    if name == "aten::_to_copy":
+        device = kwargs.get("device")
+        return not _on_device(args[0]) and device is not None and device.type != "cpu"
+    if name == "aten::copy_":
+        return _on_device(args[0]) and isinstance(args[1], torch.Tensor) and not _on_device(args[1]) \
+            and args[1].dim() > 0
+    return False
 
 
 def _step_on_meta(task, model, batch) -> tuple[list, list]:
@@ -118,7 +160,7 @@ PILLAR_MODELS = ["point_pillar_early_fusion", "point_pillar_late_fusion", "point
 
 
 @pytest.mark.parametrize("config", PILLAR_MODELS)
-def test_a_pillar_models_step_reads_nothing_back_from_its_device(toy_small, config):
+def test_a_pillar_models_step_never_waits_for_its_device(toy_small, config):
     batch, model, task = toy_batch(TOY / f"{config}.yaml", toy_small)
     moved = task.move_to(batch, META)
     if "record_len" in moved["ego"]:  # the fusion models' batches: HOST_KEYS stay where the collate put them
@@ -127,7 +169,7 @@ def test_a_pillar_models_step_reads_nothing_back_from_its_device(toy_small, conf
     assert (reads, ops) == ([], [])
 
 
-def test_v2xvit_with_road_side_units_reads_nothing_back(toy_small_rsu):
+def test_v2xvit_with_road_side_units_never_waits_for_its_device(toy_small_rsu):
     """V2X-ViT's typed layers and delays (prior_encoding), with infrastructure CAVs in the batch."""
     batch, model, task = toy_batch(TOY / "point_pillar_v2xvit.yaml", toy_small_rsu)
     prior = batch["ego"]["prior_encoding"]
@@ -143,3 +185,40 @@ def test_a_record_len_on_the_device_is_seen(toy_small):
     moved["ego"]["record_len"] = moved["ego"]["record_len"].to(META)
     with pytest.raises(AssertionError, match="reads a device tensor back"):
         _step_on_meta(task, model, moved)
+
+
+WAITING_UPLOADS = {
+    "new_tensor": lambda x: x.new_tensor([1.0, 2.0]),
+    "tensor_on_the_device": lambda x: torch.tensor([1.0], device=x.device),
+    "list_index": lambda x: x[[0, 2]],
+    "list_index_of_a_dimension": lambda x: x[:, [1, 0]],
+    "list_index_assigned": lambda x: x.__setitem__((slice(None), [1, 0]), 1.0),
+    "blocking_to": lambda x: torch.ones(2, 2).to(x.device),
+    "blocking_copy": lambda x: x.copy_(torch.ones(3, 2)),
+}
+NO_WAIT = {
+    "device_constant": lambda x: device_constant([1.0, 2.0], x),
+    "non_blocking_to": lambda x: torch.ones(2, 2).to(x.device, non_blocking=True),
+    "positions_per_dimension": lambda x: x[0, 1],
+    "slice_and_flip": lambda x: x[:, 0:2].flip(1),
+    "host_scalar_tensor": lambda x: x.copy_(torch.tensor(1.0)),
+    "python_scalar": lambda x: x * 2.0,
+}
+
+
+@pytest.mark.parametrize("name", sorted(WAITING_UPLOADS))
+def test_a_blocking_host_to_device_copy_is_seen(name):
+    """The control of the copies: each of these makes torch wait for the device on a GPU (see the top)."""
+    x = torch.zeros(3, 2, device=META)
+    with pytest.raises(AssertionError, match="copies host data to the device and waits"):
+        with HostReads(), ValueShapedOps():
+            WAITING_UPLOADS[name](x)
+
+
+@pytest.mark.parametrize("name", sorted(NO_WAIT))
+def test_what_the_models_do_instead_waits_for_nothing(name):
+    x = torch.zeros(3, 2, device=META)
+    reads, ops = HostReads(), ValueShapedOps()
+    with reads, ops:
+        NO_WAIT[name](x)
+    assert (reads.seen, ops.seen) == ([], [])

@@ -36,4 +36,14 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-__all__ = ["counts", "sample_and_slot", "to_device"]
+def device_constant(values, like: torch.Tensor) -> torch.Tensor:
+    """``values`` (numbers, or nested lists of them) as a tensor of ``like``'s dtype on ``like``'s device, without
+    waiting for the device: ``like.new_tensor(values)`` on a GPU is a blocking host-to-device copy, which drains the
+    device's queue first. Built on the host and sent with ``to_device``. Where torch.compile traces it, it is
+    ``new_tensor``: a constant of the captured graph, made once, with no host tensor in the graph."""
+    if torch.compiler.is_compiling():
+        return like.new_tensor(values)
+    return to_device(torch.tensor(values, dtype=like.dtype), like.device)
+
+
+__all__ = ["counts", "device_constant", "sample_and_slot", "to_device"]

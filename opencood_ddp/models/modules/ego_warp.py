@@ -19,7 +19,7 @@ from typing import Mapping, NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from opencood_ddp.models.modules.cav_layout import sample_and_slot, to_device
+from opencood_ddp.models.modules.cav_layout import device_constant, sample_and_slot, to_device
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
 
@@ -55,8 +55,8 @@ def ego_frame_affines(pairwise_t_matrix: torch.Tensor, record_len: torch.Tensor,
     matrix = pairwise_t_matrix.to(torch.float64)[sample, 0, slot]  # (N, 4, 4)
     rotation, translation = matrix[:, :2, :2], matrix[:, :2, 3]
     x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
-    half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
-    centre = matrix.new_tensor([(x_max + x_min) / 2, (y_max + y_min) / 2])
+    half = device_constant([(x_max - x_min) / 2, (y_max - y_min) / 2], matrix)
+    centre = device_constant([(x_max + x_min) / 2, (y_max + y_min) / 2], matrix)
     scaled = rotation * half.view(1, 1, 2) / half.view(1, 2, 1)
     shift = (rotation @ centre + translation - centre) / half
     theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)

@@ -12,6 +12,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.cav_layout import device_constant
 from opencood_ddp.models.modules.precision import in_full_precision
 
 
@@ -86,9 +87,10 @@ class PillarVFE(nn.Module):
         xyz = voxels[:, :, :3]
         counts = num_points.clamp(min=1).to(voxels.dtype).view(-1, 1, 1)
         from_mean = xyz - xyz.sum(dim=1, keepdim=True) / counts
-        # coords are (batch, z, y, x): the centre of the pillar on each axis.
-        grid = coords[:, [3, 2, 1]].to(voxels.dtype)
-        centre = grid * xyz.new_tensor(self.voxel_size) + xyz.new_tensor(self.offset)
+        # coords are (batch, z, y, x): the centre of the pillar on each axis. A flip, not coords[:, [3, 2, 1]]:
+        # on a GPU a Python list index is a blocking host-to-device copy (so is new_tensor; device_constant).
+        grid = coords[:, 1:4].flip(1).to(voxels.dtype)
+        centre = grid * device_constant(self.voxel_size, xyz) + device_constant(self.offset, xyz)
         from_centre = xyz - centre.unsqueeze(1)
         raw = voxels if self.use_absolute_xyz else voxels[:, :, 3:]
         parts = [raw, from_mean, from_centre]

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from opencood_ddp.models.modules.cav_layout import to_device
+from opencood_ddp.models.modules.cav_layout import device_constant, to_device
 from opencood_ddp.models.modules.fusion import regroup
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
@@ -100,8 +100,8 @@ def pairwise_affines(pairwise_t_matrix: torch.Tensor, lidar_range: Sequence[floa
     matrix = pairwise_t_matrix.to(torch.float64)
     rotation, translation = matrix[..., :2, :2], matrix[..., :2, 3]
     x_min, y_min, _, x_max, y_max, _ = (float(v) for v in lidar_range)
-    half = matrix.new_tensor([(x_max - x_min) / 2, (y_max - y_min) / 2])
-    centre = matrix.new_tensor([(x_max + x_min) / 2, (y_max + y_min) / 2])
+    half = device_constant([(x_max - x_min) / 2, (y_max - y_min) / 2], matrix)
+    centre = device_constant([(x_max + x_min) / 2, (y_max + y_min) / 2], matrix)
     scaled = rotation * half.view(2, 1).T / half.view(2, 1)
     shift = ((rotation @ centre.view(2, 1)).squeeze(-1) + translation - centre) / half
     theta = torch.cat([scaled, shift.unsqueeze(-1)], dim=-1)

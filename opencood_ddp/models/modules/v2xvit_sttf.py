@@ -16,6 +16,7 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
+from opencood_ddp.models.modules.cav_layout import device_constant
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
 
@@ -25,10 +26,10 @@ _EPS = 1e-14  # upstream's denominator for a map one pixel wide
 def pixel_transform(matrix: torch.Tensor, cell_size: float, height: int, width: int) -> torch.Tensor:
     """(n, 4, 4) metric transforms -> (n, 3, 3) homogeneous maps of (column, row) pixel coordinates."""
     rotation = matrix[:, :2, :2]
-    centre = matrix.new_tensor([width / 2, height / 2])
+    centre = device_constant([width / 2, height / 2], matrix)
     shift = centre - rotation @ centre + matrix[:, :2, 3] / cell_size
     top = torch.cat([rotation, shift.unsqueeze(-1)], dim=2)
-    bottom = matrix.new_tensor([0.0, 0.0, 1.0]).expand(matrix.shape[0], 1, 3)
+    bottom = device_constant([0.0, 0.0, 1.0], matrix).expand(matrix.shape[0], 1, 3)
     return torch.cat([top, bottom], dim=1)
 
 
@@ -36,7 +37,7 @@ def _pixels_to_unit(height: int, width: int, like: torch.Tensor) -> torch.Tensor
     """Pixel coordinates -> [-1, 1] with pixel centres at the ends (align_corners=True)."""
     sx = 2.0 / (width - 1.0 if width > 1 else _EPS)
     sy = 2.0 / (height - 1.0 if height > 1 else _EPS)
-    return like.new_tensor([[sx, 0.0, -1.0], [0.0, sy, -1.0], [0.0, 0.0, 1.0]])
+    return device_constant([[sx, 0.0, -1.0], [0.0, sy, -1.0], [0.0, 0.0, 1.0]], like)
 
 
 def sampling_grid(pixel_map: torch.Tensor, height: int, width: int, dtype: torch.dtype) -> torch.Tensor:
