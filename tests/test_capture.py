@@ -163,11 +163,16 @@ def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
     ("toy/second_intermediate_fusion", ()),  # spconv's sparse backbone in the eager front
     ("toy/point_pillar_v2vnet", ()),  # its identity flags from the layout
     ("toy/point_pillar_v2xvit", ()),  # its agents' rows from the layout
-], ids=["where2comm-multi-scale", "where2comm-single-scale", "second", "v2vnet", "v2xvit"])
+    ("toy/point_pillar_intermediate_fusion", ("fusion.args.proj_first=false",)),  # the warp at each level
+    ("toy/point_pillar_v2vnet", ("fusion.args.proj_first=false",)),  # its pairwise warps
+], ids=["where2comm-multi-scale", "where2comm-single-scale", "second", "v2vnet", "v2xvit", "attfuse-warped",
+        "v2vnet-warped"])
 def test_aot_eager_capture_of_the_layout_dependent_models_is_the_eager_step(toy_small, config, overrides):
     """The models whose dense part reads more of the layout than a plain backbone: Where2comm's communication (a
     confidence threshold's mask, the rates, all traced), SECOND (the front is spconv's, outside the graph), V2VNet
-    (which samples need no warp) and V2X-ViT (its agents' rows). Two steps on one two-sample batch: one graph, no
+    (which samples need no warp) and V2X-ViT (its agents' rows); and, with proj_first: false (the DAIR-V2X
+    configs), the warp into the ego's frame, whose moving rows the layout finds once per batch (until 2026-11-29 each
+    level's warp found them with a nonzero inside the graph: AttFuse's step was 13 graphs). Two steps on one two-sample batch: one graph, no
     break, the second step replays it, and every loss and weight is the eager step's bit for bit."""
     from torch._dynamo.utils import counters
 
@@ -222,3 +227,43 @@ def test_two_rank_capture_trains(toy_small, tmp_path):
     assert "--capture aot_eager: compiling the dense step" in result.stdout + result.stderr
     weights = torch.load(run_dir / "net_step1.pth", map_location="cpu", weights_only=True)
     assert all(torch.isfinite(value).all() for value in weights.values() if value.is_floating_point())
+
+
+@pytest.mark.parametrize("config, overrides", [
+    ("toy/point_pillar_intermediate_fusion", ("fusion.args.proj_first=false",)),
+    ("toy/point_pillar_fcooper", ("fusion.args.proj_first=false",)),
+    ("toy/point_pillar_cobevt", ("fusion.args.proj_first=false",)),
+    ("toy/point_pillar_where2comm", ("fusion.args.proj_first=false",)),
+    ("toy/point_pillar_v2vnet", ("fusion.args.proj_first=false",)),
+    ("toy/point_pillar_v2vnet", ()),
+], ids=["attfuse-warped", "fcooper-warped", "cobevt-warped", "where2comm-warped", "v2vnet-warped", "v2vnet"])
+def test_the_captured_graph_reads_no_host_tensor(toy_small, config, overrides):
+    """On a GPU inductor replays a graph as a CUDA graph only when none of its inputs is a host tensor (it skips
+    cudagraphs otherwise, and the step keeps its launches), and a host tensor read inside the graph is a copy to the
+    device there. The batch keeps record_len and the pairwise matrices on the host (data/device_points.HOST_KEYS),
+    so the model's layout must send the graph what it derives from them. The meta device stands for the GPU: the
+    batch goes there through the task's own move_to, and a backend records each graph and its host inputs.
+    (V2X-ViT is not here: dynamo makes its constants real meta tensors, which its fake tensors refuse; on a GPU
+    they are constants of the graph. Its agents' rows go to the maps' device in its layout.)"""
+    from opencood_ddp.engine import capture
+    from opencood_ddp.tasks import build_task
+
+    meta = torch.device("meta")
+    graphs, host_inputs = [], []
+
+    def recording_backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        host_inputs.extend(tuple(value.shape) for value in example_inputs
+                           if isinstance(value, torch.Tensor) and value.device.type == "cpu")
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    task = build_task(hypes_of(config, *overrides, toy_root=toy_small), for_training=True)
+    batch = task.move_to(task.collate_train([task.train_set[i] for i in range(2)]), meta)
+    model = task.model.to(meta).train()
+    ego = batch["ego"]
+    features, layout = model.front(ego), capture.captured_layout(model.layout(ego))
+    out = torch.compile(capture.dense_step, backend=recording_backend, dynamic=False)(task.step, model, features,
+                                                                                       layout, batch)
+    assert out.total.device == meta
+    assert len(graphs) == 1 and host_inputs == [], (len(graphs), host_inputs)

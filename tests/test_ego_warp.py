@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from zoo import REPO, pairwise_moves, toy_batch
-from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp, ego_frame_affines, ego_rows, warp_to_ego
+from opencood_ddp.models.modules.ego_warp import (EgoWarp, batch_ego_warp, ego_frame_affines, ego_rows, plan_ego_warp,
+                                                  warp_to_ego)
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 
 RANGE = [-4, -2, -3, 4, 2, 1]
@@ -20,7 +21,10 @@ WARPING_MODELS = ["point_pillar_intermediate_fusion.yaml", "point_pillar_fcooper
 
 def _warp(move: torch.Tensor) -> EgoWarp:
     """The warp of one sample whose CAV 1 is reached from the ego's frame by `move` (4x4)."""
-    return EgoWarp(ego_frame_affines(pairwise_moves({1: move}), ONE_SAMPLE, RANGE), ego_rows(ONE_SAMPLE, "cpu"))
+    warp = plan_ego_warp(ego_frame_affines(pairwise_moves({1: move}), ONE_SAMPLE, RANGE), ego_rows(ONE_SAMPLE, "cpu"),
+                         torch.device("cpu"))
+    assert warp is not None and warp.moving.tolist() == [1]
+    return warp
 
 
 def _ahead(metres: float) -> torch.Tensor:

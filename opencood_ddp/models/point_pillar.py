@@ -166,7 +166,7 @@ class PointPillar(nn.Module):
     def ego_warp(self, data_dict: Mapping) -> Optional[EgoWarp]:
         """How the batch's CAV maps move into their ego's frame; None for a model that does not warp here, or
         when no map moves (proj_first: true)."""
-        return batch_ego_warp(data_dict, self.lidar_range) if self.warps_to_ego else None
+        return batch_ego_warp(data_dict, self.lidar_range, self.maps_device(data_dict)) if self.warps_to_ego else None
 
     # The forward pass in two stages, the seam of engine/capture.py's --capture: `front` (pillars and the BEV
     # scatter, whose input has as many rows as the clouds have pillars) and `dense` (backbone, neck, heads: shapes

@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 
 from opencood_ddp.models.checks import SHRINK_HEADER_KEYS, check_anchor_stride, check_shrink_neck, head_stride, refuse
-from opencood_ddp.models.modules.cav_layout import counts
+from opencood_ddp.models.modules.cav_layout import counts, to_device
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.v2vnet import AGGREGATORS, V2VNetFusion, geometry
 from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
@@ -99,9 +99,11 @@ class PointPillarV2VNet(ShrinkNeck, PointPillar):
     def layout(self, data_dict: Mapping) -> dict:
         """The pillar layout, how the CAVs see each other (`v2vnet.geometry`, from the pairwise transforms, where
         they are) and, with the temporal encoding, each CAV's delay."""
-        record_len = data_dict["record_len"]
-        delays = cav_delays(data_dict["prior_encoding"], record_len) if self.fusion_net.cnn is not None else None
-        seen = geometry(data_dict["pairwise_t_matrix"], counts(record_len), self.fusion_net.lidar_range)
+        record_len, device = data_dict["record_len"], self.maps_device(data_dict)
+        delays = None
+        if self.fusion_net.cnn is not None:
+            delays = to_device(cav_delays(data_dict["prior_encoding"], record_len), device)
+        seen = geometry(data_dict["pairwise_t_matrix"], counts(record_len), self.fusion_net.lidar_range, device)
         return {**super().layout(data_dict), "geometry": seen, "delays": delays}
 
     def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:

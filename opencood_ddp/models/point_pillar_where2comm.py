@@ -266,9 +266,10 @@ class PointPillarWhere2comm(ShrinkNeck, PointPillar):
         moves, proj_first: true, and the fusions then take the maps as they are, as a warp would) and the CAV rows
         the communication reads, made where ``record_len`` is."""
         record_len = data_dict["record_len"]
+        device = self.maps_device(data_dict)
         warp = batch_ego_warp({"record_len": record_len, "pairwise_t_matrix": data_dict["pairwise_t_matrix"]},
-                              self.fusion_net.lidar_range)
-        rows = cav_rows(record_len, self.maps_device(data_dict))
+                              self.fusion_net.lidar_range, device)
+        rows = cav_rows(record_len, device)
         return {"record_len": record_len, "ego_warp": warp, "cav_rows": rows}
 
     def dense(self, features: torch.Tensor, layout: Mapping) -> dict:

@@ -212,7 +212,9 @@ class SecondIntermediate(nn.Module):
 
     def layout(self, data_dict: Mapping) -> dict:
         """``record_len`` and the maps' warp into their ego's frame (None where no map moves)."""
-        return {"record_len": data_dict["record_len"], "ego_warp": batch_ego_warp(data_dict, self.lidar_range)}
+        maps_device = data_dict["processed_lidar"]["voxel_features"].device
+        return {"record_len": data_dict["record_len"],
+                "ego_warp": batch_ego_warp(data_dict, self.lidar_range, maps_device)}
 
     def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
         """The BEV backbone, fused level by level as AttFuse's, and the 1x1 heads."""

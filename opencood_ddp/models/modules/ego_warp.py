@@ -25,11 +25,16 @@ from opencood_ddp.models.modules.precision import in_full_precision
 
 
 class EgoWarp(NamedTuple):
-    """What ``warp_to_ego`` needs for one batch's CAV maps, at any backbone level; where the batch's
-    ``record_len`` and ``pairwise_t_matrix`` are (the host in our batches: modules/cav_layout.py)."""
+    """What ``apply_ego_warp`` needs for one batch's CAV maps, at any backbone level. Worked out once per batch
+    where the batch's ``record_len`` and ``pairwise_t_matrix`` are (the host in our batches: modules/cav_layout.py),
+    with the rows that move and their matrices sent to the maps' device: each level's warp is then device work
+    alone, and --capture's compiled step reads neither a host tensor nor ``nonzero``'s value-shaped answer (a graph
+    break per level, and a host input that keeps inductor from CUDA graphs)."""
 
-    theta: torch.Tensor  # (sum(record_len), 2, 3) float64 affine_grid matrices (ego_frame_affines)
-    is_ego: torch.Tensor  # (sum(record_len),) bool (ego_rows)
+    theta: torch.Tensor  # (sum(record_len), 2, 3) float64 affine_grid matrices (ego_frame_affines), every row
+    is_ego: torch.Tensor  # (sum(record_len),) bool (ego_rows), where theta is
+    moving: torch.Tensor  # (M,) long, M >= 1, on the maps' device: the rows resampled (moving_rows)
+    moving_theta: torch.Tensor  # (M, 2, 3) float64, on the maps' device: their matrices
 
 
 def ego_rows(record_len: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -71,20 +76,29 @@ def moving_rows(theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
     return ~is_ego & ~(theta == identity).flatten(1).all(dim=1)
 
 
-def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
-    """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame (bilinear, zeros outside).
-
-    The egos' maps, and every map whose matrix is exactly the identity, are passed through untouched. Which maps
-    move is decided where ``theta`` and ``is_ego`` are (the host: no wait for the device); only those maps'
-    matrices go to the maps' device.
-    """
+def plan_ego_warp(theta: torch.Tensor, is_ego: torch.Tensor, device: torch.device) -> Optional[EgoWarp]:
+    """The warp of maps on ``device`` by ``theta``: which maps move (every map but the egos' and those whose matrix
+    is exactly the identity), decided where ``theta`` and ``is_ego`` are (the host: no wait for the device); only
+    those rows and their matrices go to ``device``. None when no map moves."""
     others = torch.nonzero(moving_rows(theta, is_ego.to(theta.device))).squeeze(1)
     if others.numel() == 0:
-        return x
-    moving = to_device(others, x.device)
-    warped = in_full_precision(_resample, x.index_select(0, moving), to_device(theta.index_select(0, others),
-                                                                                x.device))
-    return x.index_copy(0, moving, warped.to(x.dtype))
+        return None
+    device = torch.device(device)
+    return EgoWarp(theta, is_ego, to_device(others, device), to_device(theta.index_select(0, others), device))
+
+
+def apply_ego_warp(x: torch.Tensor, warp: EgoWarp) -> torch.Tensor:
+    """(N, C, H, W) CAV maps -> the same maps with the moving ones resampled in their sample's ego frame (bilinear,
+    zeros outside); the others are passed through untouched."""
+    warped = in_full_precision(_resample, x.index_select(0, warp.moving), warp.moving_theta)
+    return x.index_copy(0, warp.moving, warped.to(x.dtype))
+
+
+def warp_to_ego(x: torch.Tensor, theta: torch.Tensor, is_ego: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) CAV maps -> the same maps resampled in their sample's ego frame: `plan_ego_warp` and
+    `apply_ego_warp` in one call (the models plan once per batch, in their layout)."""
+    warp = plan_ego_warp(theta, is_ego, x.device)
+    return x if warp is None else apply_ego_warp(x, warp)
 
 
 def _resample(maps: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
@@ -104,23 +118,22 @@ def all_identity(pairwise: torch.Tensor) -> bool:
     return torch.equal(pairwise, torch.eye(4, dtype=pairwise.dtype, device=pairwise.device).expand_as(pairwise))
 
 
-def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float]) -> Optional[EgoWarp]:
-    """The batch's EgoWarp from its ``record_len`` and ``pairwise_t_matrix``, where those are; None when it has
-    neither (no fusion) or when no CAV's map moves (proj_first: true), so that nothing is computed per level."""
+def batch_ego_warp(data_dict: Mapping, lidar_range: Sequence[float],
+                   device: Optional[torch.device] = None) -> Optional[EgoWarp]:
+    """The batch's EgoWarp from its ``record_len`` and ``pairwise_t_matrix``, worked out where those are, for maps
+    on ``device`` (default: there too); None when it has neither (no fusion) or when no CAV's map moves
+    (proj_first: true), so that nothing is computed per level."""
     record_len, pairwise = data_dict.get("record_len"), data_dict.get("pairwise_t_matrix")
     if record_len is None or pairwise is None or all_identity(pairwise):
         return None
     theta = ego_frame_affines(pairwise, record_len, lidar_range)
-    is_ego = ego_rows(record_len, theta.device)
-    if not bool(moving_rows(theta, is_ego).any()):
-        return None
-    return EgoWarp(theta, is_ego)
+    return plan_ego_warp(theta, ego_rows(record_len, theta.device), theta.device if device is None else device)
 
 
 def to_ego_frame(x: torch.Tensor, warp: Optional[EgoWarp]) -> torch.Tensor:
     """The maps a fusion combines: ``x`` warped by ``warp``, or as it comes without one (proj_first: true)."""
-    return x if warp is None else warp_to_ego(x, warp.theta, warp.is_ego)
+    return x if warp is None else apply_ego_warp(x, warp)
 
 
-__all__ = ["EgoWarp", "all_identity", "batch_ego_warp", "ego_frame_affines", "ego_rows", "moving_rows",
-           "to_ego_frame", "warp_to_ego"]
+__all__ = ["EgoWarp", "all_identity", "apply_ego_warp", "batch_ego_warp", "ego_frame_affines", "ego_rows",
+           "moving_rows", "plan_ego_warp", "to_ego_frame", "warp_to_ego"]

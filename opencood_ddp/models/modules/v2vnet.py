@@ -153,9 +153,13 @@ class Geometry(NamedTuple):
     identities: List[bool]  # per sample: every transform among its CAVs the identity (no warp, every cell covered)
 
 
-def geometry(pairwise_t_matrix: torch.Tensor, cav_counts: Sequence[int], lidar_range: Sequence[float]) -> Geometry:
+def geometry(pairwise_t_matrix: torch.Tensor, cav_counts: Sequence[int], lidar_range: Sequence[float],
+             device: Optional[torch.device] = None) -> Geometry:
+    """Worked out where the pairwise matrices are; the matrices then go to ``device`` (the maps'; default: where
+    they are), so that the fusion, and --capture's graph, reads no host tensor."""
     thetas = pairwise_affines(pairwise_t_matrix, lidar_range)
-    return Geometry(thetas, identity_samples(thetas, cav_counts))
+    identities = identity_samples(thetas, cav_counts)
+    return Geometry(thetas if device is None else to_device(thetas, torch.device(device)), identities)
 
 
 class V2VNetFusion(nn.Module):
