@@ -171,9 +171,10 @@ def test_aot_eager_capture_of_the_layout_dependent_models_is_the_eager_step(toy_
     """The models whose dense part reads more of the layout than a plain backbone: Where2comm's communication (a
     confidence threshold's mask, the rates, all traced), SECOND (the front is spconv's, outside the graph), V2VNet
     (which samples need no warp) and V2X-ViT (its agents' rows); and, with proj_first: false (the DAIR-V2X
-    configs), the warp into the ego's frame, whose moving rows the layout finds once per batch (until 2026-11-29 each
-    level's warp found them with a nonzero inside the graph: AttFuse's step was 13 graphs). Two steps on one two-sample batch: one graph, no
-    break, the second step replays it, and every loss and weight is the eager step's bit for bit."""
+    configs), the warp into the ego's frame, whose moving rows the layout finds once per batch (until 2026-11-29
+    each level's warp found them with a nonzero inside the graph: AttFuse's step was 13 graphs). Two steps on one
+    two-sample batch: one graph, no break, the second step replays it, and every loss and weight is the eager
+    step's bit for bit."""
     from torch._dynamo.utils import counters
 
     from opencood_ddp.tasks import build_task
