@@ -52,8 +52,8 @@ def test_state_dict_round_trips(toy_model):
 
 @pytest.mark.slow
 def test_one_ddp_step_on_two_ranks_equals_the_one_process_step_for_every_model(toy_small, tmp_path):
-    """DDP as the trainer wraps it (gloo SyncBatchNorm, no find_unused_parameters): every parameter is reduced on
-    every rank, and the gradient is as close to the exact (float64) 1-process gradient on the union batch as the
+    """DDP as the trainer wraps it (gloo SyncBatchNorm, no find_unused_parameters, no broadcast of rank 0's
+    buffers before the forward): every parameter is reduced on every rank, every rank's buffers stay equal, and the gradient is as close to the exact (float64) 1-process gradient on the union batch as the
     float32 1-process step is, within a factor of 10: both are float32 sums of the same terms in other orders."""
     result = torchrun(2, WORKERS / "zoo_ddp_step_worker.py", "--toy", toy_small, "--out", tmp_path,
                       *TOY_CONFIGS, timeout=600)
@@ -61,6 +61,7 @@ def test_one_ddp_step_on_two_ranks_equals_the_one_process_step_for_every_model(t
     failures = []
     for config in TOY_CONFIGS:
         found = json.loads((tmp_path / f"{config.stem}.json").read_text())
-        if not found["replicas_equal"] or found["none_grads"] or found["ddp_error"] > 10 * found["floor"]:
+        if not found["replicas_equal"] or not found["buffers_equal"] or found["none_grads"] \
+                or found["ddp_error"] > 10 * found["floor"]:
             failures.append(f"{config.stem}: {found}")
     assert not failures, "\n".join(failures)

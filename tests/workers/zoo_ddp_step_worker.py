@@ -14,6 +14,9 @@ collates them), once in float32 and once in float64. It writes DIR/<config stem>
 - ``floor``: the same for the float32 1-process gradient: float32's own error on this step, which the DDP
   error is judged against (another summation order of the same float32 arithmetic);
 - ``replicas_equal``: whether every rank holds the same gradient (DDP's all-reduce reached every parameter);
+- ``buffers_equal``: whether every rank holds the same buffers after the step, bit for bit, with DDP's broadcast of
+  rank 0's buffers off as the trainer turns it off (distributed/sync_bn.buffer_sync): SyncBatchNorm's running
+  statistics are the global batch's on every rank;
 - ``none_grads``: the parameters left without a gradient on rank 0.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
-from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
+from opencood_ddp.distributed.sync_bn import buffer_sync, convert_sync_batchnorm
 from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.train import seed_everything
 from opencood_ddp.hypes import get_key
@@ -74,17 +77,22 @@ def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
     samples = [task.train_set[i] for i in range(env.world_size)]
     reference = copy.deepcopy(task.model)
     model, _ = convert_sync_batchnorm(task.model, env.world_size, env.device)
+    sync = buffer_sync(model)
+    assert sync == {"forward_sync_buffers": False}, sync  # every buffer kept equal without a broadcast
     ddp = DistributedDataParallel(model, find_unused_parameters=bool(
-        get_key(hypes, "train_params.find_unused_parameters", False)))
+        get_key(hypes, "train_params.find_unused_parameters", False)), **sync)
     ddp.train()
     task.step(ddp, task.collate_train([samples[env.rank]])).total.backward()
     stepped = gradients(model)
     flat = torch.cat([stepped[name].flatten() for name in sorted(stepped)])
     gathered = comm.gather_objects(flat)
+    buffers = comm.gather_objects({name: b.detach().clone() for name, b in model.named_buffers()})
     result = {"none_grads": sorted(name for name, p in model.named_parameters()
                                    if p.requires_grad and p.grad is None)}
     if env.is_main:
         result["replicas_equal"] = all(torch.equal(other, gathered[0]) for other in gathered)
+        result["buffers_equal"] = all(other.keys() == buffers[0].keys() and
+                                      all(torch.equal(other[n], buffers[0][n]) for n in other) for other in buffers)
         union = task.collate_train(samples)
         exact = one_process_step(copy.deepcopy(reference).double(), task, as_float64(union))
         result["floor"] = relative_error(one_process_step(reference, task, union), exact)

@@ -42,6 +42,8 @@ class WindowAttention(nn.Module):
     autograd copying a base tensor in the backward (``PreNormResidual``).
     """
 
+    constant_buffers = ("relative_position_index",)  # made here, never trained: DDP need not broadcast it
+
     def __init__(self, dim: int, dim_head: int, dropout: float, agents: int, window: int):
         super().__init__()
         self.heads = dim // dim_head

@@ -41,6 +41,8 @@ def from_windows(x: torch.Tensor, window: int, height: int, width: int) -> torch
 class WindowAttention(nn.Module):
     """One MSwin branch (upstream ``BaseWindowAttention``): self-attention inside s x s windows."""
 
+    constant_buffers = ("offsets",)  # made here, never trained: DDP need not broadcast it
+
     def __init__(self, dim: int, heads: int, dim_head: int, dropout: float, window: int, relative: bool):
         super().__init__()
         inner = heads * dim_head
