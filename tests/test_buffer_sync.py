@@ -1,4 +1,4 @@
-"""When DDP broadcasts rank 0's buffers before each forward (distributed/sync_bn.buffer_sync).
+"""When DDP broadcasts rank 0's buffers before each forward (distributed/ddp.buffer_sync).
 
 Upstream's DDP broadcasts every buffer before every forward. With synchronized batch norm that is a collective and
 some four ops per buffer each step for values every rank already holds: SyncBatchNorm's running statistics are the
@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from opencood_ddp.distributed.sync_bn import buffer_sync, buffers_kept_equal, convert_sync_batchnorm
+from opencood_ddp.distributed.ddp import buffer_sync
+from opencood_ddp.distributed.sync_bn import buffers_kept_equal, convert_sync_batchnorm
 from zoo import hypes_of
 
 # AttFuse (batch norm only), CoBEVT and V2X-ViT (their index tables), SECOND (spconv's BatchNorm1d).

@@ -13,14 +13,12 @@ exactly, and the backward's two per-channel sums are all-reduced.
 """
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.parallel import DistributedDataParallel
 
 from opencood_ddp.distributed import comm
 from opencood_ddp.numerics.batch_norm import AccurateStatistics, Reduction, use_accurate_batch_norm
@@ -85,18 +83,6 @@ def buffers_kept_equal(model: nn.Module) -> bool:
             if not isinstance(module, SYNCHRONIZED) and name not in constant:
                 return False
     return True
-
-
-def buffer_sync(model: nn.Module) -> dict:
-    """DDP's keyword argument for the broadcast of rank 0's buffers before each forward: off where
-    `buffers_kept_equal`, since it is a collective and some four ops per buffer every step for values that are
-    already equal (a toy AttFuse step on 2 ranks: 1,627 ops with it, 1,505 without). torch 2.13 names it
-    forward_sync_buffers (buffers are still broadcast once when DDP is built); earlier torch broadcast_buffers
-    (which skips that once too: every rank builds the same model and loads the same checkpoint)."""
-    keep = not buffers_kept_equal(model)
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
-        return {"forward_sync_buffers": keep}
-    return {"broadcast_buffers": keep}
 
 
 def convert_sync_batchnorm(model: nn.Module, world_size: int, device: str,

@@ -35,7 +35,8 @@ from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
 from opencood_ddp.distributed.env import DistEnv
-from opencood_ddp.distributed.sync_bn import buffer_sync, convert_sync_batchnorm
+from opencood_ddp.distributed.ddp import wrap_ddp
+from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
 from opencood_ddp.engine.capture import CapturedStep, CaptureModule, check_capture
 from opencood_ddp.engine.checkpointer import ResumeRules, RunCheckpointer
@@ -144,13 +145,7 @@ class Trainer:
     def _wrap(self, model: nn.Module) -> nn.Module:
         if not self.env.distributed:
             return model
-        # No device_ids: DDP would move the batch again, and put the keys the task keeps on the host
-        # (data/device_points.HOST_KEYS) on the device, where every read of them stalls the step. The task's
-        # move_to has put the rest where the module is.
-        # Rank 0's buffers are broadcast before each forward only where they can drift apart (sync_bn.buffer_sync).
-        return DistributedDataParallel(model, device_ids=None,
-                                       find_unused_parameters=self.settings.find_unused_parameters,
-                                       **buffer_sync(model))
+        return wrap_ddp(model, self.settings.find_unused_parameters)  # its settings and why: distributed/ddp.py
 
     def open_run(self) -> list[tuple[int, str]]:
         """Make the run folder this run's: for an existing run, continue from its newest checkpoint that loads and

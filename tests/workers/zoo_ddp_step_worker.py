@@ -3,7 +3,7 @@
 Usage: torchrun --nproc_per_node=2 zoo_ddp_step_worker.py --toy ROOT --out DIR CONFIG [CONFIG ...]
 
 For each toy config, every rank builds the same model (same seed), converts its BatchNorm as the trainer does
-(gloo SyncBatchNorm), wraps it in DistributedDataParallel as the trainer does (no find_unused_parameters unless
+(gloo SyncBatchNorm), wraps it in DistributedDataParallel as the trainer does (distributed/ddp.wrap_ddp: no find_unused_parameters unless
 the hypes ask for it: a parameter outside the step's graph would fail the backward here, which no in-process
 check can show) and takes the training step of one sample per rank, rank r reading sample r. Rank 0 also steps
 copies of the unconverted model on the union batch (the ranks' samples in rank order, as the 1-process run
@@ -15,7 +15,7 @@ collates them), once in float32 and once in float64. It writes DIR/<config stem>
   error is judged against (another summation order of the same float32 arithmetic);
 - ``replicas_equal``: whether every rank holds the same gradient (DDP's all-reduce reached every parameter);
 - ``buffers_equal``: whether every rank holds the same buffers after the step, bit for bit, with DDP's broadcast of
-  rank 0's buffers off as the trainer turns it off (distributed/sync_bn.buffer_sync): SyncBatchNorm's running
+  rank 0's buffers off as the trainer turns it off (distributed/ddp.buffer_sync): SyncBatchNorm's running
   statistics are the global batch's on every rank;
 - ``none_grads``: the parameters left without a gradient on rank 0.
 """
@@ -27,11 +27,11 @@ import json
 from pathlib import Path
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
-from opencood_ddp.distributed.sync_bn import buffer_sync, convert_sync_batchnorm
+from opencood_ddp.distributed.ddp import buffer_sync, wrap_ddp
+from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.train import seed_everything
 from opencood_ddp.hypes import get_key
@@ -77,10 +77,8 @@ def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
     samples = [task.train_set[i] for i in range(env.world_size)]
     reference = copy.deepcopy(task.model)
     model, _ = convert_sync_batchnorm(task.model, env.world_size, env.device)
-    sync = buffer_sync(model)
-    assert sync == {"forward_sync_buffers": False}, sync  # every buffer kept equal without a broadcast
-    ddp = DistributedDataParallel(model, find_unused_parameters=bool(
-        get_key(hypes, "train_params.find_unused_parameters", False)), **sync)
+    assert buffer_sync(model) == {"forward_sync_buffers": False}  # every buffer kept equal without a broadcast
+    ddp = wrap_ddp(model, bool(get_key(hypes, "train_params.find_unused_parameters", False)))
     ddp.train()
     task.step(ddp, task.collate_train([samples[env.rank]])).total.backward()
     stepped = gradients(model)
