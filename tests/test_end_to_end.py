@@ -52,6 +52,20 @@ def test_parity_check_passes_for_one_and_two_processes(parity_runs):
     assert "same training" in rows["world2"] and "noise floor" in rows["world1_reversed"]
 
 
+def test_parity_check_runs_every_world_size_at_the_thread_count_torchrun_gives_a_rank():
+    """A world-size-1 run on two threads against ranks on one would count the CPU kernels' thread-count rounding as
+    the world size's: every run gets OMP_NUM_THREADS=1 unless the user set it, and none of the launcher's
+    variables of the shell the tool runs in."""
+    import sys
+
+    sys.path.insert(0, str(PARITY.parent))
+    from parity_check import run_environ
+
+    assert run_environ({"PATH": "/bin"}) == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}
+    inside = {"OMP_NUM_THREADS": "4", "RANK": "1", "LOCAL_RANK": "1", "SLURM_JOB_ID": "7", "PATH": "/bin"}
+    assert run_environ(inside) == {"OMP_NUM_THREADS": "4", "PATH": "/bin"}
+
+
 def test_train_ddp_on_one_and_two_processes_saves_the_same_weights(parity_runs):
     """The parity promise through the user-facing script, SyncBN included: 2 ranks x 1 sample, 1 rank x 2."""
     _, work = parity_runs

@@ -15,6 +15,10 @@ exact arithmetic) and measures that drift: the noise floor. A world size passes 
 gap stays within --noise_factor times the noise floor so far (or under --loss_tolerance), and its weight gap
 within --noise_factor times the noise run's (or under --tolerance). A wrong batch split, a missing SyncBN or
 unsynchronised gradients show from the first steps, orders of magnitude above the floor.
+Every run's processes compute at the thread count torchrun gives a rank (OMP_NUM_THREADS=1 unless it is set):
+a CPU kernel's float sums can follow its thread count, and a world-size-1 run on two threads against ranks on one
+would count that difference as the world size's (on a toy AttFuse run, the loss at step 5 moves in the third
+digit between one and two threads).
 Run it on a small subset before a long job. Exit status: 0 when every world size passes, 1 when one does
 not, 2 on a bad input or a failed run.
 """
@@ -31,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp import checkpoint_files as ckpt
@@ -97,6 +101,12 @@ def command(world: int, args: argparse.Namespace, run_dir: Path, reverse: bool =
                                                          *shlex.split(args.train_args)]
 
 
+def run_environ(environ: Mapping[str, str]) -> dict:
+    """A run's environment: without the launcher variables of the shell running this tool (say, inside an
+    salloc), and with the thread count torchrun gives each rank, for the world-size-1 runs too."""
+    return {"OMP_NUM_THREADS": "1", **environ_without_launcher(environ)}
+
+
 def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, reverse: bool = False) -> Path:
     run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
     cmd = command(world, args, run_dir, reverse)
@@ -104,9 +114,8 @@ def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, r
     print(f"{name}: {shown}", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        # Launcher variables of the shell running this tool (say, inside an salloc) must not reach the runs.
-        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env=environ_without_launcher(os.environ), timeout=args.timeout)
+        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_environ(os.environ),
+                                timeout=args.timeout)
     if result.returncode != 0:
         raise ConfigError(f"the {name} run failed (exit {result.returncode}): "
                           f"{last_error_line(log_path)}; its output is in {log_path}")
