@@ -43,7 +43,8 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
         assert figures["steps"] == 4 and figures["frames"] == 4  # 2 steps, 2 more after the resume; 4 test frames
         assert figures["samples_per_s"] > 0 and figures["peak_reserved_mib"] > 0
         # the step alone at batch 1 and 2 and its rate (issue 52); the CPU has no published peak
-        assert all(figures[key] > 0 for key in ("step_ms_b1", "step_ms_b2", "tflops_b1", "tflops_b2"))
+        assert all(figures[key] > 0 for key in ("step_ms_b1", "step_ms_b2", "tflops_b1", "tflops_b2",
+                                                "ddp_step_ms_b1"))  # and in DDP at world size 1 (gloo here)
         assert figures["peak_tflops"] is None
         assert "scaler_skips" not in figures  # only fp16 has a GradScaler
     planner = checks[f"planner {TOY}"]["figures"]

@@ -18,7 +18,8 @@ Checks, each ok / failed / skipped with the reason:
   tools' own entry (`engine.train.main`) in this process; samples/s of the resumed steps and the peak memory
   (reserved and allocated) of the whole; then the step alone (the trainer's, on a batch already on the device)
   at per-GPU batch 1 and 2, and the rate its FLOPs (torch's FlopCounterMode, engine/census.py) make beside the
-  device's published peak (issue 52);
+  device's published peak, and the step at batch 1 in DDP as the trainer wraps it at world size 1 (NCCL on CUDA:
+  the floor of what DDP adds on N GPUs) (issue 52);
 - cpu_weights: a weights file written on the device opened by `torch.load` without map_location (as upstream's
   loader does) in a process that sees no GPU;
 - repeat: the models that warp feature maps (V2VNet, V2X-ViT, CoBEVT) trained twice for 2 steps with
@@ -375,7 +376,8 @@ def check_training(config: str, precision: str, device: torch.device, data: Path
     return (f"{len(rows)} steps (2, then resumed){scaler}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, {rate:.1f} "
             f"samples/s, peak {figures['peak_reserved_mib']} MiB reserved; eval AP@0.5 {result['ap_50']:.3f} on "
             f"{result['frames']} frames; the step alone {figures['step_ms_b1']} ms at batch 1, "
-            f"{figures['step_ms_b2']} ms at 2 ({figures['tflops_b2']} TFLOP/s)"), figures
+            f"{figures['step_ms_b2']} ms at 2 ({figures['tflops_b2']} TFLOP/s), "
+            f"{figures['ddp_step_ms_b1']} ms at batch 1 in DDP at world size 1"), figures
 
 
 def check_repeatable(config: str, device: torch.device, data: Path, work: Path) -> tuple[str, dict]:
@@ -467,11 +469,15 @@ def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, d
 
 
 def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half: Optional[str] = None,
-                  capture: Optional[str] = None):
+                  capture: Optional[str] = None, ddp: bool = False):
     """The step as the trainer takes it (engine/census.py's trainer_step: forward_backward, the hypes' optimizer
     with the device's kernels, optimizer_step), on one batch of `batch_size` already on the device. With `capture`
     (a --capture mode) the step is the trainer's under --capture, on a copy of the model: engine/capture.py's
-    CaptureModule, its dense part compiled on its first call."""
+    CaptureModule, its dense part compiled on its first call. With `ddp`, on a copy of the model with its batch
+    norms synchronized as on N ranks, in DDP as the trainer wraps it (distributed/ddp.wrap_ddp): it needs a
+    process group (`_one_rank_group`)."""
+    from opencood_ddp.distributed.ddp import wrap_ddp
+    from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
     from opencood_ddp.engine.capture import CapturedStep, CaptureModule
     from opencood_ddp.engine.census import trainer_step
     from opencood_ddp.engine.optim import build_optimizer
@@ -484,6 +490,9 @@ def _trainer_step(task, hypes: dict, device: torch.device, batch_size: int, half
     if capture is not None:
         model = copy.deepcopy(model)
         step, module = CapturedStep(), CaptureModule(model, task.step, capture, device)
+    if ddp:  # the kind N ranks convert to (at world size 1 it normalises as BatchNorm does)
+        model, _ = convert_sync_batchnorm(copy.deepcopy(model), 2, device.type)
+        module = wrap_ddp(model)
     optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for=device)
     precision = Precision(half, device)
     return trainer_step(step, module, batch, optimizer, precision, precision.new_scaler())
@@ -500,7 +509,8 @@ def _steps_per_second(task, hypes: dict, device: torch.device, batch_size: int) 
 def step_rates(config: str, precision: str, device: torch.device, data: Path) -> dict:
     """The training step alone at per-GPU batch 1 and 2 (STEP_BATCHES; median of 3 after a warm-up, on a batch
     already on the device), its FLOPs (torch's FlopCounterMode over forward and backward, engine/census.py), the
-    rate those make over the step time, and the device's published peak for the precision (None: unknown). The
+    rate those make over the step time, the step at batch 1 in DDP at world size 1 (`ddp_step_ms`), and the device's
+    published peak for the precision (None: unknown). The
     warm-up step is the one whose FLOPs are counted, and the CPU times one step, not 3: `make test` runs this on
     the CPU only to keep it working, and fp16 there is emulated, seconds a step."""
     from opencood_ddp.engine.census import count_flops, device_peak, step_seconds
@@ -514,9 +524,26 @@ def step_rates(config: str, precision: str, device: torch.device, data: Path) ->
         figures[f"step_ms_b{batch_size}"] = round(seconds * 1e3, 2)
         figures[f"gflop_b{batch_size}"] = round(flops / 1e9, 2)
         figures[f"tflops_b{batch_size}"] = float(f"{flops / seconds / 1e12:.3g}")  # 3 digits: a CPU is slow
+    figures["ddp_step_ms_b1"] = ddp_step_ms(task, hypes, device, None if precision == "fp32" else precision)
     peak = device_peak(device, precision)
     figures["peak_tflops"] = None if peak is None else f"{peak[0]:g} ({peak[1]})"
     return figures
+
+
+def ddp_step_ms(task, hypes: dict, device: torch.device, half: Optional[str]) -> float:
+    """The step at per-GPU batch 1 in DDP as the trainer wraps it, in a world-size-1 group (NCCL on CUDA): DDP's
+    forward, its hooks and its bucketed all-reduce added to the step, the floor of what N ranks add (issue 52: 2
+    GPUs at batch 1 against 1 GPU at batch 2). Not in it: the synchronized batch norms' collectives, which at world
+    size 1 do not run. Median of 3 after a warm-up (1 on the CPU, as `step_rates`)."""
+    from opencood_ddp.engine.census import step_seconds
+
+    dist, comm = _one_rank_group(device)
+    try:
+        step = _trainer_step(task, hypes, device, 1, half, ddp=True)
+        step()  # warm-up: DDP's buckets are rebuilt after the first step
+        return round(statistics.median(step_seconds(step, device, 3 if device.type == "cuda" else 1)) * 1e3, 2)
+    finally:
+        _close_group(dist, comm)
 
 
 def _loader_samples_per_second(task, device: torch.device, workers: int, batch_size: int) -> float:
@@ -742,14 +769,16 @@ def model_table(checks: list[Check]) -> list[str]:
     """One row per trained config and precision: the figures docs/model_zoo.md's GPU columns take, and the step
     alone at batch 1 and 2 with the rate its FLOPs make beside the device's peak (issue 52)."""
     lines = ["| config | precision | status | samples/s | peak reserved MiB | peak allocated MiB | AP@0.5 (toy) | "
-             "step ms, batch 1 | step ms, batch 2 | TFLOP/s, batch 1 | TFLOP/s, batch 2 | device peak TFLOP/s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "step ms, batch 1 | step ms, batch 2 | TFLOP/s, batch 1 | TFLOP/s, batch 2 | step ms, batch 1 in DDP "
+             "(world size 1) | device peak TFLOP/s |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for check in checks:
         if not check.name.startswith("train "):
             continue
         _, config, precision = check.name.split(" ")
         f = check.figures
-        steps = " | ".join(str(f.get(key, "")) for key in ("step_ms_b1", "step_ms_b2", "tflops_b1", "tflops_b2"))
+        steps = " | ".join(str(f.get(key, "")) for key in ("step_ms_b1", "step_ms_b2", "tflops_b1", "tflops_b2",
+                                                            "ddp_step_ms_b1"))
         peak = f.get("peak_tflops") or ("-" if f else "")
         lines.append(f"| {config} | {precision} | {check.status} | {f.get('samples_per_s', '')} | "
                      f"{f.get('peak_reserved_mib', '')} | {f.get('peak_allocated_mib', '')} | {f.get('ap_50', '')} | "
