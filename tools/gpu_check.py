@@ -510,9 +510,9 @@ def step_rates(config: str, precision: str, device: torch.device, data: Path) ->
     """The training step alone at per-GPU batch 1 and 2 (STEP_BATCHES; median of 3 after a warm-up, on a batch
     already on the device), its FLOPs (torch's FlopCounterMode over forward and backward, engine/census.py), the
     rate those make over the step time, the step at batch 1 in DDP at world size 1 (`ddp_step_ms`), and the device's
-    published peak for the precision (None: unknown). The
-    warm-up step is the one whose FLOPs are counted, and the CPU times one step, not 3: `make test` runs this on
-    the CPU only to keep it working, and fp16 there is emulated, seconds a step."""
+    published peak for the precision (None: unknown). The warm-up step is the one whose FLOPs are counted, and the
+    CPU times one step, not 3: `make test` runs this on the CPU only to keep it working, and fp16 there is
+    emulated, seconds a step."""
     from opencood_ddp.engine.census import count_flops, device_peak, step_seconds
 
     task, hypes = _task_of(config, data)
@@ -535,13 +535,13 @@ def ddp_step_ms(task, hypes: dict, device: torch.device, half: Optional[str]) ->
     forward, its hooks and its bucketed all-reduce added to the step, the floor of what N ranks add (issue 52: 2
     GPUs at batch 1 against 1 GPU at batch 2). Not in it: the synchronized batch norms' collectives, which at world
     size 1 do not run. Median of 3 after a warm-up (1 on the CPU, as `step_rates`)."""
-    from opencood_ddp.engine.census import step_seconds
+    from opencood_ddp.engine.census import median_step_seconds
 
     dist, comm = _one_rank_group(device)
     try:
         step = _trainer_step(task, hypes, device, 1, half, ddp=True)
-        step()  # warm-up: DDP's buckets are rebuilt after the first step
-        return round(statistics.median(step_seconds(step, device, 3 if device.type == "cuda" else 1)) * 1e3, 2)
+        # its warm-up step also lets DDP rebuild its buckets, which it does after the first step
+        return round(median_step_seconds(step, device, 3 if device.type == "cuda" else 1) * 1e3, 2)
     finally:
         _close_group(dist, comm)
 

@@ -34,8 +34,8 @@ from torch.utils.data import DataLoader
 from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.batch_plan import BatchPlan
-from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.ddp import wrap_ddp
+from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.distributed.samplers import EvalShardSampler, make_train_batch_sampler, steps_per_epoch
 from opencood_ddp.engine.capture import CapturedStep, CaptureModule, check_capture

@@ -35,7 +35,7 @@ from opencood_ddp.models.modules.mean_vfe import MeanVFE
 from opencood_ddp.models.modules.sparse_backbone import (HeightCompression, VoxelBackBone8x, num_features_out,
                                                          output_shape)
 from opencood_ddp.models.point_pillar import (NUM_POINT_FEATURES, PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, Map,
-                                              attfuse_sent_maps)
+                                              PointPillar, attfuse_sent_maps)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -212,9 +212,8 @@ class SecondIntermediate(nn.Module):
 
     def layout(self, data_dict: Mapping) -> dict:
         """``record_len`` and the maps' warp into their ego's frame (None where no map moves)."""
-        maps_device = data_dict["processed_lidar"]["voxel_features"].device
-        return {"record_len": data_dict["record_len"],
-                "ego_warp": batch_ego_warp(data_dict, self.lidar_range, maps_device)}
+        warp = batch_ego_warp(data_dict, self.lidar_range, PointPillar.maps_device(data_dict))
+        return {"record_len": data_dict["record_len"], "ego_warp": warp}
 
     def dense(self, features: torch.Tensor, layout: Mapping) -> dict:
         """The BEV backbone, fused level by level as AttFuse's, and the 1x1 heads."""
