@@ -21,6 +21,10 @@ from torch.nn.parallel import DistributedDataParallel
 from opencood_ddp.distributed.sync_bn import buffers_kept_equal
 
 
+def _ddp_parameters() -> frozenset:
+    return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
+
+
 def buffer_sync(model: nn.Module) -> dict:
     """DDP's keyword argument for the broadcast of rank 0's buffers before each forward: off where
     `sync_bn.buffers_kept_equal`, since it is a collective and some four ops per buffer every step for values that
@@ -28,15 +32,27 @@ def buffer_sync(model: nn.Module) -> dict:
     forward_sync_buffers (buffers are still broadcast once when DDP is built); earlier torch broadcast_buffers
     (which skips that once too: every rank builds the same model and loads the same checkpoint)."""
     keep = not buffers_kept_equal(model)
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+    if "forward_sync_buffers" in _ddp_parameters():
         return {"forward_sync_buffers": keep}
     return {"broadcast_buffers": keep}
+
+
+def batched_copy() -> dict:
+    """DDP's keyword argument that copies fresh gradients into a bucket together, where torch has it.
+
+    Without it, each gradient that arrives while its bucket view is not its ``.grad`` (every step: the trainer
+    sets gradients to None) is multiplied into the bucket by 1 / world size, one op per parameter; with it, one
+    ``_foreach_copy_`` and one ``div_`` per bucket (a toy AttFuse step on 2 ranks: 30 ops fewer, V2X-ViT 169;
+    tools/benchmarks/count_ddp_ops.py). The reduced values are the same at a world size that is a power of two,
+    where x * (1 / n) and x / n round alike; at another they differ by at most one unit in the last place. A torch
+    without the argument (the GPU machines' 2.11) keeps the copy per parameter."""
+    return {"batched_grad_copy": True} if "batched_grad_copy" in _ddp_parameters() else {}
 
 
 def wrap_ddp(model: nn.Module, find_unused_parameters: bool = False) -> DistributedDataParallel:
     """``model`` (its batch norms already converted: distributed/sync_bn.py) in DDP as the trainer runs it."""
     return DistributedDataParallel(model, device_ids=None, find_unused_parameters=find_unused_parameters,
-                                   gradient_as_bucket_view=True, **buffer_sync(model))
+                                   gradient_as_bucket_view=True, **buffer_sync(model), **batched_copy())
 
 
-__all__ = ["buffer_sync", "wrap_ddp"]
+__all__ = ["batched_copy", "buffer_sync", "wrap_ddp"]

@@ -2,12 +2,13 @@
 
 Usage: torchrun --nproc_per_node=2 zoo_ddp_step_worker.py --toy ROOT --out DIR CONFIG [CONFIG ...]
 
-For each toy config, every rank builds the same model (same seed), converts its BatchNorm as the trainer does
-(gloo SyncBatchNorm), wraps it in DistributedDataParallel as the trainer does (distributed/ddp.wrap_ddp: no find_unused_parameters unless
-the hypes ask for it: a parameter outside the step's graph would fail the backward here, which no in-process
-check can show) and takes the training step of one sample per rank, rank r reading sample r. Rank 0 also steps
-copies of the unconverted model on the union batch (the ranks' samples in rank order, as the 1-process run
-collates them), once in float32 and once in float64. It writes DIR/<config stem>.json with:
+For each toy config, every rank builds the same model (same seed), converts its BatchNorm as the trainer does (gloo
+SyncBatchNorm), wraps it in DistributedDataParallel as the trainer does (distributed/ddp.wrap_ddp: no
+find_unused_parameters unless the hypes ask for it: a parameter outside the step's graph would fail the backward
+here, which no in-process check can show; fresh gradients copied into a bucket together where torch can) and takes
+the training step of one sample per rank, rank r reading sample r. Rank 0 also steps copies of the unconverted model
+on the union batch (the ranks' samples in rank order, as the 1-process run collates them), once in float32 and once
+in float64. It writes DIR/<config stem>.json with:
 
 - ``ddp_error``: ||DDP gradient - float64 1-process gradient|| / ||float64 1-process gradient||, over all
   parameters at once;
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import json
 from pathlib import Path
 
@@ -79,6 +81,10 @@ def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
     model, _ = convert_sync_batchnorm(task.model, env.world_size, env.device)
     assert buffer_sync(model) == {"forward_sync_buffers": False}  # every buffer kept equal without a broadcast
     ddp = wrap_ddp(model, bool(get_key(hypes, "train_params.find_unused_parameters", False)))
+    # Where torch's DDP can copy the fresh gradients into a bucket together (2.13), the trainer's build does, and
+    # the DDP error below covers that path.
+    assert getattr(ddp, "batched_grad_copy", False) == ("batched_grad_copy" in inspect.signature(
+        torch.nn.parallel.DistributedDataParallel.__init__).parameters)
     ddp.train()
     task.step(ddp, task.collate_train([samples[env.rank]])).total.backward()
     stepped = gradients(model)

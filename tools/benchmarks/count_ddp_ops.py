@@ -5,11 +5,12 @@
         --configs toy/point_pillar_intermediate_fusion toy/point_pillar_v2xvit
 
 Each config's model is built on every rank with the same seed, its batch norms converted as the trainer converts
-them (distributed/sync_bn.py), and wrapped twice: by `distributed/ddp.wrap_ddp` (the trainer's build) and with
-DDP's defaults (rank 0's buffers broadcast before each forward, gradients copied out of the buckets). Each rank
-takes its own sample, rank r the r-th of the training set, and `engine/census.count_ops` counts the second step
-(forward and loss, backward with DDP's all-reduce, the optimizer's update) of each build. A step launch-bound on
-a GPU pays for every op (issue 52); the difference between the two builds is what DDP's settings cost.
+them (distributed/sync_bn.py), and wrapped twice: by `distributed/ddp.wrap_ddp` (the trainer's build) and with DDP's
+defaults (rank 0's buffers broadcast before each forward, gradients copied out of the buckets, each fresh gradient
+multiplied into its bucket alone). Each rank takes its own sample, rank r the r-th of the training set, and
+`engine/census.count_ops` counts the second step (forward and loss, backward with DDP's all-reduce, the optimizer's
+update) of each build. A step launch-bound on a GPU pays for every op (issue 52); the difference between the two
+builds is what DDP's settings cost.
 
 Counted on the CPU with gloo, whose synchronized batch norm is ours (GlooSyncBatchNorm): the forward's counts are
 the CPU path's, not the CUDA path's (engine/census.py's cuda_path_on_cpu is for one process); the builds' gap is
