@@ -3,9 +3,10 @@
 With the batch split over N ranks, plain BatchNorm normalises each rank's shard with that shard's statistics:
 a different model from the 1-GPU baseline. Converting to a synchronized batch norm before DDP wrapping
 restores the baseline: outputs, gradients and running statistics equal those of one BatchNorm over the
-global batch. torch.nn.SyncBatchNorm does this on CUDA only (it raises on CPU tensors), so CPU/gloo runs
-use `GlooSyncBatchNorm` below, which keeps the parameter and buffer names of BatchNorm, hence the
-state-dict keys of OpenCOOD checkpoints.
+global batch. On CUDA that is `device_sync_bn.DeviceSyncBatchNorm`: torch.nn.SyncBatchNorm's kernels and
+numbers without its three host waits per layer. torch's kernels are CUDA's only, so CPU/gloo runs use
+`GlooSyncBatchNorm` below. Both keep the parameter and buffer names of BatchNorm, hence the state-dict keys of
+OpenCOOD checkpoints.
 
 `GlooSyncBatchNorm` is the accurate batch norm of `numerics/batch_norm.py` (float64 per-channel sums, exact on
 every layout) with a reduction over ranks: each rank's (count, mean, variance) is all-gathered and combined
@@ -21,6 +22,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from opencood_ddp.distributed import comm
+from opencood_ddp.distributed.device_sync_bn import convert_device_sync_batchnorm
 from opencood_ddp.numerics.batch_norm import AccurateStatistics, Reduction, use_accurate_batch_norm
 
 
@@ -96,5 +98,5 @@ def convert_sync_batchnorm(model: nn.Module, world_size: int, device: str,
     if not enabled or world_size == 1:
         return use_accurate_batch_norm(model), None
     if device.startswith("cuda"):
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model), "torch.nn.SyncBatchNorm"
+        return convert_device_sync_batchnorm(model), "DeviceSyncBatchNorm"
     return _convert_to_gloo_sync(model), "GlooSyncBatchNorm"
