@@ -6,9 +6,10 @@ Autocast runs matrix products in 16 bits. These places must not:
 - **attention logits** (AttFuse, CoBEVT, V2X-ViT): a dot product of C-vectors overflows float16's 65504 long before
   the softmax (which autocast already runs in float32) sees it;
 - **the pillar VFE's BatchNorm**, whose input can be empty (a rank whose batch has no pillar): torch's
-  SyncBatchNorm then builds that rank's statistics in the input's dtype, float16, while the other ranks send
-  float32, and the gather mismatches. SECOND's sparse BatchNorms, the others an empty batch reaches, take the
-  island only when empty (``sparse_backbone._batch_norm``);
+  SyncBatchNorm built that rank's statistics in the input's dtype, float16, while the other ranks send float32,
+  and the gather mismatched (``distributed/device_sync_bn.py``, which replaced it on CUDA, sends float32 itself;
+  the island stays for a model run with torch's). SECOND's sparse BatchNorms, the others an empty batch reaches,
+  take the island only when empty (``sparse_backbone._batch_norm``);
 - **the pillar VFE's Linear** before it: its inputs are point coordinates in metres, which bfloat16 holds 0.5 m
   apart at 100 m, more than a pillar's width. In float32 it also spares the step the casts of its input and weight
   and of its output back to float32 for the BatchNorm.
