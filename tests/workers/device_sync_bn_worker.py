@@ -12,12 +12,12 @@ For each set of counts (one launch proves them all), every rank holds `counts[ra
 as a rank whose batch has no pillar), and each side runs ITERATIONS training forwards and backwards from the same
 state. Rank 0 writes, per set of counts, over the ranks and iterations:
 - ``equal_to_torch``: whether outputs, input and parameter gradients and running statistics equal those of
-  torch's ``SyncBatchNorm`` function bit for bit (parameter gradients on the ranks with values: torch gives an
-  empty rank None);
+  torch's ``SyncBatchNorm`` function bit for bit (gradients on the ranks with values: torch gives an empty rank
+  None);
 - ``gap_to_torch``: the largest relative difference from torch's, where not equal;
 - ``gap_to_float64``: the largest relative difference from the float64 BatchNorm over the global batch;
-- ``host_reads``: the ops that read the device back (nonzero, _local_scalar_dense) on each side, per forward and
-  backward.
+- ``host_reads``: on each side, the ops that read the device back (nonzero, _local_scalar_dense, item,
+  masked_select, and indexing with a boolean mask), over all forwards and backwards.
 """
 import argparse
 import json
