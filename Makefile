@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 # cpu here; `make venv EXTRAS=cuda` on a GPU machine after installing a CUDA torch by hand.
 EXTRAS ?= cpu
 
-.PHONY: venv slurm check-pins test test-fast demo gpu-venv gpu-wheels gpu-check clean-venv
+.PHONY: venv slurm check-pins test test-fast demo gpu-venv gpu-wheels gpu-check gpu-tests clean-venv
 
 venv: $(STAMP)
 
@@ -99,6 +99,10 @@ gpu-wheels:
 
 gpu-check: $(if $(WHEELS),gpu-venv,venv)
 	$(GPU_PY) tools/gpu_check.py --device $(DEVICE) --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# The tests that need a CUDA device (marker cuda; `make test` skips them), on the GPU machine's venv as gpu-check.
+gpu-tests: $(if $(WHEELS),gpu-venv,venv)
+	$(GPU_PY) -m pytest -q -m cuda -p no:cacheprovider tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -17,8 +17,13 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 def pytest_collection_modifyitems(items: list) -> None:
     """The tests marked slow first, each group in its usual order. `make test` runs two pytest processes
     (pytest-xdist), and a long test near the end of the list can leave one of them waiting for the other; with the
-    long ones first, the last tests either process runs are short."""
+    long ones first, the last tests either process runs are short. The tests marked cuda are skipped without a
+    CUDA device (`make gpu-tests` runs them on a GPU machine)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("cuda") is not None:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA device (make gpu-tests on a GPU machine)"))
 
 SYNTHETIC = REPO / "hypes_yaml" / "toy" / "synthetic_bn.yaml"
 

@@ -386,7 +386,7 @@ def test_the_switch_is_a_checked_key_and_needs_a_device_voxelizer(toy_small):
         voxel_grid_of(object(), "x.yaml")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory and the CUDA path need a GPU")
+@pytest.mark.cuda  # pinned memory and the CUDA path
 def test_the_cuda_path_equals_the_cpu_path(toy_small):
     data = build_dataset(hypes("opv2v/point_pillar_intermediate_fusion", toy_small, ON), "train", train=True,
                          seed=5)

@@ -153,7 +153,7 @@ def test_on_three_ranks_it_is_torchs_syncbatchnorm_bit_for_bit_without_host_read
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the kernels themselves")
+@pytest.mark.cuda  # the kernels themselves
 def test_on_three_ranks_sharing_a_gpu_with_cudas_kernels(tmp_path):
     """The same with CUDA's own kernels (gloo, the ranks sharing the GPU): what the stand-ins cannot show."""
     _assert_torchs_numbers_without_host_reads(_three_ranks(tmp_path, "cuda"))

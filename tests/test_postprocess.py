@@ -449,7 +449,7 @@ def test_post_process_late_fusion_merges_cavs_in_the_ego_frame(post, anchors):
     assert_corners(corners, [shared, only_cav])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_post_process_on_cuda_equals_cpu(post, anchors):
     head = HeadOutput(anchors).fire([5.0, 3.0, -1.0, 1.5, 1.8, 4.2, 0.4], 4.0).fire([-12.0, 8.0, -0.8, 1.6, 1.7, 4.0,
                                                                                      1.2], 2.0)
