@@ -128,8 +128,7 @@ class DeviceSyncBatchNorm(nn.SyncBatchNorm):
 
     def _sync_group(self) -> Optional[tuple]:
         """(group, world size) when this forward synchronizes, else None."""
-        batch_statistics = self.training or self.running_mean is None
-        if not (batch_statistics and self.training and dist.is_available() and dist.is_initialized()):
+        if not (self.training and dist.is_available() and dist.is_initialized()):
             return None
         group = self.process_group or dist.group.WORLD
         world_size = dist.get_world_size(group)
@@ -142,7 +141,7 @@ class DeviceSyncBatchNorm(nn.SyncBatchNorm):
         self._check_input_dim(x)
         self._check_non_zero_input_channels(x)
         momentum = 0.0 if self.momentum is None else self.momentum
-        if self.track_running_stats and self.num_batches_tracked is not None:
+        if self.track_running_stats:  # training, here: the statistics are tracked
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average
                 momentum = 1.0 / float(self.num_batches_tracked)

@@ -44,8 +44,8 @@ HOST_READS = ("aten::nonzero", "aten::_local_scalar_dense", "aten::item", "aten:
 
 def _bool_index(func, args) -> bool:
     """aten::index with a boolean mask: the kernel calls nonzero below the dispatcher's Python key."""
-    return func._schema.name == "aten::index" and any(
-        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())
+    return func._schema.name == "aten::index" and len(args) > 1 and any(
+        isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
 
 
 class HostReads(TorchDispatchMode):
