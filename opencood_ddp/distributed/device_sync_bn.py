@@ -19,6 +19,14 @@ Two more differences from torch's, both for ranks with an empty input under ``--
 dtypes: the empty rank's statistics row and its backward sums are sent in the kernels' accumulation dtype (float32
 for float16 and bfloat16 inputs), as the other ranks' are, and its weight and bias gradients are zeros, not None.
 
+Under ``--capture`` on N GPUs these layers are in the dense step's compiled graphs, collectives included (dynamo
+traces the function and turns its collectives into functional ones): one graph, not one per batch norm. Two
+things make that safe. The combine kernel updates the running statistics in place although its schema says it
+writes nothing, so under torch.compile it goes through `_gather_stats_declared`, which declares the writes (an
+unseen write can be dropped with the call). And a rank whose input is empty computes what it sends and what it
+returns from the graph's tensors (`_zero_sums`, `_empty_from`), so that no compiler drops or moves its collectives
+and the ranks' collectives keep pairing up.
+
 Only CUDA has these kernels (``aten::batch_norm_stats`` has no CPU kernel); the CPU's synchronized batch norm is
 `sync_bn.GlooSyncBatchNorm`. tests/test_device_sync_bn.py proves the logic on real gloo ranks over CPU stand-ins
 of the kernels, written from their CUDA formulas.
@@ -65,6 +73,45 @@ def _memory_dense(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+# A rank whose input is empty takes part in both collectives with zeros. Under torch.compile (--capture on N GPUs
+# compiles these layers into the dense step's graphs) what it sends and what it returns must depend on the graph's
+# tensors, as a rank with values does: a collective whose result is unused is dead code, which the graph drops on
+# this rank alone; one that depends on constants only may move, the backward's into the forward graph. Either way
+# the ranks' collectives no longer pair up, and the others wait forever.
+def _zero_sums(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per channel, the sum of `t` (which has no element): zeros of `dtype`, computed from `t`."""
+    return t.sum(dim=[d for d in range(t.dim()) if d != 1], dtype=dtype)
+
+
+def _empty_from(x: torch.Tensor, collected: torch.Tensor) -> torch.Tensor:
+    """An empty tensor like `x` (which has no element), computed from `collected`, what a collective gave."""
+    return torch.zeros_like(x) + collected.reshape(-1)[:1].to(x.dtype).reshape([1] * x.dim())
+
+
+@torch.library.custom_op("opencood_ddp::batch_norm_gather_stats_with_counts",
+                         mutates_args=("running_mean", "running_var"))
+def _gather_stats_declared(x: torch.Tensor, mean_all: torch.Tensor, invstd_all: torch.Tensor,
+                           running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor], momentum: float,
+                           eps: float, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's combine kernel with what its schema leaves out: it updates the running statistics in place. Under
+    torch.compile an undeclared write is invisible: the compiled graph may drop or move the call (on a rank whose
+    input is empty inductor drops it, its outputs being unused there) and the running statistics stay behind."""
+    return torch.batch_norm_gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var, momentum,
+                                                     eps, counts)
+
+
+@_gather_stats_declared.register_fake
+def _(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts):
+    return torch.batch_norm_gather_stats_with_counts(x, mean_all, invstd_all, None, None, momentum, eps, counts)
+
+
+def _gather_stats(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The combine: torch's kernel as it is, and under torch.compile the same kernel with its writes declared."""
+    if torch.compiler.is_compiling():
+        return _gather_stats_declared(*args)
+    return torch.batch_norm_gather_stats_with_counts(*args)
+
+
 class DeviceSyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm over every rank's batch, with torch's CUDA kernels and no host wait."""
 
@@ -79,17 +126,17 @@ class DeviceSyncBatchNormFunction(torch.autograd.Function):
             count = torch.full((1,), x.numel() // channels, dtype=mean.dtype, device=mean.device)
             local = torch.cat([mean, invstd, count])
         else:
-            local = torch.zeros(2 * channels + 1, dtype=stat_dtype(x), device=x.device)
+            zeros = _zero_sums(x, stat_dtype(x))  # mean, invstd and count 0
+            local = torch.cat([zeros, zeros, zeros[:1]])
         mean_all, invstd_all, count_all = empty_ranks_last(_gather_rows(local, group, world_size), channels)
         counts = count_all.reshape(-1)
         if running_mean is not None and counts.dtype != running_mean.dtype:
             counts = counts.to(running_mean.dtype)
-        mean, invstd = torch.batch_norm_gather_stats_with_counts(x, mean_all, invstd_all, running_mean, running_var,
-                                                                 momentum, eps, counts)
+        mean, invstd = _gather_stats(x, mean_all, invstd_all, running_mean, running_var, momentum, eps, counts)
         ctx.save_for_backward(x, weight, mean, invstd, count_all.to(torch.int32))
         ctx.group = group
         if not x.numel():
-            return torch.empty_like(x)
+            return _empty_from(x, mean)
         return torch.batch_norm_elemt(x, weight, bias, mean, invstd, eps)
 
     @staticmethod
@@ -103,7 +150,7 @@ class DeviceSyncBatchNormFunction(torch.autograd.Function):
             sum_dy, sum_dy_xmu, grad_weight, grad_bias = torch.batch_norm_backward_reduce(
                 grad_out, x, mean, invstd, weight, need_input, need_weight, need_bias)
         else:
-            sum_dy = sum_dy_xmu = torch.zeros(channels, dtype=mean.dtype, device=x.device)
+            sum_dy = sum_dy_xmu = _zero_sums(grad_out, mean.dtype)
             if weight is not None:  # zeros, as a rank with values would send: every parameter gets a gradient
                 grad_weight, grad_bias = torch.zeros_like(weight), torch.zeros_like(weight)
         if need_input:
@@ -114,7 +161,7 @@ class DeviceSyncBatchNormFunction(torch.autograd.Function):
                 w = weight.to(mean.dtype) if weight is not None and weight.dtype != mean.dtype else weight
                 grad_in = torch.batch_norm_backward_elemt(grad_out, x, mean, invstd, w, sum_dy, sum_dy_xmu, counts)
             else:
-                grad_in = torch.zeros_like(x)
+                grad_in = _empty_from(x, sum_dy)
         if weight is None or not need_weight:
             grad_weight = None
         if weight is None or not need_bias:
