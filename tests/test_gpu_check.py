@@ -62,9 +62,13 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert feed["steps"] == 8 and feed["workers"] == 2 and feed["train_samples_per_s"] > 0
     assert feed["ratio"] == pytest.approx(feed["train_samples_per_s"] / feed["step_samples_per_s"], rel=0.01)
     assert checks["voxelizer"]["figures"]["sorted_device_equals_cpu"] is True
-    capture = checks[f"capture {TOY}"]["figures"]  # aot_eager on the CPU: the first loss is eager's bit for bit
-    assert capture["mode"] == "aot_eager" and capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == 0
+    capture = checks[f"capture {TOY}"]["figures"]  # aot_eager on the CPU: the first losses are eager's bit for bit
+    assert capture["mode"] == "aot_eager"
+    assert capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == capture["first_loss_gap_ddp_b1"] == 0
     assert all(capture[f"{side}_ms_b{b}"] > 0 for side in ("eager", "captured") for b in (1, 2))
+    # 2 GPUs at batch 1 against 1 at batch 2 (issue 52): the captured step in DDP at batch 1 against batch 2's
+    assert capture["two_at_b1_over_one_at_b2"] == pytest.approx(
+        capture["captured_ms_b2"] / capture["captured_ddp_ms_b1"], rel=0.01)
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table
