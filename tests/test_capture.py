@@ -10,13 +10,14 @@ sets its gap to float64 beside eager float32's, and docs/capture.md keeps the fi
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
 import pytest
 import torch
 from torch import nn
 
-from launch import REPO, explain, split_set_flags, train
+from launch import REPO, WORKERS, explain, split_set_flags, torchrun, train
 from opencood_ddp.engine.capture import CapturedStep, CaptureModule, CavCounts, check_capture
 from opencood_ddp.engine.options import parse_train_options, train_argv
 from opencood_ddp.engine.step import Precision, forward_backward
@@ -215,7 +216,8 @@ def test_capture_refuses_what_it_cannot_serve(attfuse):
 @pytest.mark.slow
 def test_two_rank_capture_trains(toy_small, tmp_path):
     """torchrun, 2 gloo ranks, batch norm synchronised over them: DDP wraps the CaptureModule, the compiled function
-    runs inside its forward (the synchronised batch norm's collectives break the graph there and run eagerly).
+    runs inside its forward (the CPU's synchronised batch norm, GlooSyncBatchNorm, breaks the graph there and
+    runs eagerly; the GPUs' is the next test's).
     The run compiles, takes its step and saves finite weights. As cheap as that proof allows: one step of one
     sample a rank, at most 2,000 pillars a cloud. Its weights are not the eager run's bit for bit: the captured step
     takes CUDA's kernels on the CPU (float32 batch-norm statistics), the eager run the float64 ones."""
@@ -228,6 +230,20 @@ def test_two_rank_capture_trains(toy_small, tmp_path):
     assert "--capture aot_eager: compiling the dense step" in result.stdout + result.stderr
     weights = torch.load(run_dir / "net_step1.pth", map_location="cpu", weights_only=True)
     assert all(torch.isfinite(value).all() for value in weights.values() if value.is_floating_point())
+
+
+@pytest.mark.slow
+def test_two_rank_capture_with_the_gpus_batch_norm_is_the_eager_step_in_one_graph(toy_small, tmp_path):
+    """What N GPUs train with under --capture: DeviceSyncBatchNorm in a CaptureModule in DDP, here on 2 gloo ranks
+    over the CPU stand-ins of its CUDA kernels (tests/workers/capture_sync_bn_worker.py). Two steps equal the eager
+    build's bit for bit (losses, weights, running statistics) on both ranks, and the dense step is one graph with
+    no break: the batch norms' collectives are in it. 1 sample a rank, at most 2,000 pillars a cloud."""
+    out = tmp_path / "capture_sync_bn.json"
+    result = torchrun(2, WORKERS / "capture_sync_bn_worker.py", "--toy", toy_small, "--out", out, ATTFUSE)
+    assert result.returncode == 0, explain(result)
+    report = json.loads(out.read_text())
+    assert report == {"losses_equal": [True, True], "states_equal": [True, True], "graphs": [1, 1],
+                      "graph_breaks": [0, 0]}, report
 
 
 @pytest.mark.parametrize("config, overrides", [
