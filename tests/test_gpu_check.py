@@ -67,6 +67,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == capture["first_loss_gap_ddp_b1"] == 0
     assert all(capture[f"{side}_ms_b{b}"] > 0 for side in ("eager", "captured") for b in (1, 2))
     # 2 GPUs at batch 1 against 1 at batch 2 (issue 52): the captured step in DDP at batch 1 against batch 2's
+    assert capture["cudagraph_skips"] == 0 and capture["cudagraph_skip_reasons"] == []  # the CPU has no CUDA graph
     assert capture["two_at_b1_over_one_at_b2"] == pytest.approx(
         capture["captured_ms_b2"] / capture["captured_ddp_ms_b1"], rel=0.01)
     assert report["environment"]["device"] == "cpu"
@@ -80,3 +81,22 @@ def test_gpu_check_on_cuda_without_a_gpu_says_so(tmp_path):
     result = python(REPO / "tools" / "gpu_check.py", "--device", "cuda", "--out", tmp_path, timeout=300)
     assert result.returncode != 0
     assert "torch sees no CUDA device" in result.stderr and "--device cpu" in result.stderr, explain(result)
+
+
+def test_the_capture_check_hears_inductors_cudagraph_skips():
+    """A graph inductor does not replay as a CUDA graph keeps its launches, and the capture check's report says why:
+    the reason torch's own skip logger gives (as inductor calls it on a GPU) reaches `cudagraph_skips`, and no
+    other inductor warning does."""
+    import logging
+    import sys
+
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_check
+
+    with gpu_check.cudagraph_skips() as reasons:
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances). Found from :\n"
+                                            "  File model.py, line 1")
+        logging.getLogger("torch._inductor.graph").warning("not about CUDA graphs")
+    assert reasons == ["skipping cudagraphs due to mutated inputs (1 instances). Found from :"]
