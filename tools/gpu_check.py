@@ -768,7 +768,8 @@ def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, d
     dist, comm = _one_rank_group(device)
     skipped_before = counters["inductor"]["cudagraph_skips"]
     try:
-        with step_kernels(device), cudagraph_skips() as reasons:  # the kernels a captured step takes, for both sides (on CUDA its own)
+        # the kernels a captured step takes, for both sides (on CUDA its own)
+        with step_kernels(device), cudagraph_skips() as reasons:
             # each step trains its own copy of the model's weights, except eager's, which trains the task's: every
             # step is made before eager's first runs
             in_ddp = _trainer_step(task, hypes, device, 1, capture=mode, ddp=True)
