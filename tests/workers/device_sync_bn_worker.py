@@ -163,7 +163,7 @@ def step(side, layer: nn.Module, x: torch.Tensor, upstream: torch.Tensor, reads:
 
 
 def run_counts(counts: list, rank: int, device: torch.device) -> dict:
-    """This set of counts on both sides; the report on rank 0 (None on the others)."""
+    """This set of counts on each side (and, on the CPU, compiled); the report on rank 0 (None on the others)."""
     reference, ours, theirs, traced = layers(device)
     forward_graphs: list = []
     compiled = torch.compile(traced, backend=recording_backend(forward_graphs), fullgraph=True, dynamic=False) \
