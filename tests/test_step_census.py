@@ -12,7 +12,7 @@ import torch
 
 from launch import REPO
 from opencood_ddp.engine.census import (Step, activity_of, busy_seconds, count_flops, count_ops, cuda_path_on_cpu,
-                                        peak_tflops, trainer_step)
+                                        cudagraph_skips, peak_tflops, trainer_step)
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -178,3 +178,20 @@ def test_a_profiled_steps_activity_is_read_from_the_profilers_own_events():
     assert activity.by_name["aten::addmm"][0] == 1 and activity.kernels == 0  # no "kernel" on a CPU
     assert 0 < activity.busy_s <= elapsed
     assert list(activity.by_name) == sorted(activity.by_name, key=lambda name: -activity.by_name[name][1])
+
+
+def test_cudagraph_skips_hears_inductors_reasons_and_counts_them():
+    """A graph inductor does not replay as a CUDA graph keeps its launches, and the captured step's reports say why:
+    what torch's own skip logger gives (as inductor calls it on a GPU) is counted and its first line kept; no other
+    inductor warning is, and nothing after the block."""
+    import logging
+
+    from torch._inductor.cudagraph_utils import log_cudagraph_skip_and_bump_counter
+
+    with cudagraph_skips() as skips:
+        log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to mutated inputs (1 instances). Found from :\n"
+                                            "  File model.py, line 1")
+        logging.getLogger("torch._inductor.graph").warning("not about CUDA graphs")
+    log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a later graph")
+    assert skips.count == 1
+    assert skips.reasons == ["skipping cudagraphs due to mutated inputs (1 instances). Found from :"]

@@ -710,30 +710,6 @@ def check_host_syncs(config: str, device: torch.device, data: Path) -> tuple[str
     return "no read-back in forward, loss, backward or the optimizer's update", figures
 
 
-@contextlib.contextmanager
-def cudagraph_skips():
-    """Around compiles: yields a list that gets inductor's reasons for not replaying a graph as a CUDA graph ("skipping
-    cudagraphs due to ...": a host tensor among the inputs, an input it cannot treat as static, ...), which it logs
-    under torch._inductor and counts in counters["inductor"]["cudagraph_skips"]. A skipped graph runs its kernels one
-    launch at a time, so a captured step that is not faster says why here."""
-    import logging
-
-    reasons: list = []
-
-    class Skips(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            message = record.getMessage()
-            if message.startswith("skipping cudagraphs"):
-                reasons.append(message.splitlines()[0][:200])
-
-    handler, logger = Skips(), logging.getLogger("torch._inductor")
-    logger.addHandler(handler)
-    try:
-        yield reasons
-    finally:
-        logger.removeHandler(handler)
-
-
 def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, dict]:
     """--capture's step beside the eager step at per-GPU batch 1 and 2, each from the same weights on the same batch
     (issue 52 item 3), and the captured step at batch 1 in DDP as the trainer wraps it at world size 1 (NCCL on
@@ -743,10 +719,8 @@ def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, d
     speed-ups, and each first loss's relative gap to eager's at its batch (inductor rounds anew; docs/capture.md
     judges its accuracy against float64). On the CPU `aot_eager`, which keeps the check's code working in
     `make test` (inductor compiles for minutes on a CPU): its first losses must be eager's bit for bit."""
-    from torch._dynamo.utils import counters
-
     from opencood_ddp.engine.capture import step_kernels
-    from opencood_ddp.engine.census import step_seconds
+    from opencood_ddp.engine.census import cudagraph_skips, step_seconds
 
     skip_without_sparse_conv(config, device)
     mode = "compile" if device.type == "cuda" else "aot_eager"
@@ -766,10 +740,9 @@ def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, d
 
     eager_first = {}
     dist, comm = _one_rank_group(device)
-    skipped_before = counters["inductor"]["cudagraph_skips"]
     try:
         # the kernels a captured step takes, for both sides (on CUDA its own)
-        with step_kernels(device), cudagraph_skips() as reasons:
+        with step_kernels(device), cudagraph_skips() as skips:
             # each step trains its own copy of the model's weights, except eager's, which trains the task's: every
             # step is made before eager's first runs
             in_ddp = _trainer_step(task, hypes, device, 1, capture=mode, ddp=True)
@@ -786,9 +759,7 @@ def check_capture(config: str, device: torch.device, data: Path) -> tuple[str, d
             figures["captured_ddp_ms_b1"] = round(median_ms(in_ddp), 2)
     finally:
         _close_group(dist, comm)
-    # on CUDA, graphs inductor did not replay as CUDA graphs (0 on the CPU, which has none)
-    figures["cudagraph_skips"] = counters["inductor"]["cudagraph_skips"] - skipped_before
-    figures["cudagraph_skip_reasons"] = sorted(set(reasons))
+    figures["cudagraph_skips"], figures["cudagraph_skip_reasons"] = skips.count, sorted(set(skips.reasons))
     figures["two_at_b1_over_one_at_b2"] = round(figures["captured_ms_b2"] / figures["captured_ddp_ms_b1"], 2)
     steps = ", ".join(f"batch {b}: {figures[f'captured_ms_b{b}']} ms against eager's {figures[f'eager_ms_b{b}']} "
                       f"({figures[f'speedup_b{b}']}x), first loss {figures[f'first_loss_gap_b{b}']:.3g} from eager's"

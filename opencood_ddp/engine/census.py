@@ -26,14 +26,16 @@ takes. Call the counters inside that context with such an optimizer to count the
   long the GPU was busy: beside the unprofiled step time, whether the step is bound by the GPU's work or by the
   host's launches.
 - `peak_tflops`: the published dense peak of a known device for a precision.
+- `cudagraph_skips`: around compiles, the graphs inductor did not replay as CUDA graphs, and its reasons.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -285,6 +287,47 @@ def device_peak(device: torch.device, precision: str) -> Optional[Tuple[float, s
     return peak_tflops(torch.cuda.get_device_name(device), precision, torch.backends.cudnn.allow_tf32)
 
 
-__all__ = ["DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step", "activity_of",
-           "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu", "device_activity", "device_peak",
-           "median_step_seconds", "peak_tflops", "python_functions", "step_seconds", "trainer_step"]
+@dataclass
+class CudagraphSkips:
+    """What `cudagraph_skips` heard: ``count`` (torch's counter over the block, set when it ends) and ``reasons``
+    (inductor's log lines, the first line of each)."""
+
+    count: int = 0
+    reasons: List[str] = field(default_factory=list)
+
+
+class _SkipReasons(logging.Handler):
+    def __init__(self, reasons: List[str]):
+        super().__init__()
+        self.reasons = reasons
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("skipping cudagraphs"):
+            self.reasons.append(message.splitlines()[0][:200])
+
+
+@contextlib.contextmanager
+def cudagraph_skips() -> Iterator[CudagraphSkips]:
+    """Around compiles (tools/gpu_check.py's capture check, benchmark_models.py --capture): the graphs inductor did
+    not replay as CUDA graphs ("skipping cudagraphs due to ...": a host tensor among the inputs, an input it cannot
+    treat as static, ...), which it counts in ``counters["inductor"]["cudagraph_skips"]`` and gives a reason for
+    only in a log line under torch._inductor. A skipped graph runs its kernels one launch at a time, so a captured
+    step that is not faster says why here. On the CPU, which has no CUDA graph, the count stays 0."""
+    from torch._dynamo.utils import counters  # dynamo only where something compiles
+
+    skips = CudagraphSkips()
+    handler, logger = _SkipReasons(skips.reasons), logging.getLogger("torch._inductor")
+    before = counters["inductor"]["cudagraph_skips"]
+    logger.addHandler(handler)
+    try:
+        yield skips
+    finally:
+        logger.removeHandler(handler)
+        skips.count = counters["inductor"]["cudagraph_skips"] - before
+
+
+__all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step",
+           "activity_of", "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu", "cudagraph_skips",
+           "device_activity", "device_peak", "median_step_seconds", "peak_tflops", "python_functions", "step_seconds",
+           "trainer_step"]

@@ -189,22 +189,19 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
 # ------------------------------------------------------------------------------------------- --capture
 def captured(step, device: torch.device, args: argparse.Namespace, eager_s: float, eager_loss: float) -> Dict[str, Any]:
     """The captured step's figures (the module docstring, --capture); its first step compiles."""
-    from torch._dynamo.utils import counters
+    from opencood_ddp.engine.census import cudagraph_skips, step_seconds
 
-    from opencood_ddp.engine.census import step_seconds
-
-    skipped = counters["inductor"]["cudagraph_skips"]
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    started = time.perf_counter()
-    loss = step().item()  # waits for the whole step: the optimizer's kernels were queued before it
-    compile_s = time.perf_counter() - started
-    for _ in range(CAPTURE_WARMUPS):
-        step()
-    step_s = statistics.median(step_seconds(step, device, args.repeats))
+    with cudagraph_skips() as skips:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        loss = step().item()  # waits for the whole step: the optimizer's kernels were queued before it
+        compile_s = time.perf_counter() - started
+        for _ in range(CAPTURE_WARMUPS):
+            step()
+        step_s = statistics.median(step_seconds(step, device, args.repeats))
     return {"mode": args.capture, "compile_s": compile_s, "step_s": step_s, "speedup": eager_s / step_s,
-            "first_loss_gap": abs(loss - eager_loss) / max(abs(eager_loss), 1e-30),
-            "cudagraph_skips": counters["inductor"]["cudagraph_skips"] - skipped}
+            "first_loss_gap": abs(loss - eager_loss) / max(abs(eager_loss), 1e-30), "cudagraph_skips": skips.count}
 
 
 # ------------------------------------------------------------------------------------------- --profile
