@@ -77,9 +77,9 @@ def main() -> None:
         torch.manual_seed(0)
         task = build_task(hypes_of(args.config, "preprocess.args.max_voxel_train=2000", toy_root=args.toy),
                           for_training=True)
-        built = convert_device_sync_batchnorm(task.model).train()
+        eager = convert_device_sync_batchnorm(task.model).train()
         batch = task.collate_train([task.train_set[env.rank]])
-        eager, captured = copy.deepcopy(built), copy.deepcopy(built)
+        captured = copy.deepcopy(eager)  # the same weights, before either trains
         eager_losses = train(task, eager, batch, captured=False)
         captured_losses = train(task, captured, batch, captured=True)
         report = comm.all_gather_objects({

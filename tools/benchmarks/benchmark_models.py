@@ -141,11 +141,10 @@ def _trainer_step(hypes: dict, task, model, batch, precision, kernels_for, captu
 
 
 def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Namespace) -> Dict[str, object]:
+    from opencood_ddp.engine.capture import step_kernels
     from opencood_ddp.engine.census import step_seconds
     from opencood_ddp.engine.memory import PeakMemory
     from opencood_ddp.engine.step import Precision
-
-    from opencood_ddp.engine.capture import step_kernels
 
     torch.manual_seed(0)
     device = torch.device(args.device)
@@ -446,7 +445,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_top_ops(results)
     if args.profile:
         print_top_kernels(results)
-    print("\n".join(batch_ratios(results)))
+    for line in batch_ratios(results):
+        print(line)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
