@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from launch import REPO, WORKERS, explain, split_set_flags, torchrun, train
-from opencood_ddp.engine.capture import CapturedStep, CaptureModule, CavCounts, check_capture
+from opencood_ddp.engine.capture import CapturedStep, CaptureModule, CavCounts, check_capture, step_kernels
 from opencood_ddp.engine.options import parse_train_options, train_argv
 from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.trainer import optimizer_step
@@ -27,6 +27,7 @@ from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
 from zoo import hypes_of
 
 ATTFUSE = "toy/point_pillar_intermediate_fusion"
+CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +41,19 @@ def attfuse(toy_small):
     return task, (task.collate_train([samples[2]]), task.collate_train(samples[:2]))
 
 
-def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None):
+def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None, device=CPU):
     """(losses, model) after one SGD step per batch, eager or through a CaptureModule made by `capture(model)`;
     `after_step()` is called after each step. Under `half` (--half's value) and with a GradScaler the step is the
-    fit loop's: engine/step.forward_backward, then engine/trainer.optimizer_step."""
-    model = copy.deepcopy(task.model)
+    fit loop's: engine/step.forward_backward, then engine/trainer.optimizer_step. On `device` (the batches already
+    there) with the kernels a captured step takes there."""
+    model = copy.deepcopy(task.model).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(1)  # the same dropout draws on both sides (V2X-ViT's, CoBEVT's)
     module = capture(model) if capture is not None else None
-    precision = Precision(half, torch.device("cpu"))
+    precision = Precision(half, device)
     losses = []
     for batch in batches:
-        with cuda_kernels_on_cpu():
+        with step_kernels(device):
             out = forward_backward(CapturedStep() if module is not None else task.step, module or model, batch,
                                    precision, scaler)
         losses.append(out.total.detach())
@@ -72,6 +74,18 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Every comparison at 1 thread, as `make test`'s pytest processes run on 2 cores: at 2 threads the CPU's
+    eager step does not repeat itself (toy AttFuse under cuda_kernels_on_cpu, two eager runs of one batch from the
+    same weights: gradients up to 2e-6 apart, the heads' incoming gradients equal; 1 run, 2026-11-29), so no capture
+    could equal it bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def max_difference(a: nn.Module, b: nn.Module) -> float:
     return max((x.double() - y.double()).abs().max().item()
                for x, y in zip(a.state_dict().values(), b.state_dict().values()) if x.is_floating_point())
@@ -88,7 +102,7 @@ def test_aot_eager_capture_is_the_eager_step_and_a_shape_past_the_limit_runs_eag
     modules, graphs = [], []
 
     def capture(model):
-        modules.append(CaptureModule(model, task.step, "aot_eager", torch.device("cpu"), max_shapes=1))
+        modules.append(CaptureModule(model, task.step, "aot_eager", CPU, max_shapes=1))
         return modules[0]
 
     eager_losses, eager = train_steps(task, batches)
@@ -105,6 +119,51 @@ def test_aot_eager_capture_is_the_eager_step_and_a_shape_past_the_limit_runs_eag
     assert "past the 1 compiled shapes: its steps run eagerly" in caplog.text
 
 
+def test_cudagraphs_capture_is_the_eager_step_and_skips_cuda_graphs_only_for_the_host(attfuse):
+    """--capture cudagraphs on the CPU: dynamo's cudagraphs backend traces the graphs as on CUDA, finds no CUDA graph
+    to make for a host tensor and runs them on the eager kernels. Two steps of layout A: the losses and every weight
+    equal the eager step's bit for bit, one graph serves both, and torch counts one skip, its forward's, whose
+    reason is the host (the backward's check is left out once the forward's skipped)."""
+    from torch._dynamo.utils import counters
+
+    from opencood_ddp.engine.census import cudagraph_skips
+
+    task, (a, _) = attfuse
+    eager_losses, eager = train_steps(task, [a, a])
+    graphs = []
+    with cudagraph_skips() as skips:
+        losses, captured = train_steps(task, [a, a],
+                                       lambda model: CaptureModule(model, task.step, "cudagraphs", CPU),
+                                       after_step=lambda: graphs.append(counters["stats"]["unique_graphs"]))
+    assert [loss.item() for loss in losses] == [loss.item() for loss in eager_losses]
+    assert max_difference(eager, captured) == 0.0
+    assert graphs == [1, 1], graphs
+    assert skips.count == 1 and len(skips.reasons) == 1 and "due to cpu device" in skips.reasons[0], skips
+
+
+@pytest.mark.cuda  # CUDA graphs
+def test_cudagraphs_capture_on_cuda_replays_the_eager_step(attfuse):
+    """--capture cudagraphs on a GPU: the dense step's graphs, run by the eager kernels, are replayed as CUDA graphs
+    (no skip), and three steps of layout A follow the eager step: the first loss bit for bit (the same forward
+    kernels on the same weights), the weights after the three steps at most as far from the eager run's as a second
+    eager run is (the floor: a kernel whose atomics add in another order differs from itself)."""
+    from opencood_ddp.engine.census import cudagraph_skips
+
+    task, (a, _) = attfuse
+    cuda = torch.device("cuda")
+    batches = [task.move_to(a, cuda)] * 3
+    eager_losses, eager = train_steps(task, batches, device=cuda)
+    _, eager_again = train_steps(task, batches, device=cuda)
+    floor = max_difference(eager, eager_again)
+    with cudagraph_skips() as skips:
+        losses, captured = train_steps(task, batches, lambda model: CaptureModule(model, task.step, "cudagraphs", cuda),
+                                       device=cuda)
+    assert skips.count == 0, skips.reasons
+    assert losses[0].item() == eager_losses[0].item()
+    assert all(torch.isfinite(loss) for loss in losses) and losses[0].item() != losses[2].item()
+    assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
+
+
 @pytest.mark.parametrize("half", ["auto", "fp16"])
 def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
     """--capture with --half: on the CPU a bare --half is bfloat16 autocast (three steps of layout A); fp16 is
@@ -117,7 +176,7 @@ def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
     from torch._dynamo.utils import counters
 
     task, (a, _) = attfuse
-    dtype = Precision(half, torch.device("cpu")).autocast_dtype
+    dtype = Precision(half, CPU).autocast_dtype
     batches, modules, graphs, scales, head_dtypes = [a] * (2 if half == "fp16" else 3), [], [], [], []
     # the hook overwrites a key: a list it appended to would change length, which dynamo guards on (a recompile a step)
     head = {"dtype": None}
@@ -128,7 +187,7 @@ def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
 
     def capture(model):
         model.cls_head.register_forward_hook(lambda module, args, output: head.update(dtype=output.dtype))
-        modules.append(CaptureModule(model, task.step, "aot_eager", torch.device("cpu"), max_shapes=1))
+        modules.append(CaptureModule(model, task.step, "aot_eager", CPU, max_shapes=1))
         return modules[0]
 
     def after_step():
@@ -187,7 +246,7 @@ def test_aot_eager_capture_of_the_layout_dependent_models_is_the_eager_step(toy_
     eager_losses, eager = train_steps(task, [batch, batch])
     graphs = []
     losses, captured = train_steps(task, [batch, batch],
-                                   lambda model: CaptureModule(model, task.step, "aot_eager", torch.device("cpu")),
+                                   lambda model: CaptureModule(model, task.step, "aot_eager", CPU),
                                    after_step=lambda: graphs.append(counters["stats"]["unique_graphs"]))
     assert [loss.item() for loss in losses] == [loss.item() for loss in eager_losses]
     assert losses[0].item() != losses[1].item()  # the first step moved the weights
@@ -201,8 +260,9 @@ def test_capture_flag_parses_and_passes_on():
     assert options.loop.capture == "compile"
     assert parse_train_options(train_argv(options)) == options
     assert parse_train_options([]).loop.capture is None
+    assert parse_train_options(["--capture", "cudagraphs"]).loop.capture == "cudagraphs"
     with pytest.raises(SystemExit):
-        parse_train_options(["--capture", "cudagraphs"])
+        parse_train_options(["--capture", "inductor"])  # compile's backend, not a mode
 
 
 def test_capture_refuses_what_it_cannot_serve(attfuse):
@@ -235,15 +295,17 @@ def test_two_rank_capture_trains(toy_small, tmp_path):
 @pytest.mark.slow
 def test_two_rank_capture_with_the_gpus_batch_norm_is_the_eager_step_in_one_graph(toy_small, tmp_path):
     """What N GPUs train with under --capture: DeviceSyncBatchNorm in a CaptureModule in DDP, here on 2 gloo ranks
-    over the CPU stand-ins of its CUDA kernels (tests/workers/capture_sync_bn_worker.py). Two steps equal the eager
-    build's bit for bit (losses, weights, running statistics) on both ranks, and the dense step is one graph with
-    no break: the batch norms' collectives are in it. 1 sample a rank, at most 2,000 pillars a cloud."""
+    over the CPU stand-ins of its CUDA kernels (tests/workers/capture_sync_bn_worker.py), captured with aot_eager
+    and with cudagraphs (AOTAutograd's other partition of forward and backward, the backend --capture cudagraphs
+    takes on CUDA). In each, two steps equal the eager build's bit for bit (losses, weights, running statistics) on
+    both ranks, and the dense step is one graph with no break: the batch norms' collectives are in it. 1 sample a
+    rank, at most 2,000 pillars a cloud."""
     out = tmp_path / "capture_sync_bn.json"
     result = torchrun(2, WORKERS / "capture_sync_bn_worker.py", "--toy", toy_small, "--out", out, ATTFUSE)
     assert result.returncode == 0, explain(result)
     report = json.loads(out.read_text())
-    assert report == {"losses_equal": [True, True], "states_equal": [True, True], "graphs": [1, 1],
-                      "graph_breaks": [0, 0]}, report
+    same = {"losses_equal": [True, True], "states_equal": [True, True], "graphs": [1, 1], "graph_breaks": [0, 0]}
+    assert report == {"aot_eager": same, "cudagraphs": same}, report
 
 
 @pytest.mark.parametrize("config, overrides", [

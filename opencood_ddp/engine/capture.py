@@ -4,10 +4,16 @@ A pillar model's step has two parts (models/point_pillar.py's seam): the front (
 whose input has as many rows as the clouds have pillars, a number that changes every batch; and the dense part
 (backbone, fusion, heads) whose shapes are fixed by the BEV grid and the batch's CAV layout. ``--capture``
 compiles the dense part and the task's loss as one function (`dense_step`: forward and, through AOTAutograd,
-backward); the front stays eager, so no pillar is padded. On CUDA the mode is "reduce-overhead" (the graphs are
-replayed as CUDA graphs, cudagraph trees); on the CPU inductor's default. ``--capture aot_eager`` traces the same
-graphs and runs them with torch's eager kernels: no fusion, so it repeats the eager step bit for bit; it checks the
-capture path itself (graph breaks, guards, fallback) where inductor's re-rounding would hide a real difference.
+backward); the front stays eager, so no pillar is padded. Three modes, the same traced graphs:
+- ``compile``: inductor. On CUDA its mode is "reduce-overhead" (the graphs are replayed as CUDA graphs, cudagraph
+  trees); on the CPU inductor's default. It fuses kernels, so it rounds anew, and compiles for minutes.
+- ``cudagraphs``: the graphs run by torch's eager kernels and, on CUDA, replayed as CUDA graphs (dynamo's
+  "cudagraphs" backend, cudagraph trees as inductor's): the launches go, the eager step's kernels and rounding stay,
+  and a compile takes seconds. On the CPU no CUDA graph exists: the backend says it skips them ("cpu device") and
+  the graphs run as ``aot_eager``'s do.
+- ``aot_eager``: the graphs run by torch's eager kernels. No fusion, so it repeats the eager step bit for bit; it
+  checks the capture path itself (graph breaks, guards, fallback) where inductor's re-rounding would hide a real
+  difference.
 
 The layout the dense part reads of the batch (``record_len`` and what the models derive from it: the warp into
 the ego's frame, CoBEVT's slots, V2X-ViT's agents) is worked out eagerly by the model's ``layout`` on the host,
@@ -54,8 +60,10 @@ from opencood_ddp.engine.task import LossOutput, StepFn
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
 
-CaptureMode = Literal["compile", "aot_eager"]  # --capture compile: inductor; aot_eager: traced, eager kernels
+CaptureMode = Literal["compile", "cudagraphs", "aot_eager"]  # the module's docstring: inductor, CUDA graphs, traced
 CAPTURE_MODES: tuple = get_args(CaptureMode)
+# the torch.compile backend of each mode
+BACKENDS = {"compile": "inductor", "cudagraphs": "cudagraphs", "aot_eager": "aot_eager"}
 # (layout, map shape) pairs compiled per run; a batch past them runs eagerly. Dynamo's own recompile limit (8 per
 # function) is not reached first, so the fallback is this module's, with its log line.
 MAX_SHAPES = 6
@@ -78,6 +86,11 @@ def not_capturable(model: nn.Module) -> Optional[str]:
             or type(model).forward is not seam.forward:
         return f"{type(model).__name__}'s forward is not the front/layout/dense seam"
     return None
+
+
+def replays_cuda_graphs(mode: Optional[str], device: torch.device) -> bool:
+    """Whether --capture `mode` replays the step's graphs as CUDA graphs on `device`."""
+    return mode in ("compile", "cudagraphs") and torch.device(device).type == "cuda"
 
 
 def check_capture(mode: Optional[str], model: nn.Module) -> None:
@@ -140,9 +153,10 @@ class CaptureModule(nn.Module):
         super().__init__()
         self.model, self.step, self.mode, self.device = model, step, mode, torch.device(device)
         self.max_shapes, self.shapes, self.eager_shapes = max_shapes, set(), set()
-        self.cuda_graphs = mode == "compile" and self.device.type == "cuda"
-        self.compiled = torch.compile(dense_step, backend="aot_eager" if mode == "aot_eager" else "inductor",
-                                      mode="reduce-overhead" if self.cuda_graphs else None, dynamic=False)
+        self.cuda_graphs = replays_cuda_graphs(mode, self.device)
+        reduce_overhead = mode == "compile" and self.cuda_graphs  # inductor's option; the cudagraphs backend takes none
+        self.compiled = torch.compile(dense_step, backend=BACKENDS[mode],
+                                      mode="reduce-overhead" if reduce_overhead else None, dynamic=False)
         self.log = get_logger()
 
     def kernels(self) -> ContextManager:
@@ -191,5 +205,5 @@ class CapturedStep:
         return model(batch)
 
 
-__all__ = ["backward_outside_autocast", "CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep", "CavCounts",
-           "check_capture", "not_capturable", "MAX_SHAPES", "step_kernels"]
+__all__ = ["backward_outside_autocast", "BACKENDS", "CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep",
+           "CavCounts", "check_capture", "not_capturable", "MAX_SHAPES", "replays_cuda_graphs", "step_kernels"]

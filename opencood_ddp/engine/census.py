@@ -313,7 +313,9 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
     not replay as CUDA graphs ("skipping cudagraphs due to ...": a host tensor among the inputs, an input it cannot
     treat as static, ...), which it counts in ``counters["inductor"]["cudagraph_skips"]`` and gives a reason for
     only in a log line under torch._inductor. A skipped graph runs its kernels one launch at a time, so a captured
-    step that is not faster says why here. On the CPU, which has no CUDA graph, the count stays 0."""
+    step that is not faster says why here. On the CPU inductor never tries, and dynamo's cudagraphs backend
+    (--capture cudagraphs) skips each forward graph for the host ("cpu device"), after its check of the graph's
+    input mutations."""
     from torch._dynamo.utils import counters  # dynamo only where something compiles
 
     skips = CudagraphSkips()

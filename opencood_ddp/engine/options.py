@@ -229,7 +229,8 @@ def add_loop_arguments(parser: Any) -> None:
                              "ranks; writes eval.yaml into the run folder")
     parser.add_argument("--capture", choices=CAPTURE_MODES,
                         help="compile the static-shape part of the step (backbone, fusion, heads, loss) with "
-                             "torch.compile: 'compile' is inductor (CUDA graphs on CUDA), 'aot_eager' the same "
+                             "torch.compile: 'compile' is inductor (CUDA graphs on CUDA), 'cudagraphs' the eager "
+                             "kernels replayed as CUDA graphs (on the CPU, as aot_eager), 'aot_eager' the traced "
                              "graphs with eager kernels (bit for bit the eager step). On the CPU the step takes "
                              "the kernels CUDA takes. Every model of the zoo; with or without --half")
 

@@ -158,9 +158,11 @@ def describe_capture(mode: Optional[str], device: str) -> str:
     """--capture's line of the plan (engine/capture.py)."""
     if mode is None:
         return "eager"
-    kind = "CUDA graphs (reduce-overhead)" if mode == "compile" and device.startswith("cuda") else \
-        "inductor" if mode == "compile" else "eager kernels"
-    kernels = "; on the CPU with the kernels CUDA takes" if not device.startswith("cuda") else ""
+    on_cuda = device.startswith("cuda")
+    kind = {"compile": "inductor, CUDA graphs (reduce-overhead)" if on_cuda else "inductor",
+            "cudagraphs": "eager kernels replayed as CUDA graphs" if on_cuda else
+            "eager kernels (CUDA graphs need a CUDA device)"}.get(mode, "eager kernels")
+    kernels = "; on the CPU with the kernels CUDA takes" if not on_cuda else ""
     return f"--capture {mode}: backbone, fusion, heads and loss compiled, {kind}{kernels}"
 
 

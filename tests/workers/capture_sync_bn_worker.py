@@ -4,11 +4,13 @@ synchronized batch-norm kernels (tests/cuda_bn_kernels.py), against the eager st
 Usage: torchrun --nproc_per_node=2 capture_sync_bn_worker.py --toy ROOT --out result.json CONFIG
 
 On N GPUs the trainer converts every BatchNorm to `DeviceSyncBatchNorm`, makes the model and the task's step a
-`CaptureModule` and wraps that in DDP (engine/trainer.py). Here every rank builds that twice from the same weights:
-eager (DDP around the model, the task's step) and captured (``aot_eager``: the traced graphs run by the eager
-kernels, so any difference is the capture path's), both under the kernels a captured step takes
-(numerics/kernel_path.cuda_kernels_on_cpu), and takes STEPS SGD steps on one sample per rank, rank r reading
-sample r. Rank 0 writes:
+`CaptureModule` and wraps that in DDP (engine/trainer.py). Here every rank builds that from the same weights eager
+(DDP around the model, the task's step) and captured in each of MODES, whose traced graphs run by the eager kernels
+on the CPU, so any difference is the capture path's: ``aot_eager`` (inductor's partition of forward and backward)
+and ``cudagraphs`` (the backend --capture cudagraphs takes on CUDA: AOTAutograd's default partition, CUDA graphs
+skipped for the host here). Every build runs under the kernels a captured step takes
+(numerics/kernel_path.cuda_kernels_on_cpu) and takes STEPS SGD steps on one sample per rank, rank r reading
+sample r. Rank 0 writes, per mode:
 
 - ``losses_equal``: every step's loss, on every rank, the eager step's bit for bit;
 - ``states_equal``: every parameter and buffer (the running statistics the collectives made included) after the
@@ -26,6 +28,7 @@ import copy
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -45,11 +48,14 @@ from opencood_ddp.tasks import build_task  # noqa: E402
 
 STEPS = 2
 CPU = torch.device("cpu")
+MODES = ("aot_eager", "cudagraphs")
 
 
-def train(task, model: torch.nn.Module, batch, captured: bool) -> list:
-    """STEPS SGD steps of `model` (changed in place) on this rank's batch, eager or captured; the losses."""
-    module = CaptureModule(model, task.step, "aot_eager", CPU) if captured else model
+def train(task, model: torch.nn.Module, batch, mode: Optional[str]) -> list:
+    """STEPS SGD steps of `model` (changed in place) on this rank's batch, eager (`mode` None) or captured in the
+    --capture `mode`; the losses."""
+    captured = mode is not None
+    module = CaptureModule(model, task.step, mode, CPU) if captured else model
     ddp = wrap_ddp(module)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     losses = []
@@ -79,16 +85,22 @@ def main() -> None:
                           for_training=True)
         eager = convert_device_sync_batchnorm(task.model).train()
         batch = task.collate_train([task.train_set[env.rank]])
-        captured = copy.deepcopy(eager)  # the same weights, before either trains
-        eager_losses = train(task, eager, batch, captured=False)
-        captured_losses = train(task, captured, batch, captured=True)
-        report = comm.all_gather_objects({
-            "losses_equal": all(map(torch.equal, eager_losses, captured_losses)),
-            "states_equal": all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(),
-                                                                  captured.state_dict().values())),
-            "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())})
+        captured = {mode: copy.deepcopy(eager) for mode in MODES}  # the same weights, before any trains
+        eager_losses = train(task, eager, batch, None)
+        found = {}
+        for mode, model in captured.items():
+            torch._dynamo.reset()
+            counters.clear()  # this mode's graphs and breaks alone
+            losses = train(task, model, batch, mode)
+            found[mode] = {
+                "losses_equal": all(map(torch.equal, eager_losses, losses)),
+                "states_equal": all(torch.equal(a, b) for a, b in zip(eager.state_dict().values(),
+                                                                      model.state_dict().values())),
+                "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+        report = comm.all_gather_objects(found)
         if env.rank == 0:
-            args.out.write_text(json.dumps({key: [rank[key] for rank in report] for key in report[0]}))
+            args.out.write_text(json.dumps({mode: {key: [rank[mode][key] for rank in report] for key in found[mode]}
+                                            for mode in MODES}))
 
 
 if __name__ == "__main__":

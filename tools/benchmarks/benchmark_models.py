@@ -35,12 +35,13 @@ OpenCOOD's count for the same config, batch and precision: its model and loss cl
 (zero_grad, forward, loss, backward, ``optimizer.step``, or the GradScaler's ``step``/``update`` in fp16) with the
 hypes' optimizer built as ours is for CUDA. An upstream class that fails to build or run is reported in its cell.
 
-``--capture MODE`` (compile: inductor, with CUDA graphs on CUDA; aot_eager: traced, eager kernels) adds, per row,
+``--capture MODE`` (compile: inductor, with CUDA graphs on CUDA; cudagraphs: the eager kernels replayed as CUDA
+graphs, a compile of seconds; aot_eager: traced, eager kernels) adds, per row,
 the same step with the model's dense part compiled as ``train_ddp.py --capture`` compiles it (engine/capture.py's
 CaptureModule) from the same initial weights on the same batch, timed beside the eager step in the same process:
 the first step's seconds (the compile), the median of ``--repeats`` steps after CAPTURE_WARMUPS more (CUDA graph
 trees record a graph on a later call than the first), the speed-up over the row's eager step, the first loss's
-relative gap to eager's, and the graphs inductor did not replay as CUDA graphs. Both sides then run under the
+relative gap to eager's, and the graphs not replayed as CUDA graphs. Both sides then run under the
 kernels a captured step takes (engine/capture.step_kernels: CUDA's own on CUDA, CUDA's kernels on the CPU). With
 batches 1 and 2 a last table gives each config's step at batch 1 over its step at batch 2, eager and captured:
 issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1 GPU at batch 2 by 1.6x.
