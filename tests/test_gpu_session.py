@@ -1,0 +1,55 @@
+"""tools/ci/gpu_session.py, the prepared call for a lent GPU: its commands must still be what the tools take, or the
+GPU's few minutes are lost to a usage error. Each stage's tool command is parsed by that tool's own parser, for
+the GPU's stages and the CPU rehearsal's; the budget's arithmetic is checked on stages that sleep."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from launch import REPO
+
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tools" / "ci"))
+sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
+import benchmark_models  # noqa: E402
+import gpu_check  # noqa: E402
+import gpu_session  # noqa: E402
+
+PARSERS = {"benchmark_models.py": benchmark_models.parse_args, "gpu_check.py": gpu_check.parse_args}
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_every_stage_command_parses_with_its_tools_parser(device, tmp_path):
+    args = gpu_session.parse_args(["--out", str(tmp_path), "--device", device,
+                                   *(["--wheels", "w.wheels.tar.xz"] if device == "cuda" else [])])
+    parsed = {}
+    for stage in gpu_session.stages(args):
+        script = next((part for part in stage.command if part.endswith(".py")), None)
+        if script is None:  # make, or pytest: checked by their own targets' tests
+            continue
+        name = script.rsplit("/", 1)[-1]
+        argv = stage.command[stage.command.index(script) + 1:]
+        parsed[stage.name] = PARSERS[name](argv)
+    assert sorted(parsed) == ["capture", "gpu_check", "profile"]
+    assert parsed["capture"].capture == "cudagraphs" and parsed["capture"].batch_sizes == [1, 2]
+    assert parsed["gpu_check"].device == device and parsed["profile"].count
+    if device == "cuda":
+        assert parsed["capture"].configs == gpu_session.PILLAR_CONFIGS and parsed["profile"].profile
+        assert parsed["profile"].precisions == ["fp32", "bf16", "fp16"]
+
+
+def test_stages_run_in_order_each_cut_to_the_budget_left(tmp_path, monkeypatch):
+    """Three stages that sleep 3 s each under a 5 s budget and a minimum of 1 s: the first ends, the second is cut at
+    the 2 s left, the third is left out; session.md says so, stage by stage."""
+    sleeper = [sys.executable, "-c", "import time; print('slept', flush=True); time.sleep(3)"]
+    run = [gpu_session.Stage(name, list(sleeper), 60) for name in ("a", "b", "c")]
+    monkeypatch.setattr(gpu_session, "stages", lambda args: run)
+    monkeypatch.setattr(gpu_session, "MIN_STAGE_S", 1)
+    assert gpu_session.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget", "5"]) == 1
+    statuses = [stage.result["status"] for stage in run]
+    assert statuses[0] == "exit 0" and statuses[1].startswith("cut at its limit (2 s)"), statuses
+    assert statuses[2].startswith("left out"), statuses
+    report = (tmp_path / "out" / "session.md").read_text()
+    assert "| a | exit 0 |" in report and "| b | cut at its limit" in report and "| c | left out" in report
+    assert report.count("```\nslept\n```") == 2  # the outputs' tails, the cut stage's included

@@ -1,0 +1,166 @@
+"""The prepared call for a lent GPU: issue 52's figures in priority order, each stage cut to the time left.
+
+Usage (on the GPU machine, from the repository root, after carrying the wheel archive; docs/benchmarks.md,
+"The next GPU run"):
+
+    python3 tools/ci/gpu_session.py --out $OUT --wheels .gpu/w.wheels.tar.xz [--budget 540] [--stages ...]
+    python3 tools/ci/gpu_session.py --out /tmp/rehearsal --device cpu        # the rehearsal here
+
+A lent GPU has 15 minutes in all, its start included, and one command at most 10: the figures must come from
+one command that ends in time, whatever a stage costs there. The stages run in STAGES' order, each under a time
+limit: its own cap or what is left of ``--budget``, whichever is less (its process group is killed at the limit,
+and what it wrote stays); a stage that would have under MIN_STAGE_S is left out. ``session.md`` in ``--out``
+says what each stage did, how long it took and its output's tail, and is rewritten after every stage, so a call
+cut short returns what it measured. A lent machine returns at most 8 files from ``--out``: the stages write 6
+(session.md, capture.log and .json, gc/gpu_check.md and .json, profile.log).
+
+The stages (``--device cpu`` rehearses them on one toy config, without what needs CUDA):
+
+- venv: ``make gpu-venv WHEELS=...`` (the project's run-time requirements layered over the machine's CUDA torch,
+  whose pytest the tests use; without ``--wheels``, ``make venv``);
+- capture: ``benchmark_models.py --capture cudagraphs`` for the eight PointPillar configs at per-GPU batch 1
+  and 2: the eager step and the step replayed as CUDA graphs, and batch 1 over batch 2 (the issue's first figure);
+- gpu_tests: the suite's tests marked cuda (``make gpu-tests``: the CUDA graphs of --capture cudagraphs against
+  the eager step, the synchronized batch norm's CUDA kernels, the device data path);
+- gpu_check: ``tools/gpu_check.py`` (the acceptance checks, the model table's batch 1 and 2 and rates, host
+  syncs, the capture check in both modes, last);
+- profile: ``benchmark_models.py --count --profile`` in fp32, bf16 and fp16 for the models whose half precision
+  was slower than fp32 on the H200 and for SECOND (issue 52 items 4 and 5).
+
+Standard library only: it runs before the venv exists.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+PILLAR_CONFIGS = [f"opv2v/point_pillar_{name}" for name in (
+    "early_fusion", "late_fusion", "intermediate_fusion", "fcooper", "v2vnet", "v2xvit", "cobevt", "where2comm")]
+# issue 52 item 4 (fp16 slower than fp32 on the H200: AttFuse, early fusion, Where2comm) and item 5 (SECOND)
+PROFILE_CONFIGS = ["opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_early_fusion",
+                   "opv2v/point_pillar_where2comm", "opv2v/second_intermediate_fusion"]
+TOY_CONFIG = "toy/point_pillar_intermediate_fusion"  # the rehearsal's (--device cpu) one config
+STAGE_NAMES = ("venv", "capture", "gpu_tests", "gpu_check", "profile")  # the order they run in (`stages`)
+MIN_STAGE_S = 30  # a stage is not started with less time left than this
+TAIL_LINES = 40  # of each stage's output, in session.md
+
+
+@dataclass
+class Stage:
+    name: str
+    command: List[str]
+    cap_s: int
+    log: Optional[str] = None  # the file in --out that keeps the whole output (None: its tail in session.md only)
+    result: dict = field(default_factory=dict)
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="the folder the lent machine returns ($OUT)")
+    parser.add_argument("--wheels", help="the wheel archive or folder `make gpu-venv` installs from; none: .venv")
+    parser.add_argument("--budget", type=float, default=540, help="seconds for all stages together")
+    parser.add_argument("--stages", nargs="+", choices=STAGE_NAMES, help="these stages only, in their order")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: rehearse the stages on the toy config")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"),
+                        help="runs' folders and toy worlds, outside --out")
+    parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and run nothing")
+    return parser.parse_args(argv)
+
+
+def stages(args: argparse.Namespace) -> List[Stage]:
+    """The stages, in the order they run (the module docstring)."""
+    cuda = args.device == "cuda"
+    python = str(REPO / (".venv-gpu" if args.wheels else ".venv") / "bin" / "python")
+    models = str(REPO / "tools" / "benchmarks" / "benchmark_models.py")
+    pillars = PILLAR_CONFIGS if cuda else [TOY_CONFIG]
+    venv = ["make", "gpu-venv", f"WHEELS={args.wheels}"] if args.wheels else ["make", "venv"]
+    check = [python, str(REPO / "tools" / "gpu_check.py"), "--device", args.device, "--out", str(args.out / "gc"),
+             "--work", str(args.work / "gpu_check")]
+    if not cuda:  # the rehearsal: one toy model, no full-size one, the checks' cheapest settings
+        check += ["--configs", TOY_CONFIG, "--full_size", "--precisions", "fp32", "--parity_kernels", "strict",
+                  "--repeat_configs", "--planner_config", "none", "--loader_config", "none", "--feed_config", "none",
+                  "--capture_configs", TOY_CONFIG]
+    profile = [python, models, "--device", args.device, "--count", "--batch-sizes", "1", "2", "--repeats", "5",
+               "--precisions", "fp32", "bf16", *(["fp16", "--profile"] if cuda else []),
+               "--configs", *(PROFILE_CONFIGS if cuda else [TOY_CONFIG]), "--data", str(args.work / "toy_opv2v")]
+    run = [
+        Stage("venv", venv, 180),
+        Stage("capture", [python, models, "--device", args.device, "--capture", "cudagraphs", "--batch-sizes", "1",
+                          "2", "--repeats", "10" if cuda else "2", "--configs", *pillars,
+                          "--data", str(args.work / "toy_opv2v"), "--json", str(args.out / "capture.json")],
+              300, log="capture.log"),
+        Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], 150),
+        Stage("gpu_check", check, 420),
+        Stage("profile", profile, 300, log="profile.log"),
+    ]
+    assert tuple(stage.name for stage in run) == STAGE_NAMES
+    return run
+
+
+def run_stage(stage: Stage, limit_s: float, out: Path) -> None:
+    """`stage` under `limit_s` seconds, in a process group of its own (the tools start processes: torchrun's, one
+    per benchmark row), killed whole at the limit."""
+    started = time.monotonic()
+    # unbuffered: a stage killed at its limit keeps every line it printed
+    process = subprocess.Popen(stage.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        output, _ = process.communicate(timeout=limit_s)
+        status = f"exit {process.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        status = f"cut at its limit ({limit_s:.0f} s)"
+    if stage.log:
+        (out / stage.log).write_text(output)
+    stage.result = {"status": status, "seconds": time.monotonic() - started,
+                    "tail": "\n".join(output.splitlines()[-TAIL_LINES:])}
+
+
+def report(run: Sequence[Stage], args: argparse.Namespace, started: float) -> str:
+    lines = [f"# gpu_session: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
+             f"device {args.device}, budget {args.budget:.0f} s, {time.monotonic() - started:.0f} s used", "",
+             "| stage | result | seconds | output |", "|---|---|---:|---|"]
+    lines += [f"| {s.name} | {s.result.get('status', 'not run')} | {s.result.get('seconds', 0):.0f} | "
+              f"{s.log or 'tail below'} |" for s in run]
+    for stage in run:
+        if "tail" in stage.result:
+            lines += ["", f"## {stage.name}: `{shlex.join(stage.command)}`", "", "```", stage.result["tail"], "```"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    chosen = [s for s in stages(args) if not args.stages or s.name in args.stages]
+    if args.dry_run:
+        for stage in chosen:
+            print(f"{stage.name} (at most {stage.cap_s} s): {shlex.join(stage.command)}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    for stage in chosen:
+        left = args.budget - (time.monotonic() - started)
+        if left < MIN_STAGE_S:
+            stage.result = {"status": f"left out: {left:.0f} s left"}
+        else:
+            run_stage(stage, min(stage.cap_s, left), args.out)
+        (args.out / "session.md").write_text(report(chosen, args, started))
+        print(f"{stage.name}: {stage.result['status']}", flush=True)
+        if stage.name == "venv" and stage.result["status"] != "exit 0":
+            break  # nothing runs without it
+    return 0 if all(s.result.get("status") == "exit 0" for s in chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
