@@ -164,6 +164,82 @@ def test_cudagraphs_capture_on_cuda_replays_the_eager_step(attfuse):
     assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
 
 
+def accumulated_steps(task, micro_batches, capture=None, copy_between=True, steps=2, device=CPU):
+    """(losses, model) after `steps` SGD steps, each of all `micro_batches` accumulated as the fit loop accumulates
+    them (engine/trainer.py's _train_step and _micro_step): forward_backward with the loss divided by their number,
+    `CaptureModule.gradients_out_of_graphs` after each micro-batch but the last (unless not `copy_between`), then
+    optimizer_step, which sets the gradients to None."""
+    model = copy.deepcopy(task.model).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    module = capture(model) if capture is not None else None
+    precision, losses = Precision(None, device), []
+    for _ in range(steps):
+        for index, batch in enumerate(micro_batches):
+            with step_kernels(device):
+                out = forward_backward(CapturedStep() if module is not None else task.step, module or model, batch,
+                                       precision, None, len(micro_batches))
+            if module is not None and copy_between and index < len(micro_batches) - 1:
+                module.gradients_out_of_graphs()
+            losses.append(out.total.detach())
+        optimizer_step(optimizer, None)
+    return losses, model
+
+
+def test_copy_gradients_moves_each_gradient_to_memory_of_its_own_bit_for_bit():
+    from opencood_ddp.engine.capture import copy_gradients
+
+    model = nn.Linear(3, 2)
+    copy_gradients(model)  # no gradient at all: nothing to copy
+    assert model.weight.grad is None
+    model.weight.grad = torch.tensor([[0.0, -0.0, float("nan")], [1e-45, -3.5, float("inf")]])
+    before, address = model.weight.grad.clone(), model.weight.grad.data_ptr()
+    copy_gradients(model)
+    assert model.bias.grad is None  # a parameter without a gradient keeps none
+    assert model.weight.grad.data_ptr() != address
+    assert torch.equal(model.weight.grad.view(torch.int32), before.view(torch.int32))  # the bits, -0.0 and NaN's
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_cudagraphs_capture_accumulates_micro_batches_as_the_eager_step(attfuse, device):
+    """The fit loop's accumulation under --capture cudagraphs, without DDP (one process, as `python
+    tools/train_ddp.py` runs): two steps of two micro-batches (layouts A and A), the gradients copied out of the
+    graphs' memory between them. The losses and the weights follow the eager accumulation: the first loss bit for
+    bit, the weights within the eager run's own repeat (on the CPU, whose graphs run on the eager kernels, that
+    repeat is exact: bit for bit)."""
+    task, (a, _) = attfuse
+    device = torch.device(device)
+    micro = [task.move_to(a, device)] * 2
+    eager_losses, eager = accumulated_steps(task, micro, device=device)
+    _, eager_again = accumulated_steps(task, micro, device=device)
+    floor = max_difference(eager, eager_again)
+    losses, captured = accumulated_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", device),
+                                         device=device)
+    assert losses[0].item() == eager_losses[0].item()
+    assert losses[0].item() != losses[2].item()  # the first step moved the weights
+    assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
+    assert device.type == "cuda" or floor == 0.0
+
+
+@pytest.mark.cuda  # what the copy is for
+def test_cudagraphs_capture_on_cuda_without_the_copy_loses_the_first_micro_batchs_gradients(attfuse):
+    """The premise of `gradients_out_of_graphs`, on a GPU: without it, the first micro-batch's gradients, left in the
+    CUDA graphs' memory, are overwritten by the second's replay, and torch refuses the step (its error names the
+    overwritten gradient) or the weights leave the eager accumulation's. If this fails, torch keeps those
+    gradients itself and the copy can go."""
+    task, (a, _) = attfuse
+    cuda = torch.device("cuda")
+    micro = [task.move_to(a, cuda)] * 2
+    _, eager = accumulated_steps(task, micro, device=cuda)
+    _, eager_again = accumulated_steps(task, micro, device=cuda)
+    try:
+        _, uncopied = accumulated_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", cuda),
+                                        copy_between=False, device=cuda)
+    except RuntimeError as error:
+        assert "overwritten" in str(error), error
+        return
+    assert max_difference(eager, uncopied) > max_difference(eager, eager_again)
+
+
 @pytest.mark.parametrize("half", ["auto", "fp16"])
 def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
     """--capture with --half: on the CPU a bare --half is bfloat16 autocast (three steps of layout A); fp16 is

@@ -63,15 +63,18 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert feed["steps"] == 8 and feed["workers"] == 2 and feed["train_samples_per_s"] > 0
     assert feed["ratio"] == pytest.approx(feed["train_samples_per_s"] / feed["step_samples_per_s"], rel=0.01)
     assert checks["voxelizer"]["figures"]["sorted_device_equals_cpu"] is True
+    accumulation = checks[f"capture_accumulation {TOY}"]["figures"]  # the fit loop's 2 micro-batches, captured
+    assert accumulation["mode"] == "cudagraphs" and len(accumulation["losses"]["captured"]) == 2
     # cudagraphs on the CPU: the graphs run on the eager kernels, so the first losses are eager's bit for bit
     assert not any(name.startswith("capture compile") for name in checks)
     capture = checks[f"capture cudagraphs {TOY}"]["figures"]
     assert capture["mode"] == "cudagraphs"
     assert capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == capture["first_loss_gap_ddp_b1"] == 0
     assert all(capture[f"{side}_ms_b{b}"] > 0 for side in ("eager", "captured") for b in (1, 2))
-    # the CPU has no CUDA graph: every forward graph of the 3 captured steps is skipped for the host (the DDP step's
-    # GlooSyncBatchNorm breaks its graph: more than one), and for nothing else (torch checks mutations first)
-    assert capture["cudagraph_skips"] >= 3, capture
+    # the CPU has no CUDA graph: every forward graph the 3 captured steps compile (one a step, more for the DDP
+    # step, whose GlooSyncBatchNorm breaks its graph, fewer where dynamo's cache from the run before serves) is
+    # skipped for the host, and for nothing else (torch checks mutations first)
+    assert capture["cudagraph_skips"] >= 1, capture
     assert capture["cudagraph_skip_reasons"] and all("due to cpu device" in reason
                                                      for reason in capture["cudagraph_skip_reasons"]), capture
     # 2 GPUs at batch 1 against 1 at batch 2 (issue 52): the captured step in DDP at batch 1 against batch 2's

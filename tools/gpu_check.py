@@ -48,6 +48,10 @@ Checks, each ok / failed / skipped with the reason:
 - host_syncs (CUDA only), for each config: a training step under torch.cuda.set_sync_debug_mode("error") after a
   warm-up, which must read nothing back from the GPU in forward, loss, backward and the fused optimizer update
   (issue 52; SECOND's spconv reads its voxel count back by design, reported);
+- capture_accumulation, for each of `--capture_configs`: tools/train_ddp.py's first 2 steps under --capture (the
+  first of `--capture_modes`) with the batch of 2 accumulated in micro-batches of 1, one process without DDP, and
+  the same run eager: the fit loop's accumulation through CUDA graphs, whose gradients the next replay overwrites
+  unless the loop copies them out (engine/capture.py);
 - capture, for each of `--capture_configs` (the full-size AttFuse) and `--capture_modes`; last, since inductor
   compiles for minutes: the trainer's step under `--capture` beside the eager step at per-GPU batch 1 and 2, from
   the same weights on the same batch, and the captured step at batch 1 in DDP at world size 1 (2 GPUs at batch 1
@@ -783,6 +787,33 @@ def check_capture(config: str, mode: str, device: torch.device, data: Path) -> t
             f"GPUs at batch 1 against 1 at batch 2: {figures['two_at_b1_over_one_at_b2']}x{skips}"), figures
 
 
+def check_captured_accumulation(config: str, mode: str, device: torch.device, data: Path, work: Path
+                                ) -> tuple[str, dict]:
+    """tools/train_ddp.py's first 2 optimizer steps of `config` under --capture `mode`, the hypes' batch of 2 in
+    micro-batches of 1 (`--per_gpu_batch 1`: the batch plan accumulates 2), in one process without DDP, as a
+    1-GPU run trains: the fit loop's accumulation through the captured step. Where the graphs replay as CUDA
+    graphs, a gradient is first the backward graph's output, in the graphs' memory, which the second
+    micro-batch's replay overwrites (engine/capture.py's gradients_out_of_graphs copies it out before). The losses
+    must be finite; the same run eager beside it gives each loss's relative gap (on CUDA `cudagraphs` takes the
+    eager step's kernels, so its first loss should be eager's; on the CPU the eager run takes the CPU's own
+    kernels, a captured one CUDA's: docs/capture.md)."""
+    from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
+
+    skip_without_sparse_conv(config, device)
+    losses = {}
+    with tempfile.TemporaryDirectory(dir=work) as runs:  # new run folders: an old one would be resumed
+        for name, flags in (("eager", []), ("captured", ["--capture", mode])):
+            run_dir = Path(runs) / name
+            train_two_steps(config, run_dir, data, ["--set", "train_params.batch_size=2", "--per_gpu_batch", "1",
+                                                    *flags], device)
+            losses[name] = [row["loss"] for row in read_step_log(run_dir / STEP_LOG_NAME)]
+    assert len(losses["captured"]) == 2 and all(map(_finite, losses["captured"])), losses
+    gaps = [float(f"{abs(c - e) / max(abs(e), 1e-30):.3g}") for c, e in zip(losses["captured"], losses["eager"])]
+    figures = {"mode": mode, "accumulation": 2, "losses": losses, "loss_gaps": gaps}
+    return (f"--capture {mode}, 2 steps of 2 accumulated micro-batches in one process: losses "
+            f"{', '.join(f'{x:.4f}' for x in losses['captured'])}, relative gaps to eager's {gaps}"), figures
+
+
 def _first_sync(action: Callable[[], object]) -> str:
     """'none', or where the first synchronising call of `action` came from (torch raises it in 'error' mode)."""
     torch.cuda.set_sync_debug_mode("error")
@@ -905,6 +936,9 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         for config in args.sync_configs:
             record(timed(f"host_syncs {config}", lambda c=config: check_host_syncs(c, device, data)))
     capture_modes = args.capture_modes or (CAPTURE_CHECK_MODES if device.type == "cuda" else ("cudagraphs",))
+    for config in args.capture_configs:  # the trainer's accumulation through the first (the cheapest) mode
+        record(timed(f"capture_accumulation {config}",
+                     lambda c=config: check_captured_accumulation(c, capture_modes[0], device, data, work)))
     for config, mode in itertools.product(args.capture_configs, capture_modes):  # last: inductor compiles for
         # minutes, and a run cut short keeps the checks before
         record(timed(f"capture {mode} {config}", lambda c=config, m=mode: check_capture(c, m, device, data)))

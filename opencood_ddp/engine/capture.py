@@ -27,6 +27,13 @@ lr schedule changes a Python float that a compiled step would guard on (a recomp
 tensor in the saved optimizer state, which upstream's checkpoints do not hold), and the fit loop decides between
 backward and step on the host (the non-finite agreement, gradients no rank used).
 
+Where the graphs replay as CUDA graphs, a parameter's gradient is the backward graph's output, in the graphs'
+memory (autograd takes it as ``.grad`` without a copy while ``.grad`` is None, and the fit loop sets it to None
+after every step). The next replay overwrites that memory: within a step of several micro-batches (the batch
+plan's accumulation) the fit loop calls `CaptureModule.gradients_out_of_graphs` after each micro-batch but the last,
+which copies the gradients out (one foreach op). After the last, the gradients are read (norm, optimizer) before
+any replay; under DDP they are copied into its buckets as they come.
+
 On the CPU the compiled step runs with the kernels CUDA takes (numerics/kernel_path.py): the CPU-only ones
 (float64 batch-norm statistics in numba, the hashed dropout, CoBEVT's per-head attention) cannot be traced. The
 fit loop enters `CaptureModule.kernels` around forward and backward, so the eager front and the fallback take the
@@ -177,6 +184,15 @@ class CaptureModule(nn.Module):
             out = LossOutput(out.total.clone(), {name: value.clone() for name, value in out.parts.items()})
         return out
 
+    def gradients_out_of_graphs(self) -> None:
+        """After a micro-batch's backward that another follows within the step (the batch plan's accumulation), when
+        the graphs replay as CUDA graphs: autograd takes a gradient that the backward graph returns as the
+        parameter's ``.grad`` (no copy while the parameter has none), so ``.grad`` lives in the CUDA graphs' memory,
+        which the next micro-batch's replay overwrites (torch then refuses to read it: "accessing gradient tensor
+        output of CUDAGraphs that has been overwritten"). `copy_gradients` moves every gradient out first."""
+        if self.cuda_graphs:
+            copy_gradients(self.model)
+
     def _compiles(self, counts: Optional[CavCounts], shape: tuple) -> bool:
         """Whether this (layout, map shape) runs compiled: one seen before, or a new one within the limit."""
         key = (counts, shape)
@@ -194,6 +210,16 @@ class CaptureModule(nn.Module):
         return False
 
 
+def copy_gradients(model: nn.Module) -> None:
+    """Every parameter's ``.grad`` replaced by a copy of itself in memory of its own, bit for bit (x * 1 is x, -0.0
+    and NaN included), in one foreach op rather than a launch per parameter."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:  # foreach ops refuse an empty list
+        return
+    for param, copy in zip(params, torch._foreach_mul([p.grad for p in params], 1.0)):
+        param.grad = copy
+
+
 def _describe(counts: Optional[CavCounts]) -> str:
     return "none" if counts is None else str(list(counts))
 
@@ -206,4 +232,5 @@ class CapturedStep:
 
 
 __all__ = ["backward_outside_autocast", "BACKENDS", "CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep",
-           "CavCounts", "check_capture", "not_capturable", "MAX_SHAPES", "replays_cuda_graphs", "step_kernels"]
+           "CavCounts", "check_capture", "copy_gradients", "not_capturable", "MAX_SHAPES", "replays_cuda_graphs",
+           "step_kernels"]

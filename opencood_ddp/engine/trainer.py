@@ -396,6 +396,8 @@ class Trainer:
         with no_sync() if no_sync else contextlib.nullcontext(), kernels:
             out = forward_backward(self.train_step, self.model, batch, self.precision, self.scaler,
                                    self.plan.accumulation)
+        if self.capture is not None and not sync:  # another micro-batch's replay follows: engine/capture.py
+            self.capture.gradients_out_of_graphs()
         sums.add(out.total, dict(out.parts), self.task.batch_size_of(batch))
 
     def _take_parameter_use(self) -> list:
