@@ -36,7 +36,7 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     assert all(c["status"] == "ok" for c in checks.values()), checks
     assert {"device", "process_group", "sync_batchnorm", "spconv", "cpu_weights", f"parity {TOY} strict",
             f"repeat {WARPING}", f"planner {TOY}", f"loader {TOY}", f"feed {TOY}", "voxelizer",
-            f"capture cudagraphs {TOY}"} \
+            f"capture cudagraphs {TOY}", f"capture_ddp cudagraphs {TOY}"} \
         <= set(checks)
     assert checks[f"repeat {WARPING}"]["figures"]["tensors"] > 0
     for precision in ("fp32", "bf16"):
@@ -66,20 +66,23 @@ def test_gpu_check_on_the_cpu_passes_and_reports(toy_small, tmp_path):
     accumulation = checks[f"capture_accumulation {TOY}"]["figures"]  # the fit loop's 2 micro-batches, captured
     assert accumulation["mode"] == "cudagraphs" and len(accumulation["losses"]["captured"]) == 2
     # cudagraphs on the CPU: the graphs run on the eager kernels, so the first losses are eager's bit for bit
-    assert not any(name.startswith("capture compile") for name in checks)
+    assert not any(name.startswith(("capture compile", "capture_ddp compile")) for name in checks)
     capture = checks[f"capture cudagraphs {TOY}"]["figures"]
-    assert capture["mode"] == "cudagraphs"
-    assert capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == capture["first_loss_gap_ddp_b1"] == 0
-    assert all(capture[f"{side}_ms_b{b}"] > 0 for side in ("eager", "captured") for b in (1, 2))
-    # the CPU has no CUDA graph: every forward graph the 3 captured steps compile (one a step, more for the DDP
-    # step, whose GlooSyncBatchNorm breaks its graph, fewer where dynamo's cache from the run before serves) is
+    in_ddp = checks[f"capture_ddp cudagraphs {TOY}"]["figures"]
+    assert capture["mode"] == in_ddp["mode"] == "cudagraphs"
+    assert capture["first_loss_gap_b1"] == capture["first_loss_gap_b2"] == in_ddp["first_loss_gap_ddp_b1"] == 0
+    assert all(figures[f"{side}_ms_{key}"] > 0 for side in ("eager", "captured")
+               for figures, key in ((capture, "b1"), (capture, "b2"), (in_ddp, "ddp_b1")))
+    # the CPU has no CUDA graph: every forward graph the captured steps compile (one a step, more for the DDP
+    # step, whose GlooSyncBatchNorm breaks its graph, fewer where dynamo's cache from a run before serves) is
     # skipped for the host, and for nothing else (torch checks mutations first)
-    assert capture["cudagraph_skips"] >= 1, capture
-    assert capture["cudagraph_skip_reasons"] and all("due to cpu device" in reason
-                                                     for reason in capture["cudagraph_skip_reasons"]), capture
+    for figures in (capture, in_ddp):
+        assert figures["cudagraph_skips"] >= 1, figures
+        assert figures["cudagraph_skip_reasons"] and all("due to cpu device" in reason
+                                                         for reason in figures["cudagraph_skip_reasons"]), figures
     # 2 GPUs at batch 1 against 1 at batch 2 (issue 52): the captured step in DDP at batch 1 against batch 2's
-    assert capture["two_at_b1_over_one_at_b2"] == pytest.approx(
-        capture["captured_ms_b2"] / capture["captured_ddp_ms_b1"], rel=0.01)
+    assert in_ddp["two_at_b1_over_one_at_b2"] == pytest.approx(
+        capture["captured_ms_b2"] / in_ddp["captured_ms_ddp_b1"], rel=0.01)
     assert report["environment"]["device"] == "cpu"
     table = (out / "gpu_check.md").read_text()
     assert "| sync_batchnorm | ok |" in table and "GlooSyncBatchNorm" in table

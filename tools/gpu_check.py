@@ -52,11 +52,12 @@ Checks, each ok / failed / skipped with the reason:
   first of `--capture_modes`) with the batch of 2 accumulated in micro-batches of 1, one process without DDP, and
   the same run eager: the fit loop's accumulation through CUDA graphs, whose gradients the next replay overwrites
   unless the loop copies them out (engine/capture.py);
-- capture, for each of `--capture_configs` (the full-size AttFuse) and `--capture_modes`; last, since inductor
-  compiles for minutes: the trainer's step under `--capture` beside the eager step at per-GPU batch 1 and 2, from
-  the same weights on the same batch, and the captured step at batch 1 in DDP at world size 1 (2 GPUs at batch 1
-  against 1 at batch 2): the steps' ms, the speed-ups, the first losses' relative gaps to eager's and the graphs
-  not replayed as CUDA graphs, with torch's reasons. On CUDA `cudagraphs` (the eager kernels replayed as CUDA
+- capture and capture_ddp, for each of `--capture_configs` (the full-size AttFuse) and `--capture_modes`; last,
+  since inductor compiles for minutes: the trainer's step under `--capture` beside the eager step at per-GPU batch
+  1 and 2, from the same weights on the same batch, then both at batch 1 in DDP at world size 1 (2 GPUs at batch 1
+  against 1 at batch 2; a check of its own, so that a failure of collectives in CUDA graphs keeps the first's
+  figures): the steps' ms, the speed-ups, the first losses' relative gaps to eager's and the graphs not replayed
+  as CUDA graphs, with torch's reasons. On CUDA `cudagraphs` (the eager kernels replayed as CUDA
   graphs) then `compile` (inductor with CUDA graphs); on the CPU `cudagraphs`, whose graphs run on the eager
   kernels there, so its first losses must be eager's bit for bit (issue 52 item 3).
 """
@@ -724,17 +725,42 @@ def check_host_syncs(config: str, device: torch.device, data: Path) -> tuple[str
 
 
 def check_capture(config: str, mode: str, device: torch.device, data: Path) -> tuple[str, dict]:
-    """--capture `mode`'s step beside the eager step at per-GPU batch 1 and 2, each from the same weights on the same
-    batch (issue 52 item 3), and the captured step at batch 1 in DDP as the trainer wraps it at world size 1 (NCCL
-    on CUDA): 2 GPUs at batch 1 against 1 GPU at batch 2, the issue's 1.6x, is that step against the captured one at
-    batch 2 (an N-rank run adds the all-reduce's time over world size 1's and the batch norms' collectives). The
-    steps' ms (median of 5 after the first, which compiles), the speed-ups, each first loss's relative gap to
-    eager's at its batch, and the graphs not replayed as CUDA graphs with torch's reasons. On CUDA the modes are
-    CAPTURE_CHECK_MODES: `cudagraphs` (the eager kernels replayed as CUDA graphs: what the launches alone cost) and
-    `compile` (inductor, CUDA graphs; it rounds anew, and docs/capture.md judges its accuracy against float64). On
-    the CPU `cudagraphs` alone, which keeps the check's code working in `make test` (inductor compiles for minutes
-    on a CPU): its graphs run on the eager kernels, so its first losses must be eager's bit for bit, and the backend
-    skips CUDA graphs for the host."""
+    """--capture `mode`'s step beside the eager step at per-GPU batch 1 and 2 (issue 52 item 3), `_captured_steps`'
+    figures. On CUDA the modes are CAPTURE_CHECK_MODES: `cudagraphs` (the eager kernels replayed as CUDA graphs: what
+    the launches alone cost) and `compile` (inductor, CUDA graphs; it rounds anew, and docs/capture.md judges its
+    accuracy against float64). On the CPU `cudagraphs` alone, which keeps the check's code working in `make test`
+    (inductor compiles for minutes on a CPU): its graphs run on the eager kernels, so its first losses must be
+    eager's bit for bit, and the backend skips CUDA graphs for the host."""
+    figures = _captured_steps(config, mode, device, data, {f"b{b}": (b, False) for b in STEP_BATCHES})
+    steps = ", ".join(f"batch {b}: {figures[f'captured_ms_b{b}']} ms against eager's {figures[f'eager_ms_b{b}']} "
+                      f"({figures[f'speedup_b{b}']}x), first loss {figures[f'first_loss_gap_b{b}']:.3g} from eager's"
+                      for b in STEP_BATCHES)
+    return f"--capture {mode}: {steps}{_skips(figures)}", figures
+
+
+def check_capture_ddp(config: str, mode: str, device: torch.device, data: Path, captured_ms_b2: Optional[float]
+                      ) -> tuple[str, dict]:
+    """The captured step at batch 1 in DDP as the trainer wraps it at world size 1 (NCCL on CUDA; its batch norms
+    synchronized, so on N GPUs their collectives are in the graphs), beside the eager step in DDP: 2 GPUs at batch
+    1 against 1 GPU at batch 2, the issue's 1.6x, is the capture check's step at batch 2 (`captured_ms_b2`, None
+    when that check failed) over this one (an N-rank run adds the all-reduce's time over world size 1's). A check of
+    its own, after the capture check: collectives inside CUDA graphs are new ground, and a failure here keeps that
+    check's figures."""
+    figures = _captured_steps(config, mode, device, data, {"ddp_b1": (1, True)})
+    figures["two_at_b1_over_one_at_b2"] = None if captured_ms_b2 is None else \
+        round(captured_ms_b2 / figures["captured_ms_ddp_b1"], 2)
+    return (f"--capture {mode} in DDP (world size 1), batch 1: {figures['captured_ms_ddp_b1']} ms against eager's "
+            f"{figures['eager_ms_ddp_b1']} ({figures['speedup_ddp_b1']}x), first loss "
+            f"{figures['first_loss_gap_ddp_b1']:.3g} from eager's; so 2 GPUs at batch 1 against 1 at batch 2: "
+            f"{figures['two_at_b1_over_one_at_b2']}x{_skips(figures)}"), figures
+
+
+def _captured_steps(config: str, mode: str, device: torch.device, data: Path, steps: dict) -> dict:
+    """For each key -> (per-GPU batch, in DDP) of `steps`: the trainer's step under --capture `mode` beside the eager
+    step, both in DDP as the trainer wraps them when asked (at world size 1), from the same weights on the same
+    batch: their ms (median of 5 after the first, which compiles), the speed-up, the first loss's relative gap to
+    eager's (on the CPU a mode of eager kernels must give it bit for bit), and the graphs not replayed as CUDA
+    graphs, with torch's reasons."""
     from opencood_ddp.engine.capture import step_kernels
     from opencood_ddp.engine.census import cudagraph_skips, step_seconds
 
@@ -743,48 +769,35 @@ def check_capture(config: str, mode: str, device: torch.device, data: Path) -> t
     figures: dict = {"mode": mode}
     repeats = 5 if device.type == "cuda" else 1
 
-    def first_loss(step, eager_loss: float, key: str) -> None:
-        loss = step().item()
-        assert _finite(loss), f"non-finite first loss ({key}): {loss}"
-        gap = abs(loss - eager_loss) / max(abs(eager_loss), 1e-30)
-        # on the CPU a mode of eager kernels repeats eager's first loss; inductor rounds anew
-        assert mode == "compile" or device.type == "cuda" or gap == 0, \
-            f"{mode}'s first loss {loss} ({key}) is not eager's {eager_loss}"
-        figures[f"first_loss_gap_{key}"] = float(f"{gap:.3g}")
-
     def median_ms(step) -> float:
-        return 1e3 * statistics.median(step_seconds(step, device, repeats))
+        return round(1e3 * statistics.median(step_seconds(step, device, repeats)), 2)
 
-    eager_first = {}
     dist, comm = _one_rank_group(device)
     try:
         # the kernels a captured step takes, for both sides (on CUDA its own)
         with step_kernels(device), cudagraph_skips() as skips:
-            # each step trains its own copy of the model's weights, except eager's, which trains the task's: every
-            # step is made before eager's first runs
-            in_ddp = _trainer_step(task, hypes, device, 1, capture=mode, ddp=True)
-            for batch_size in STEP_BATCHES:
-                eager, captured = (_trainer_step(task, hypes, device, batch_size, capture=c) for c in (None, mode))
-                eager_first[batch_size] = eager().item()
-                first_loss(captured, eager_first[batch_size], f"b{batch_size}")
-                if batch_size == 1:
-                    first_loss(in_ddp, eager_first[1], "ddp_b1")
-                eager_ms, captured_ms = median_ms(eager), median_ms(captured)
-                figures.update({f"eager_ms_b{batch_size}": round(eager_ms, 2),
-                                f"captured_ms_b{batch_size}": round(captured_ms, 2),
-                                f"speedup_b{batch_size}": round(eager_ms / captured_ms, 2)})
-            figures["captured_ddp_ms_b1"] = round(median_ms(in_ddp), 2)
+            for key, (batch_size, ddp) in steps.items():
+                # the captured step trains a copy of the model's weights, eager the task's own: made before it runs
+                captured = _trainer_step(task, hypes, device, batch_size, capture=mode, ddp=ddp)
+                eager = _trainer_step(task, hypes, device, batch_size, ddp=ddp)
+                eager_loss, loss = eager().item(), captured().item()
+                assert _finite(loss), f"non-finite first loss ({key}): {loss}"
+                gap = abs(loss - eager_loss) / max(abs(eager_loss), 1e-30)
+                # on the CPU a mode of eager kernels repeats eager's first loss; inductor rounds anew
+                assert mode == "compile" or device.type == "cuda" or gap == 0, \
+                    f"{mode}'s first loss {loss} ({key}) is not eager's {eager_loss}"
+                figures.update({f"first_loss_gap_{key}": float(f"{gap:.3g}"), f"eager_ms_{key}": median_ms(eager),
+                                f"captured_ms_{key}": median_ms(captured)})
+                figures[f"speedup_{key}"] = round(figures[f"eager_ms_{key}"] / figures[f"captured_ms_{key}"], 2)
     finally:
         _close_group(dist, comm)
     figures["cudagraph_skips"], figures["cudagraph_skip_reasons"] = skips.count, sorted(set(skips.reasons))
-    figures["two_at_b1_over_one_at_b2"] = round(figures["captured_ms_b2"] / figures["captured_ddp_ms_b1"], 2)
-    steps = ", ".join(f"batch {b}: {figures[f'captured_ms_b{b}']} ms against eager's {figures[f'eager_ms_b{b}']} "
-                      f"({figures[f'speedup_b{b}']}x), first loss {figures[f'first_loss_gap_b{b}']:.3g} from eager's"
-                      for b in STEP_BATCHES)
-    skips = f"; cudagraphs skipped {figures['cudagraph_skips']} times: {figures['cudagraph_skip_reasons'][:1]}" \
-        if figures["cudagraph_skips"] else ""
-    return (f"--capture {mode}: {steps}; batch 1 in DDP (world size 1): {figures['captured_ddp_ms_b1']} ms, so 2 "
-            f"GPUs at batch 1 against 1 at batch 2: {figures['two_at_b1_over_one_at_b2']}x{skips}"), figures
+    return figures
+
+
+def _skips(figures: dict) -> str:
+    return (f"; cudagraphs skipped {figures['cudagraph_skips']} times: {figures['cudagraph_skip_reasons'][:1]}"
+            if figures["cudagraph_skips"] else "")
 
 
 def check_captured_accumulation(config: str, mode: str, device: torch.device, data: Path, work: Path
@@ -942,6 +955,9 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     for config, mode in itertools.product(args.capture_configs, capture_modes):  # last: inductor compiles for
         # minutes, and a run cut short keeps the checks before
         record(timed(f"capture {mode} {config}", lambda c=config, m=mode: check_capture(c, m, device, data)))
+        at_b2 = checks[-1].figures.get("captured_ms_b2")
+        record(timed(f"capture_ddp {mode} {config}",
+                     lambda c=config, m=mode, b2=at_b2: check_capture_ddp(c, m, device, data, b2)))
     return checks
 
 
