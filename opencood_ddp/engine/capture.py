@@ -216,8 +216,8 @@ def copy_gradients(model: nn.Module) -> None:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:  # foreach ops refuse an empty list
         return
-    for param, copy in zip(params, torch._foreach_mul([p.grad for p in params], 1.0)):
-        param.grad = copy
+    for param, copied in zip(params, torch._foreach_mul([p.grad for p in params], 1.0)):
+        param.grad = copied
 
 
 def _describe(counts: Optional[CavCounts]) -> str:
