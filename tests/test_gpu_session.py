@@ -31,9 +31,12 @@ def test_every_stage_command_parses_with_its_tools_parser(device, tmp_path):
         name = script.rsplit("/", 1)[-1]
         argv = stage.command[stage.command.index(script) + 1:]
         parsed[stage.name] = PARSERS[name](argv)
-    assert sorted(parsed) == ["capture", "gpu_check", "profile"]
+    assert sorted(parsed) == ["acceptance", "capture", "gpu_check", "profile"]
     assert parsed["capture"].capture == "cudagraphs" and parsed["capture"].batch_sizes == [1, 2]
-    assert parsed["gpu_check"].device == device and parsed["profile"].count
+    assert parsed["gpu_check"].device == parsed["acceptance"].device == device and parsed["profile"].count
+    # issue 52's gpu_check: the parity, repeat, planner, loader and feed checks left to the acceptance stage
+    assert parsed["gpu_check"].parity_config == "none" and parsed["gpu_check"].repeat_configs == []
+    assert parsed["gpu_check"].precisions == ["fp32"] and parsed["gpu_check"].out != parsed["acceptance"].out
     if device == "cuda":
         assert parsed["capture"].configs == gpu_session.PILLAR_CONFIGS and parsed["profile"].profile
         assert parsed["profile"].precisions == ["fp32", "bf16", "fp16"]

@@ -11,8 +11,8 @@ one command that ends in time, whatever a stage costs there. The stages run in S
 limit: its own cap or what is left of ``--budget``, whichever is less (its process group is killed at the limit,
 and what it wrote stays); a stage that would have under MIN_STAGE_S is left out. ``session.md`` in ``--out``
 says what each stage did, how long it took and its output's tail, and is rewritten after every stage, so a call
-cut short returns what it measured. A lent machine returns at most 8 files from ``--out``: the stages write 6
-(session.md, capture.log and .json, gc/gpu_check.md and .json, profile.log).
+cut short returns what it measured. A lent machine returns at most 8 files from ``--out``: the stages write 8
+(session.md, capture.log and .json, gc/ and acceptance/ gpu_check.md and .json, profile.log).
 
 The stages (``--device cpu`` rehearses them on one toy config, without what needs CUDA):
 
@@ -22,10 +22,12 @@ The stages (``--device cpu`` rehearses them on one toy config, without what need
   and 2: the eager step and the step replayed as CUDA graphs, and batch 1 over batch 2 (the issue's first figure);
 - gpu_tests: the suite's tests marked cuda (``make gpu-tests``: the CUDA graphs of --capture cudagraphs against
   the eager step, the synchronized batch norm's CUDA kernels, the device data path);
-- gpu_check: ``tools/gpu_check.py`` (the acceptance checks, the model table's batch 1 and 2 and rates, host
-  syncs, the capture check in both modes, last);
+- gpu_check: ``tools/gpu_check.py``'s checks of issue 52 (NOT_ISSUE_52 left out, fp32): the nine toy models'
+  training with the model table's step at batch 1 and 2, rates and DDP step, host syncs, the captured
+  accumulation, the capture checks in both modes and in DDP;
 - profile: ``benchmark_models.py --count --profile`` in fp32, bf16 and fp16 for the models whose half precision
-  was slower than fp32 on the H200 and for SECOND (issue 52 items 4 and 5).
+  was slower than fp32 on the H200 and for SECOND (issue 52 items 4 and 5);
+- acceptance: the whole of ``tools/gpu_check.py`` (``make gpu-check``), where time is left.
 
 Standard library only: it runs before the venv exists.
 """
@@ -43,13 +45,18 @@ from pathlib import Path
 from typing import List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
+# AttFuse first: a stage cut at its limit keeps the rows before, and AttFuse is the issue's reference row
 PILLAR_CONFIGS = [f"opv2v/point_pillar_{name}" for name in (
-    "early_fusion", "late_fusion", "intermediate_fusion", "fcooper", "v2vnet", "v2xvit", "cobevt", "where2comm")]
+    "intermediate_fusion", "early_fusion", "where2comm", "fcooper", "v2vnet", "cobevt", "v2xvit", "late_fusion")]
 # issue 52 item 4 (fp16 slower than fp32 on the H200: AttFuse, early fusion, Where2comm) and item 5 (SECOND)
 PROFILE_CONFIGS = ["opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_early_fusion",
                    "opv2v/point_pillar_where2comm", "opv2v/second_intermediate_fusion"]
 TOY_CONFIG = "toy/point_pillar_intermediate_fusion"  # the rehearsal's (--device cpu) one config
-STAGE_NAMES = ("venv", "capture", "gpu_tests", "gpu_check", "profile")  # the order they run in (`stages`)
+STAGE_NAMES = ("venv", "capture", "gpu_tests", "gpu_check", "profile", "acceptance")  # their order (`stages`)
+# gpu_check's checks that measure nothing of issue 52 (the acceptance stage runs them): the parity and repeat
+# runs, the planner, the loader's worker sweep and the feed run
+NOT_ISSUE_52 = ["--parity_config", "none", "--repeat_configs", "--planner_config", "none", "--loader_config", "none",
+                "--feed_config", "none"]
 MIN_STAGE_S = 30  # a stage is not started with less time left than this
 TAIL_LINES = 40  # of each stage's output, in session.md
 
@@ -84,12 +91,14 @@ def stages(args: argparse.Namespace) -> List[Stage]:
     models = str(REPO / "tools" / "benchmarks" / "benchmark_models.py")
     pillars = PILLAR_CONFIGS if cuda else [TOY_CONFIG]
     venv = ["make", "gpu-venv", f"WHEELS={args.wheels}"] if args.wheels else ["make", "venv"]
-    check = [python, str(REPO / "tools" / "gpu_check.py"), "--device", args.device, "--out", str(args.out / "gc"),
-             "--work", str(args.work / "gpu_check")]
-    if not cuda:  # the rehearsal: one toy model, no full-size one, the checks' cheapest settings
-        check += ["--configs", TOY_CONFIG, "--full_size", "--precisions", "fp32", "--parity_kernels", "strict",
-                  "--repeat_configs", "--planner_config", "none", "--loader_config", "none", "--feed_config", "none",
-                  "--capture_configs", TOY_CONFIG]
+    def gpu_check(out: str) -> List[str]:
+        command = [python, str(REPO / "tools" / "gpu_check.py"), "--device", args.device, "--out",
+                   str(args.out / out), "--work", str(args.work / out)]
+        if not cuda:  # the rehearsal: one toy model, no full-size one, the cheapest parity
+            command += ["--configs", TOY_CONFIG, "--full_size", "--precisions", "fp32", "--parity_kernels",
+                        "strict", "--capture_configs", TOY_CONFIG]
+        return command
+
     profile = [python, models, "--device", args.device, "--count", "--batch-sizes", "1", "2", "--repeats", "5",
                "--precisions", "fp32", "bf16", *(["fp16", "--profile"] if cuda else []),
                "--configs", *(PROFILE_CONFIGS if cuda else [TOY_CONFIG]), "--data", str(args.work / "toy_opv2v")]
@@ -100,8 +109,9 @@ def stages(args: argparse.Namespace) -> List[Stage]:
                           "--data", str(args.work / "toy_opv2v"), "--json", str(args.out / "capture.json")],
               300, log="capture.log"),
         Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], 150),
-        Stage("gpu_check", check, 420),
+        Stage("gpu_check", [*gpu_check("gc"), *NOT_ISSUE_52, *(["--precisions", "fp32"] if cuda else [])], 300),
         Stage("profile", profile, 300, log="profile.log"),
+        Stage("acceptance", gpu_check("acceptance"), 600),
     ]
     assert tuple(stage.name for stage in run) == STAGE_NAMES
     return run
