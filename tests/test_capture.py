@@ -385,32 +385,47 @@ def test_two_rank_capture_with_the_gpus_batch_norm_is_the_eager_step_in_one_grap
 
 
 @pytest.mark.parametrize("config, overrides", [
+    ("toy/point_pillar_early_fusion", ()),
+    ("toy/point_pillar_late_fusion", ()),
+    ("toy/point_pillar_intermediate_fusion", ()),
+    ("toy/point_pillar_fcooper", ()),
+    ("toy/point_pillar_cobevt", ()),
+    ("toy/point_pillar_where2comm", ()),
+    ("toy/point_pillar_v2vnet", ()),
     ("toy/point_pillar_intermediate_fusion", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_fcooper", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_cobevt", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_where2comm", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_v2vnet", ("fusion.args.proj_first=false",)),
-    ("toy/point_pillar_v2vnet", ()),
-], ids=["attfuse-warped", "fcooper-warped", "cobevt-warped", "where2comm-warped", "v2vnet-warped", "v2vnet"])
-def test_the_captured_graph_reads_no_host_tensor(toy_small, config, overrides):
-    """On a GPU inductor replays a graph as a CUDA graph only when none of its inputs is a host tensor (it skips
-    cudagraphs otherwise, and the step keeps its launches), and a host tensor read inside the graph is a copy to the
-    device there. The batch keeps record_len and the pairwise matrices on the host (data/device_points.HOST_KEYS),
-    so the model's layout must send the graph what it derives from them. The meta device stands for the GPU: the
-    batch goes there through the task's own move_to, and a backend records each graph and its host inputs.
-    (V2X-ViT is not here: dynamo makes its constants real meta tensors, which its fake tensors refuse; on a GPU
-    they are constants of the graph. Its agents' rows go to the maps' device in its layout.)"""
+], ids=["early", "late", "attfuse", "fcooper", "cobevt", "where2comm", "v2vnet", "attfuse-warped", "fcooper-warped",
+        "cobevt-warped", "where2comm-warped", "v2vnet-warped"])
+def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
+    """On a GPU a graph with a host tensor anywhere in it is not replayed as a CUDA graph: the cudagraphs backend
+    looks at every node of the forward and backward graphs ("skipping cudagraphs due to cpu device"), inductor at
+    its inputs, and the step keeps its launches; a host tensor read inside a graph is also a copy to the device
+    there. The batch keeps record_len and the pairwise matrices on the host (data/device_points.HOST_KEYS), so the
+    model's layout must send the graph what it derives from them, and no constant may be made on the host. The meta
+    device stands for the GPU: the batch goes there through the task's own move_to, a backend records AOTAutograd's
+    forward and backward graphs (what both modes replay), and every node of both must be on meta. (V2X-ViT is not
+    here: dynamo makes its constants real meta tensors, which its fake tensors refuse; on a GPU they are constants
+    of the graph, and its agents' rows go to the maps' device in its layout. SECOND's front is spconv's, which has
+    no meta kernels.)"""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.cudagraphs import get_device_node_mapping
+    from torch._dynamo.backends.debugging import boxed_nop
+
     from opencood_ddp.engine import capture
     from opencood_ddp.tasks import build_task
 
     meta = torch.device("meta")
-    graphs, host_inputs = [], []
+    devices = []  # (graph, {device: its first node}) per AOTAutograd graph compiled
 
-    def recording_backend(graph_module, example_inputs):
-        graphs.append(graph_module)
-        host_inputs.extend(tuple(value.shape) for value in example_inputs
-                           if isinstance(value, torch.Tensor) and value.device.type == "cpu")
-        return graph_module.forward
+    def recording(kind):
+        def compiler(graph_module, example_inputs):
+            devices.append((kind, {str(device): node.name
+                                   for device, node in get_device_node_mapping(graph_module).items()}))
+            return boxed_nop(graph_module, example_inputs)
+        return compiler
 
     torch.manual_seed(0)
     task = build_task(hypes_of(config, *overrides, toy_root=toy_small), for_training=True)
@@ -418,7 +433,10 @@ def test_the_captured_graph_reads_no_host_tensor(toy_small, config, overrides):
     model = task.model.to(meta).train()
     ego = batch["ego"]
     features, layout = model.front(ego), capture.captured_layout(model.layout(ego))
-    out = torch.compile(capture.dense_step, backend=recording_backend, dynamic=False)(task.step, model, features,
-                                                                                       layout, batch)
+    backend = aot_autograd(fw_compiler=recording("forward"), bw_compiler=recording("backward"))
+    out = torch.compile(capture.dense_step, backend=backend, dynamic=False)(task.step, model, features, layout, batch)
+    out.total.backward()
     assert out.total.device == meta
-    assert len(graphs) == 1 and host_inputs == [], (len(graphs), host_inputs)
+    # one graph each way (no graph break), every node on meta
+    assert sorted(kind for kind, _ in devices) == ["backward", "forward"], devices
+    assert all(set(found) == {"meta"} for _, found in devices), devices
