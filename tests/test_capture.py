@@ -397,8 +397,9 @@ def test_two_rank_capture_with_the_gpus_batch_norm_is_the_eager_step_in_one_grap
     ("toy/point_pillar_cobevt", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_where2comm", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_v2vnet", ("fusion.args.proj_first=false",)),
+    ("toy/second_intermediate_fusion", ()),
 ], ids=["early", "late", "attfuse", "fcooper", "cobevt", "where2comm", "v2vnet", "attfuse-warped", "fcooper-warped",
-        "cobevt-warped", "where2comm-warped", "v2vnet-warped"])
+        "cobevt-warped", "where2comm-warped", "v2vnet-warped", "second"])
 def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
     """On a GPU a graph with a host tensor anywhere in it is not replayed as a CUDA graph: the cudagraphs backend
     looks at every node of the forward and backward graphs ("skipping cudagraphs due to cpu device"), inductor at
@@ -409,7 +410,7 @@ def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
     forward and backward graphs (what both modes replay), and every node of both must be on meta. (V2X-ViT is not
     here: dynamo makes its constants real meta tensors, which its fake tensors refuse; on a GPU they are constants
     of the graph, and its agents' rows go to the maps' device in its layout. SECOND's front is spconv's, which has
-    no meta kernels.)"""
+    no meta kernels: it runs on the host, and its map goes to meta for the dense part.)"""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.cudagraphs import get_device_node_mapping
     from torch._dynamo.backends.debugging import boxed_nop
@@ -429,10 +430,14 @@ def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
 
     torch.manual_seed(0)
     task = build_task(hypes_of(config, *overrides, toy_root=toy_small), for_training=True)
-    batch = task.move_to(task.collate_train([task.train_set[i] for i in range(2)]), meta)
-    model = task.model.to(meta).train()
-    ego = batch["ego"]
-    features, layout = model.front(ego), capture.captured_layout(model.layout(ego))
+    batch, model = task.collate_train([task.train_set[i] for i in range(2)]), task.model.train()
+    if "second" in config:  # the front on the host (the docstring), the dense part's input on meta
+        with cuda_kernels_on_cpu():
+            features = model.front(batch["ego"]).detach().to(meta).requires_grad_()
+    batch, model = task.move_to(batch, meta), model.to(meta)
+    if "second" not in config:
+        features = model.front(batch["ego"])
+    layout = capture.captured_layout(model.layout(batch["ego"]))
     backend = aot_autograd(fw_compiler=recording("forward"), bw_compiler=recording("backward"))
     out = torch.compile(capture.dense_step, backend=backend, dynamic=False)(task.step, model, features, layout, batch)
     out.total.backward()
