@@ -331,6 +331,58 @@ def test_aot_eager_capture_of_the_layout_dependent_models_is_the_eager_step(toy_
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
 
 
+class TinySeam(nn.Module):
+    """The smallest model with the front/layout/dense seam: a row per CAV, one score per sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 1)
+
+    def front(self, ego):
+        return ego["rows"]
+
+    def layout(self, ego):
+        return {"record_len": ego["record_len"]}
+
+    def dense(self, features, layout):
+        per_sample = torch.split(self.linear(features), list(layout["record_len"].tolist()))
+        return {"score": torch.stack([rows.sum() for rows in per_sample])}
+
+    def forward(self, ego):
+        return self.dense(self.front(ego), self.layout(ego))
+
+
+def test_cheap_modes_compile_every_batch_2_layout_of_five_cavs_past_dynamos_default_limit():
+    """Per-GPU batch 2 on OPV2V (max_cav 5) meets up to 25 CAV layouts. `cudagraphs` and `aot_eager` compile in
+    seconds and keep up to 25; inductor's `compile` (minutes each) 6. Ten layouts of the tiny seam model under
+    `cudagraphs`: each compiles (10 graphs, past dynamo's default limit of 8, which CaptureModule raises), none
+    runs eagerly, and every loss and gradient is the eager step's bit for bit."""
+    from torch._dynamo.utils import counters
+
+    from opencood_ddp.engine.capture import MAX_SHAPES
+    from opencood_ddp.engine.task import LossOutput
+
+    assert MAX_SHAPES == {"compile": 6, "cudagraphs": 25, "aot_eager": 25}
+
+    def step(model, batch):
+        return LossOutput(model(batch["ego"])["score"].square().sum(), {})
+
+    torch.manual_seed(0)
+    layouts = [(a, b) for a in range(1, 6) for b in range(1, 3)]  # 10 ordered pairs of CAV counts
+    batches = [{"ego": {"rows": torch.randn(a + b, 2), "record_len": torch.tensor([a, b])}} for a, b in layouts]
+    eager, model = TinySeam(), TinySeam()
+    model.load_state_dict(eager.state_dict())
+    module = CaptureModule(model, step, "cudagraphs", CPU)
+    assert module.max_shapes == 25 and CaptureModule(TinySeam(), step, "compile", CPU).max_shapes == 6
+    for batch in batches:
+        expected, got = step(eager, batch), module(batch)
+        expected.total.backward()
+        got.total.backward()
+        assert got.total.item() == expected.total.item()
+    assert counters["stats"]["unique_graphs"] == len(layouts) and not module.eager_shapes
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(eager.parameters(), model.parameters()))
+
+
 def test_capture_flag_parses_and_passes_on():
     options = parse_train_options(["--hypes_yaml", "x.yaml", "--capture", "compile"])
     assert options.loop.capture == "compile"

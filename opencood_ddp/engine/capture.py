@@ -19,8 +19,12 @@ The layout the dense part reads of the batch (``record_len`` and what the models
 the ego's frame, CoBEVT's slots, V2X-ViT's agents) is worked out eagerly by the model's ``layout`` on the host,
 where the batch keeps those keys (data/device_points.HOST_KEYS), and ``record_len`` goes in as `CavCounts`,
 Python ints: dynamo guards on them, so a new CAV layout compiles anew instead of tracing ``.tolist()`` of a tensor.
-Each new (layout, map shape) compiles once; past `MAX_SHAPES` of them, a new one runs the same function eagerly
-(one log line says so): a step whose shapes change falls back to the eager step, never to a wrong graph.
+Each new (layout, map shape) compiles once; past `MAX_SHAPES` of them (per mode), a new one runs the same function
+eagerly (one log line says so): a step whose shapes change falls back to the eager step, never to a wrong graph.
+How many layouts a run meets is the data set's: at per-GPU batch 1 one per CAV count (OPV2V's max_cav is 5,
+DAIR-V2X's and V2V4Real's 2), at batch 2 one per ordered pair of counts (up to 25 on OPV2V). Inductor's compiles
+take minutes, so `compile` stops at 6; the other modes' take seconds (the trace alone) and go to 25, every batch-2
+layout of a data set of at most 5 CAVs.
 
 The optimizer step stays eager: on CUDA it is already one fused kernel per step (engine/optim.py), the per-step
 lr schedule changes a Python float that a compiled step would guard on (a recompile per step, or the lr as a
@@ -71,9 +75,10 @@ CaptureMode = Literal["compile", "cudagraphs", "aot_eager"]  # the module's docs
 CAPTURE_MODES: tuple = get_args(CaptureMode)
 # the torch.compile backend of each mode
 BACKENDS = {"compile": "inductor", "cudagraphs": "cudagraphs", "aot_eager": "aot_eager"}
-# (layout, map shape) pairs compiled per run; a batch past them runs eagerly. Dynamo's own recompile limit (8 per
-# function) is not reached first, so the fallback is this module's, with its log line.
-MAX_SHAPES = 6
+# (layout, map shape) pairs compiled per run, per mode; a batch past them runs eagerly (the module's docstring).
+# Dynamo's own recompile limit is raised past them (`allow_recompiles`), so the fallback is this module's, with its
+# log line, never dynamo's silent one.
+MAX_SHAPES = {"compile": 6, "cudagraphs": 25, "aot_eager": 25}
 
 
 class CavCounts(tuple):
@@ -98,6 +103,15 @@ def not_capturable(model: nn.Module) -> Optional[str]:
 def replays_cuda_graphs(mode: Optional[str], device: torch.device) -> bool:
     """Whether --capture `mode` replays the step's graphs as CUDA graphs on `device`."""
     return mode in ("compile", "cudagraphs") and torch.device(device).type == "cuda"
+
+
+def allow_recompiles(shapes: int) -> None:
+    """Raise dynamo's recompile limit per function (8 by default; never lowered here) above `shapes` compiles of
+    `dense_step`, with room for one recompile of another cause (a guard on a module's type: the benchmarks build
+    several models in one process)."""
+    import torch._dynamo
+
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes + 2)
 
 
 def check_capture(mode: Optional[str], model: nn.Module) -> None:
@@ -156,10 +170,12 @@ class CaptureModule(nn.Module):
     ``model_without_ddp``)."""
 
     def __init__(self, model: nn.Module, step: StepFn, mode: CaptureMode, device: torch.device,
-                 max_shapes: int = MAX_SHAPES):
+                 max_shapes: Optional[int] = None):
         super().__init__()
         self.model, self.step, self.mode, self.device = model, step, mode, torch.device(device)
-        self.max_shapes, self.shapes, self.eager_shapes = max_shapes, set(), set()
+        self.max_shapes = MAX_SHAPES[mode] if max_shapes is None else max_shapes
+        self.shapes, self.eager_shapes = set(), set()
+        allow_recompiles(self.max_shapes)
         self.cuda_graphs = replays_cuda_graphs(mode, self.device)
         reduce_overhead = mode == "compile" and self.cuda_graphs  # inductor's option; the cudagraphs backend takes none
         self.compiled = torch.compile(dense_step, backend=BACKENDS[mode],
@@ -232,5 +248,5 @@ class CapturedStep:
 
 
 __all__ = ["backward_outside_autocast", "BACKENDS", "CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep",
-           "CavCounts", "check_capture", "copy_gradients", "not_capturable", "MAX_SHAPES", "replays_cuda_graphs",
-           "step_kernels"]
+           "CavCounts", "allow_recompiles", "check_capture", "copy_gradients", "not_capturable", "MAX_SHAPES",
+           "replays_cuda_graphs", "step_kernels"]
