@@ -41,22 +41,30 @@ def attfuse(toy_small):
     return task, (task.collate_train([samples[2]]), task.collate_train(samples[:2]))
 
 
-def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None, device=CPU):
-    """(losses, model) after one SGD step per batch, eager or through a CaptureModule made by `capture(model)`;
-    `after_step()` is called after each step. Under `half` (--half's value) and with a GradScaler the step is the
-    fit loop's: engine/step.forward_backward, then engine/trainer.optimizer_step. On `device` (the batches already
-    there) with the kernels a captured step takes there."""
+def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None, device=CPU,
+                accumulate=1, copy_between=True):
+    """(losses, model) after one SGD step per `accumulate` batches, eager or through a CaptureModule made by
+    `capture(model)`; one loss per batch; `after_step()` is called after each step. The step is the fit loop's
+    (engine/trainer.py's _train_step and _micro_step): engine/step.forward_backward per micro-batch, its loss divided
+    by `accumulate`, `CaptureModule.gradients_out_of_graphs` after each micro-batch but the step's last (unless not
+    `copy_between`), then engine/trainer.optimizer_step, which sets the gradients to None; under `half` (--half's
+    value) and with a GradScaler as the fit loop takes them. On `device` (the batches already there) with the
+    kernels a captured step takes there."""
     model = copy.deepcopy(task.model).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(1)  # the same dropout draws on both sides (V2X-ViT's, CoBEVT's)
     module = capture(model) if capture is not None else None
     precision = Precision(half, device)
     losses = []
-    for batch in batches:
+    for index, batch in enumerate(batches, start=1):
         with step_kernels(device):
             out = forward_backward(CapturedStep() if module is not None else task.step, module or model, batch,
-                                   precision, scaler)
+                                   precision, scaler, accumulate)
         losses.append(out.total.detach())
+        if index % accumulate:  # another micro-batch of this step follows
+            if module is not None and copy_between:
+                module.gradients_out_of_graphs()
+            continue
         optimizer_step(optimizer, scaler)
         after_step()
     return losses, model
@@ -164,27 +172,6 @@ def test_cudagraphs_capture_on_cuda_replays_the_eager_step(attfuse):
     assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
 
 
-def accumulated_steps(task, micro_batches, capture=None, copy_between=True, steps=2, device=CPU):
-    """(losses, model) after `steps` SGD steps, each of all `micro_batches` accumulated as the fit loop accumulates
-    them (engine/trainer.py's _train_step and _micro_step): forward_backward with the loss divided by their number,
-    `CaptureModule.gradients_out_of_graphs` after each micro-batch but the last (unless not `copy_between`), then
-    optimizer_step, which sets the gradients to None."""
-    model = copy.deepcopy(task.model).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    module = capture(model) if capture is not None else None
-    precision, losses = Precision(None, device), []
-    for _ in range(steps):
-        for index, batch in enumerate(micro_batches):
-            with step_kernels(device):
-                out = forward_backward(CapturedStep() if module is not None else task.step, module or model, batch,
-                                       precision, None, len(micro_batches))
-            if module is not None and copy_between and index < len(micro_batches) - 1:
-                module.gradients_out_of_graphs()
-            losses.append(out.total.detach())
-        optimizer_step(optimizer, None)
-    return losses, model
-
-
 def test_copy_gradients_moves_each_gradient_to_memory_of_its_own_bit_for_bit():
     from opencood_ddp.engine.capture import copy_gradients
 
@@ -208,12 +195,12 @@ def test_cudagraphs_capture_accumulates_micro_batches_as_the_eager_step(attfuse,
     repeat is exact: bit for bit)."""
     task, (a, _) = attfuse
     device = torch.device(device)
-    micro = [task.move_to(a, device)] * 2
-    eager_losses, eager = accumulated_steps(task, micro, device=device)
-    _, eager_again = accumulated_steps(task, micro, device=device)
+    micro = [task.move_to(a, device)] * 4  # two steps of two micro-batches
+    eager_losses, eager = train_steps(task, micro, device=device, accumulate=2)
+    _, eager_again = train_steps(task, micro, device=device, accumulate=2)
     floor = max_difference(eager, eager_again)
-    losses, captured = accumulated_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", device),
-                                         device=device)
+    losses, captured = train_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", device),
+                                   device=device, accumulate=2)
     assert losses[0].item() == eager_losses[0].item()
     assert losses[0].item() != losses[2].item()  # the first step moved the weights
     assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
@@ -228,12 +215,12 @@ def test_cudagraphs_capture_on_cuda_without_the_copy_loses_the_first_micro_batch
     gradients itself and the copy can go."""
     task, (a, _) = attfuse
     cuda = torch.device("cuda")
-    micro = [task.move_to(a, cuda)] * 2
-    _, eager = accumulated_steps(task, micro, device=cuda)
-    _, eager_again = accumulated_steps(task, micro, device=cuda)
+    micro = [task.move_to(a, cuda)] * 4  # two steps of two micro-batches
+    _, eager = train_steps(task, micro, device=cuda, accumulate=2)
+    _, eager_again = train_steps(task, micro, device=cuda, accumulate=2)
     try:
-        _, uncopied = accumulated_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", cuda),
-                                        copy_between=False, device=cuda)
+        _, uncopied = train_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", cuda),
+                                  device=cuda, accumulate=2, copy_between=False)
     except RuntimeError as error:
         assert "overwritten" in str(error), error
         return

@@ -57,9 +57,9 @@ Checks, each ok / failed / skipped with the reason:
   1 and 2, from the same weights on the same batch, then both at batch 1 in DDP at world size 1 (2 GPUs at batch 1
   against 1 at batch 2; a check of its own, so that a failure of collectives in CUDA graphs keeps the first's
   figures): the steps' ms, the speed-ups, the first losses' relative gaps to eager's and the graphs not replayed
-  as CUDA graphs, with torch's reasons. On CUDA `cudagraphs` (the eager kernels replayed as CUDA
-  graphs) then `compile` (inductor with CUDA graphs); on the CPU `cudagraphs`, whose graphs run on the eager
-  kernels there, so its first losses must be eager's bit for bit (issue 52 item 3).
+  as CUDA graphs, with torch's reasons. On CUDA `cudagraphs` (the eager kernels replayed as CUDA graphs) then
+  `compile` (inductor with CUDA graphs); on the CPU `cudagraphs`, whose graphs run on the eager kernels there, so
+  its first losses must be eager's bit for bit (issue 52 item 3).
 """
 from __future__ import annotations
 

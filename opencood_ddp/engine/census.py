@@ -26,7 +26,8 @@ takes. Call the counters inside that context with such an optimizer to count the
   long the GPU was busy: beside the unprofiled step time, whether the step is bound by the GPU's work or by the
   host's launches.
 - `peak_tflops`: the published dense peak of a known device for a precision.
-- `cudagraph_skips`: around compiles, the graphs inductor did not replay as CUDA graphs, and its reasons.
+- `cudagraph_skips`: around compiles, the graphs not replayed as CUDA graphs (inductor's, or the cudagraphs
+  backend's of --capture cudagraphs), and torch's reasons.
 """
 from __future__ import annotations
 
