@@ -3,6 +3,7 @@ GPU's few minutes are lost to a usage error. Each stage's tool command is parsed
 the GPU's stages and the CPU rehearsal's; the budget's arithmetic is checked on stages that sleep."""
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -15,23 +16,34 @@ sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
 import benchmark_models  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_session  # noqa: E402
+import gpu_venv  # noqa: E402
 
-PARSERS = {"benchmark_models.py": benchmark_models.parse_args, "gpu_check.py": gpu_check.parse_args}
+PARSERS = {"benchmark_models.py": benchmark_models.parse_args, "gpu_check.py": gpu_check.parse_args,
+           "gpu_venv.py": lambda argv: gpu_venv.build_parser().parse_args(argv)}
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_every_stage_command_parses_with_its_tools_parser(device, tmp_path):
+@pytest.mark.parametrize("device,route", [("cuda", "layer"), ("cuda", "target"), ("cpu", "layer")])
+def test_every_stage_command_parses_with_its_tools_parser(device, route, tmp_path):
     args = gpu_session.parse_args(["--out", str(tmp_path), "--device", device,
                                    *(["--wheels", "w.wheels.tar.xz"] if device == "cuda" else [])])
     parsed = {}
-    for stage in gpu_session.stages(args):
+    run = gpu_session.stages(args, route)
+    if route == "target":  # the machine's python, the unpacked wheels and then the checkout on its path
+        site = gpu_session.target_site(args)
+        assert site.is_absolute() and run[0].command[1:4] == [str(REPO / "tools" / "ci" / "gpu_venv.py"), "target",
+                                                              str(site)]
+        assert all(s.command[0] == sys.executable and s.env == {"PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+                   for s in run[1:])
+    for stage in run:
         script = next((part for part in stage.command if part.endswith(".py")), None)
         if script is None:  # make, or pytest: checked by their own targets' tests
             continue
         name = script.rsplit("/", 1)[-1]
         argv = stage.command[stage.command.index(script) + 1:]
         parsed[stage.name] = PARSERS[name](argv)
-    assert sorted(parsed) == ["acceptance", "capture", "gpu_check", "profile"]
+    assert sorted(parsed) == ["acceptance", "capture", "gpu_check", "profile", *(["venv"] if route == "target" else [])]
+    if route == "target":
+        assert parsed["venv"].command == "target" and parsed["venv"].wheels == "w.wheels.tar.xz"
     assert parsed["capture"].capture == "cudagraphs" and parsed["capture"].batch_sizes == [1, 2]
     assert parsed["gpu_check"].device == parsed["acceptance"].device == device and parsed["profile"].count
     # issue 52's gpu_check: the parity, repeat, planner, loader and feed checks left to the acceptance stage
@@ -47,7 +59,7 @@ def test_stages_run_in_order_each_cut_to_the_budget_left(tmp_path, monkeypatch):
     the 2 s left, the third is left out; session.md says so, stage by stage."""
     sleeper = [sys.executable, "-c", "import time; print('slept', flush=True); time.sleep(3)"]
     run = [gpu_session.Stage(name, list(sleeper), 60) for name in ("a", "b", "c")]
-    monkeypatch.setattr(gpu_session, "stages", lambda args: run)
+    monkeypatch.setattr(gpu_session, "stages", lambda args, route="layer": run)
     monkeypatch.setattr(gpu_session, "MIN_STAGE_S", 1)
     assert gpu_session.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--budget", "5"]) == 1
     statuses = [stage.result["status"] for stage in run]
@@ -56,3 +68,36 @@ def test_stages_run_in_order_each_cut_to_the_budget_left(tmp_path, monkeypatch):
     report = (tmp_path / "out" / "session.md").read_text()
     assert "| a | exit 0 |" in report and "| b | cut at its limit" in report and "| c | left out" in report
     assert report.count("```\nslept\n```") == 2  # the outputs' tails, the cut stage's included
+
+
+def test_a_failed_layer_gives_way_to_the_target_route_for_the_stages_left(tmp_path, monkeypatch):
+    """`make gpu-venv` failing on the lent machine must not cost its minutes: the session runs the target route's
+    venv stage, then the stages left, each with that route's environment; the result still says the layer failed."""
+    def stage(name, code, env=None):
+        return gpu_session.Stage(name, [sys.executable, "-c", code], 60, env=env or {})
+
+    layer = [stage("venv", "raise SystemExit(3)"), stage("capture", "print('layer')")]
+    target = [gpu_session.Stage("venv", [sys.executable, "-c", "print('unpacked')", "target"], 60),
+              stage("capture", "import os; print('route', os.environ['ROUTE'])", {"ROUTE": "target"})]
+    monkeypatch.setattr(gpu_session, "stages", lambda args, route="layer": {"layer": layer, "target": target}[route])
+    out = tmp_path / "out"
+    assert gpu_session.main(["--out", str(out), "--work", str(tmp_path / "work"), "--wheels", "w.wheels.tar.xz",
+                             "--stages", "venv", "capture"]) == 1
+    assert layer[0].result["status"] == "exit 3" and "status" not in layer[1].result
+    assert [s.result["status"] for s in target] == ["exit 0", "exit 0"]
+    assert target[1].result["tail"] == "route target"
+    report = (out / "session.md").read_text()
+    assert report.count("| venv | exit ") == 2 and "| capture | exit 0 |" in report
+    assert "ROUTE=target " in report  # the stage's own variables are in its command line
+
+    # without a wheel archive there is no other route: the session ends at the failed venv
+    for s in layer + target:
+        s.result = {}
+    assert gpu_session.main(["--out", str(out), "--work", str(tmp_path / "work"), "--stages", "venv",
+                             "capture"]) == 1
+    assert layer[0].result["status"] == "exit 3" and not layer[1].result and not target[0].result
+
+
+def test_the_target_route_needs_the_wheels(tmp_path, capsys):
+    assert gpu_session.main(["--out", str(tmp_path), "--venv", "target"]) == 2
+    assert capsys.readouterr().err.startswith("error: --venv target unpacks --wheels")

@@ -234,3 +234,26 @@ def test_an_archive_member_outside_a_wheel_is_refused(tmp_path):
     with pytest.raises(ValueError, match="is not a wheel member"):
         gpu_venv.unpack_wheels(archive, tmp_path / "out")
     assert not (tmp_path.parent / "escape.txt").exists()
+
+
+def test_the_target_route_unpacks_the_archive_for_pythonpath_with_pip_denied_the_network(built_wheel, tmp_path):
+    """gpu_session's fallback where the layer fails: the carried wheels in a plain folder, no venv; with the
+    PYTHONPATH the tool prints, this interpreter imports the carried package, its own torch and the checkout."""
+    archive = tmp_path / f"w{gpu_venv.PACK_SUFFIX}"
+    gpu_venv.pack_wheels(built_wheel.parent, archive)
+    site = tmp_path / "site"
+    made = offline([sys.executable, TOOL, "target", site, "--wheels", archive], cwd=tmp_path)
+    assert made.returncode == 0, made.stdout + made.stderr
+    (ready,) = [line for line in made.stdout.splitlines() if line.startswith("ready: PYTHONPATH=")]
+    path = ready.split("=", 1)[1].split(" ", 1)[0]
+    assert path == gpu_venv.target_pythonpath(site) == f"{site}{os.pathsep}{REPO}"
+    assert (site / "demo_pkg.py").is_file()  # unpacked with no dependency resolved (numpy is not carried)
+    probe = subprocess.run([sys.executable, "-c", "import json, demo_pkg, torch, opencood_ddp; "
+                            "print(json.dumps([demo_pkg.ANSWER, torch.__file__, opencood_ddp.__file__]))"],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, check=True)
+    answer, torch_at, package_at = json.loads(probe.stdout)
+    import torch
+    assert answer == 42 and Path(torch_at) == Path(torch.__file__)  # the machine's own torch
+    assert Path(package_at) == REPO / "opencood_ddp" / "__init__.py"
+    with pytest.raises(ImportError):  # nothing went into this interpreter's environment
+        __import__("demo_pkg")

@@ -17,7 +17,10 @@ cut short returns what it measured. A lent machine returns at most 8 files from 
 The stages (``--device cpu`` rehearses them on one toy config, without what needs CUDA):
 
 - venv: ``make gpu-venv WHEELS=...`` (the project's run-time requirements layered over the machine's CUDA torch,
-  whose pytest the tests use; without ``--wheels``, ``make venv``);
+  whose pytest the tests use; without ``--wheels``, ``make venv``). Where that fails, the session does not end:
+  it takes the target route (``gpu_venv.py target``: the wheels unpacked into a folder, no venv) and runs the
+  stages after it with the machine's python and that folder and the checkout on PYTHONPATH. ``--venv target``
+  takes that route from the start;
 - capture: ``benchmark_models.py --capture cudagraphs`` for the eight PointPillar configs at per-GPU batch 1
   and 2: the eager step and the step replayed as CUDA graphs, and batch 1 over batch 2 (the issue's first figure);
 - gpu_tests: the suite's tests marked cuda (``make gpu-tests``: the CUDA graphs of --capture cudagraphs against
@@ -29,7 +32,7 @@ The stages (``--device cpu`` rehearses them on one toy config, without what need
   was slower than fp32 on the H200 and for SECOND (issue 52 items 4 and 5);
 - acceptance: the whole of ``tools/gpu_check.py`` (``make gpu-check``), where time is left.
 
-Standard library only: it runs before the venv exists.
+Standard library and gpu_venv.py beside it (standard library, pip and packaging): it runs before the venv exists.
 """
 from __future__ import annotations
 
@@ -42,7 +45,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
+
+import gpu_venv  # beside this file (sys.path[0] when run as a script)
 
 REPO = Path(__file__).resolve().parents[2]
 # AttFuse first: a stage cut at its limit keeps the rows before, and AttFuse is the issue's reference row
@@ -58,6 +63,7 @@ STAGE_NAMES = ("venv", "capture", "gpu_tests", "gpu_check", "profile", "acceptan
 NOT_ISSUE_52 = ["--parity_config", "none", "--repeat_configs", "--planner_config", "none", "--loader_config", "none",
                 "--feed_config", "none"]
 MIN_STAGE_S = 30  # a stage is not started with less time left than this
+ROUTES = ("layer", "target")  # how the venv stage gives the others the project's requirements (the docstring)
 TAIL_LINES = 40  # of each stage's output, in session.md
 
 
@@ -67,6 +73,7 @@ class Stage:
     command: List[str]
     cap_s: int
     log: Optional[str] = None  # the file in --out that keeps the whole output (None: its tail in session.md only)
+    env: Dict[str, str] = field(default_factory=dict)  # set over the session's environment
     result: dict = field(default_factory=dict)
 
 
@@ -76,6 +83,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--wheels", help="the wheel archive or folder `make gpu-venv` installs from; none: .venv")
     parser.add_argument("--budget", type=float, default=540, help="seconds for all stages together")
     parser.add_argument("--stages", nargs="+", choices=STAGE_NAMES, help="these stages only, in their order")
+    parser.add_argument("--venv", default="layer", choices=ROUTES,
+                        help="layer: make gpu-venv, and the target route where it fails; target: that route at once "
+                             "(gpu_venv.py target, needs --wheels)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: rehearse the stages on the toy config")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"),
@@ -84,13 +94,23 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def stages(args: argparse.Namespace) -> List[Stage]:
-    """The stages, in the order they run (the module docstring)."""
+def target_site(args: argparse.Namespace) -> Path:
+    """The target route's folder of unpacked wheels, outside the checkout."""
+    return (args.work / "site").resolve()  # absolute: every stage's processes read PYTHONPATH from their own cwd
+
+
+def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
+    """The stages, in the order they run (the module docstring), on the venv's `route` (ROUTES)."""
     cuda = args.device == "cuda"
-    python = str(REPO / (".venv-gpu" if args.wheels else ".venv") / "bin" / "python")
     models = str(REPO / "tools" / "benchmarks" / "benchmark_models.py")
     pillars = PILLAR_CONFIGS if cuda else [TOY_CONFIG]
-    venv = ["make", "gpu-venv", f"WHEELS={args.wheels}"] if args.wheels else ["make", "venv"]
+    if route == "target":
+        python, env = sys.executable, {"PYTHONPATH": gpu_venv.target_pythonpath(target_site(args))}
+        venv = [python, str(REPO / "tools" / "ci" / "gpu_venv.py"), "target", str(target_site(args)), "--wheels",
+                str(args.wheels)]
+    else:
+        python, env = str(REPO / (".venv-gpu" if args.wheels else ".venv") / "bin" / "python"), {}
+        venv = ["make", "gpu-venv", f"WHEELS={args.wheels}"] if args.wheels else ["make", "venv"]
     def gpu_check(out: str) -> List[str]:
         command = [python, str(REPO / "tools" / "gpu_check.py"), "--device", args.device, "--out",
                    str(args.out / out), "--work", str(args.work / out)]
@@ -114,6 +134,8 @@ def stages(args: argparse.Namespace) -> List[Stage]:
         Stage("acceptance", gpu_check("acceptance"), 600),
     ]
     assert tuple(stage.name for stage in run) == STAGE_NAMES
+    for stage in run[1:]:
+        stage.env = dict(env)
     return run
 
 
@@ -123,7 +145,7 @@ def run_stage(stage: Stage, limit_s: float, out: Path) -> None:
     started = time.monotonic()
     # unbuffered: a stage killed at its limit keeps every line it printed
     process = subprocess.Popen(stage.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **stage.env})
     try:
         output, _ = process.communicate(timeout=limit_s)
         status = f"exit {process.returncode}"
@@ -145,31 +167,48 @@ def report(run: Sequence[Stage], args: argparse.Namespace, started: float) -> st
               f"{s.log or 'tail below'} |" for s in run]
     for stage in run:
         if "tail" in stage.result:
-            lines += ["", f"## {stage.name}: `{shlex.join(stage.command)}`", "", "```", stage.result["tail"], "```"]
+            env = "".join(f"{k}={shlex.quote(v)} " for k, v in stage.env.items())
+            lines += ["", f"## {stage.name}: `{env}{shlex.join(stage.command)}`", "", "```", stage.result["tail"],
+                      "```"]
     return "\n".join(lines) + "\n"
+
+
+def chosen_stages(args: argparse.Namespace, route: str, names: Optional[Sequence[str]] = None) -> List[Stage]:
+    """The stages of `route` that --stages (or `names`) keeps, in their order."""
+    keep = names if names is not None else args.stages
+    return [s for s in stages(args, route) if not keep or s.name in keep]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    chosen = [s for s in stages(args) if not args.stages or s.name in args.stages]
+    if args.venv == "target" and not args.wheels:
+        print("error: --venv target unpacks --wheels; pass the wheel archive or folder", file=sys.stderr)
+        return 2
+    todo = chosen_stages(args, args.venv)
     if args.dry_run:
-        for stage in chosen:
-            print(f"{stage.name} (at most {stage.cap_s} s): {shlex.join(stage.command)}")
+        for stage in todo:
+            env = "".join(f"{k}={shlex.quote(v)} " for k, v in stage.env.items())
+            print(f"{stage.name} (at most {stage.cap_s} s): {env}{shlex.join(stage.command)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    for stage in chosen:
+    started, done = time.monotonic(), []
+    while todo:
+        stage = todo.pop(0)
         left = args.budget - (time.monotonic() - started)
         if left < MIN_STAGE_S:
             stage.result = {"status": f"left out: {left:.0f} s left"}
         else:
             run_stage(stage, min(stage.cap_s, left), args.out)
-        (args.out / "session.md").write_text(report(chosen, args, started))
+        done.append(stage)
+        (args.out / "session.md").write_text(report(done + todo, args, started))
         print(f"{stage.name}: {stage.result['status']}", flush=True)
         if stage.name == "venv" and stage.result["status"] != "exit 0":
-            break  # nothing runs without it
-    return 0 if all(s.result.get("status") == "exit 0" for s in chosen) else 1
+            if "target" in stage.command or not args.wheels:
+                break  # nothing runs without an environment, and no other route is left
+            # the layer failed: the same stages on the target route, its venv stage first
+            todo = chosen_stages(args, "target", ["venv", *(s.name for s in todo)])
+    return 0 if all(s.result.get("status") == "exit 0" for s in done + todo) else 1
 
 
 if __name__ == "__main__":

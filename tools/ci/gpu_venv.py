@@ -4,6 +4,7 @@
     python3 tools/ci/gpu_venv.py make .venv-gpu --wheels WHEELS      # there (the Makefile's gpu-venv)
     python3 tools/ci/gpu_venv.py download WHEELS --python 3.12 --cuda 13.0 --have-file have.txt   # where pip works
     python3 tools/ci/gpu_venv.py pack WHEELS w.wheels.tar.xz     # one xz file, smaller; make --wheels takes it too
+    python3 tools/ci/gpu_venv.py target SITE --wheels WHEELS      # no venv: runs take PYTHONPATH=SITE:<checkout>
 
 `make` builds a venv layered over the interpreter that runs it (the one holding torch) and installs into it, from
 the folder WHEELS alone, what the project needs and that interpreter lacks; then the project itself, as a .pth
@@ -11,6 +12,8 @@ line naming the checkout: no build step, so no build backend is needed (see inst
 `download` fills such a folder for another machine: the wheels of the project's run-time requirements and of
 spconv for that machine's Python and CUDA, with their dependencies, less what the machine already has
 (`have.txt` is its `python3 -m pip list --format=freeze`).
+`target` is the fallback where `make` fails on a machine: the wheels unpacked into a plain folder
+(pip --target --no-deps), which runs put on PYTHONPATH before the checkout (gpu_session.py takes it by itself).
 
 Why a layer and not `python -m venv --system-site-packages`: that flag shows the new venv the *base*
 interpreter's site-packages. Where torch lives in a venv itself (the lent GPU machines' python3 is
@@ -194,26 +197,27 @@ def install_checkout(python: Path) -> Path:
     return pth
 
 
-def cmd_make(args: argparse.Namespace) -> int:
+def with_wheel_folder(args: argparse.Namespace, then) -> int:
+    """then(folder of wheels, args): --wheels itself, or its `pack` archive unpacked into a scratch folder."""
     wheels = Path(args.wheels)
     if wheels.is_file() and wheels.name.endswith(PACK_SUFFIX):
         with tempfile.TemporaryDirectory() as scratch:
             unpack_wheels(wheels, Path(scratch))
-            return make_from(Path(scratch), args)
+            return then(Path(scratch), args)
     if not wheels.is_dir():
         print(f"error: --wheels {wheels} is neither a folder nor a {PACK_SUFFIX} of `gpu_venv.py pack`; make it "
               f"with `python3 tools/ci/gpu_venv.py download` where pip reaches an index, and carry it here",
               file=sys.stderr)
         return 2
-    return make_from(wheels, args)
+    return then(wheels, args)
 
 
-def make_from(wheels: Path, args: argparse.Namespace) -> int:
-    python = make_layer(Path(args.venv))
+def needs_met(python: Path, wheels: Path) -> tuple[dict, Optional[Plan]]:
+    """`python`'s torch state and the plan for the run-time requirements, or (state, None) after an error line
+    when neither the machine nor `wheels` meets one of them (spconv only noted: SECOND and its check skip)."""
     python_version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     names = [Requirement(r).name for r in core_requirements()] + [n for n, *_ in pins.SPCONV_CUDA.values()]
     state = layer_state(python, names + ["spconv"])
-    print(f"layer {args.venv} over {sys.executable}: torch {state['torch']}, CUDA {state['cuda']}")
     requirements = runtime_requirements(state["cuda"], python_version)
     todo = plan(requirements, state["installed"], carried_versions(wheels))
     for note in todo.notes:
@@ -225,6 +229,15 @@ def make_from(wheels: Path, args: argparse.Namespace) -> int:
     if hard:
         print(f"error: neither this machine nor {wheels} has {', '.join(hard)}; add their wheels to the folder "
               f"(tools/ci/gpu_venv.py download, with this machine's pip list as --have-file)", file=sys.stderr)
+        return state, None
+    return state, todo
+
+
+def make_from(wheels: Path, args: argparse.Namespace) -> int:
+    python = make_layer(Path(args.venv))
+    state, todo = needs_met(python, wheels)
+    print(f"layer {args.venv} over {sys.executable}: torch {state['torch']}, CUDA {state['cuda']}")
+    if todo is None:
         return 2
     if todo.install:
         print(f"installing from {wheels}: {', '.join(todo.install)}")
@@ -232,6 +245,40 @@ def make_from(wheels: Path, args: argparse.Namespace) -> int:
     pth = install_checkout(python)
     package = run_in(python, "import opencood_ddp; print(opencood_ddp.__file__)").strip()
     print(f"ready: {python} imports torch {state['torch']} and {package} (through {pth.name}, no build step)")
+    return 0
+
+
+# -------------------------------------------------------------------------------------------------------- target
+# The route of the device notes from before the layer: no venv at all. Every wheel of the folder (`download
+# --have-file` left in it only what the machine lacks) unpacked into a plain folder with pip's --target and
+# --no-deps, which a run puts on PYTHONPATH before the checkout. gpu_session.py takes it where `make` fails on a
+# lent machine, so that a failed layer does not cost the machine's few minutes.
+def target_pythonpath(folder: Path) -> str:
+    """The PYTHONPATH of a run on the target route: the wheels' folder, then the checkout."""
+    return os.pathsep.join([str(folder), str(ROOT)])
+
+
+def target_from(wheels: Path, args: argparse.Namespace) -> int:
+    folder = Path(args.folder).resolve()
+    state, todo = needs_met(Path(sys.executable), wheels)
+    print(f"target {folder} for {sys.executable}: torch {state['torch']}, CUDA {state['cuda']}")
+    if todo is None:
+        return 2
+    files = sorted(wheels.glob("*.whl"))
+    if files:
+        print(f"unpacking {len(files)} wheels: {', '.join(f.name for f in files)}")
+        command = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--disable-pip-version-check",
+                   "--no-index", "--no-deps", "--only-binary=:all:", "--upgrade", "--target", str(folder),
+                   *map(str, files)]
+        subprocess.run(command, check=True, env=dict(os.environ, PIP_CONFIG_FILE=os.devnull))
+    path = target_pythonpath(folder)
+    probe = subprocess.run([sys.executable, "-c", "import torch, opencood_ddp; print(opencood_ddp.__file__)"],
+                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
+    if probe.returncode != 0:
+        last = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else f"exit {probe.returncode}"
+        print(f"error: with PYTHONPATH={path}, {sys.executable} cannot import the project: {last}", file=sys.stderr)
+        return 2
+    print(f"ready: PYTHONPATH={path} {sys.executable} imports torch {state['torch']} and {probe.stdout.strip()}")
     return 0
 
 
@@ -353,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     maker = sub.add_parser("make", help="the venv layered over this interpreter, with what it lacks installed")
     maker.add_argument("venv", help="the layer's folder, e.g. .venv-gpu")
     maker.add_argument("--wheels", required=True, help="the folder of wheels to install from (no package index)")
+    target = sub.add_parser("target", help="no venv: the wheels unpacked into a folder for PYTHONPATH (fallback)")
+    target.add_argument("folder", help="the folder to unpack into, e.g. /tmp/gpu_session/site")
+    target.add_argument("--wheels", required=True, help="the folder of wheels or its pack archive")
     fetcher = sub.add_parser("download", help="the wheels another machine needs, for its Python and CUDA")
     fetcher.add_argument("folder")
     fetcher.add_argument("--python", required=True, help="the target's Python, e.g. 3.12")
@@ -374,7 +424,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pack_wheels(Path(args.folder), Path(args.archive))
         print(f"{args.archive}: {Path(args.archive).stat().st_size / 2 ** 20:.1f} MiB")
         return 0
-    return cmd_make(args) if args.command == "make" else cmd_download(args)
+    if args.command == "download":
+        return cmd_download(args)
+    return with_wheel_folder(args, make_from if args.command == "make" else target_from)
 
 
 if __name__ == "__main__":
