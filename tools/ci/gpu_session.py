@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-import gpu_venv  # beside this file (sys.path[0] when run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_venv  # noqa: E402  (beside this file; found however the tool is started, in-process runs included)
 
 REPO = Path(__file__).resolve().parents[2]
 # AttFuse first: a stage cut at its limit keeps the rows before, and AttFuse is the reference row
