@@ -77,7 +77,7 @@ def test_a_failed_layer_gives_way_to_the_target_route_for_the_stages_left(tmp_pa
         return gpu_session.Stage(name, [sys.executable, "-c", code], 60, env=env or {})
 
     layer = [stage("venv", "raise SystemExit(3)"), stage("capture", "print('layer')")]
-    target = [gpu_session.Stage("venv", [sys.executable, "-c", "print('unpacked')", "target"], 60),
+    target = [stage("venv", "print('unpacked')"),
               stage("capture", "import os; print('route', os.environ['ROUTE'])", {"ROUTE": "target"})]
     monkeypatch.setattr(gpu_session, "stages", lambda args, route="layer": {"layer": layer, "target": target}[route])
     out = tmp_path / "out"

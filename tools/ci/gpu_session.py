@@ -168,10 +168,13 @@ def report(run: Sequence[Stage], args: argparse.Namespace, started: float) -> st
               f"{s.log or 'tail below'} |" for s in run]
     for stage in run:
         if "tail" in stage.result:
-            env = "".join(f"{k}={shlex.quote(v)} " for k, v in stage.env.items())
-            lines += ["", f"## {stage.name}: `{env}{shlex.join(stage.command)}`", "", "```", stage.result["tail"],
-                      "```"]
+            lines += ["", f"## {stage.name}: `{command_line(stage)}`", "", "```", stage.result["tail"], "```"]
     return "\n".join(lines) + "\n"
+
+
+def command_line(stage: Stage) -> str:
+    """The stage's command as a shell would take it, its own variables first."""
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in stage.env.items()) + shlex.join(stage.command)
 
 
 def chosen_stages(args: argparse.Namespace, route: str, names: Optional[Sequence[str]] = None) -> List[Stage]:
@@ -188,12 +191,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     todo = chosen_stages(args, args.venv)
     if args.dry_run:
         for stage in todo:
-            env = "".join(f"{k}={shlex.quote(v)} " for k, v in stage.env.items())
-            print(f"{stage.name} (at most {stage.cap_s} s): {env}{shlex.join(stage.command)}")
+            print(f"{stage.name} (at most {stage.cap_s} s): {command_line(stage)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    started, done = time.monotonic(), []
+    started, done, route = time.monotonic(), [], args.venv
     while todo:
         stage = todo.pop(0)
         left = args.budget - (time.monotonic() - started)
@@ -205,10 +207,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         (args.out / "session.md").write_text(report(done + todo, args, started))
         print(f"{stage.name}: {stage.result['status']}", flush=True)
         if stage.name == "venv" and stage.result["status"] != "exit 0":
-            if "target" in stage.command or not args.wheels:
+            if route == "target" or not args.wheels:
                 break  # nothing runs without an environment, and no other route is left
             # the layer failed: the same stages on the target route, its venv stage first
-            todo = chosen_stages(args, "target", ["venv", *(s.name for s in todo)])
+            route, todo = "target", chosen_stages(args, "target", ["venv", *(s.name for s in todo)])
     return 0 if all(s.result.get("status") == "exit 0" for s in done + todo) else 1
 
 

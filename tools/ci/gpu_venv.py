@@ -145,8 +145,9 @@ def layer_purelib(python: Path) -> Path:
     return Path(run_in(python, "import sysconfig; print(sysconfig.get_path('purelib'))").strip())
 
 
-def run_in(python: Path, code: str) -> str:
-    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+def run_in(python: Path, code: str, env: Optional[dict] = None) -> str:
+    """`code`'s stdout in `python`; RuntimeError with the last line of its stderr where it fails."""
+    result = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env)
     if result.returncode != 0:
         raise RuntimeError(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "failed")
     return result.stdout
@@ -171,16 +172,21 @@ def layer_state(python: Path, names: Iterable[str]) -> dict:
     return state
 
 
-def pip_install(python: Path, wheels: Path, requirements: Sequence[str]) -> None:
-    """`pip install` into the layer from the folder `wheels` alone, whatever the machine's pip settings say.
+def pip_offline(python: Path, *install_args: str) -> None:
+    """`pip install *install_args` by `python` from local wheels alone, whatever the machine's pip settings say.
 
-    --no-index: no package index. --only-binary=:all: refuses a source archive in the folder rather than build it
-    (a build wants its build dependencies, setuptools first, from an index). --isolated and PIP_CONFIG_FILE=/dev/null:
-    no PIP_* variable and no pip.conf applies, since --no-index leaves their find-links (which may be URLs) and
-    their user/target/prefix (which would install outside the layer) in force."""
+    --no-index: no package index. --only-binary=:all: refuses a source archive rather than build it (a build wants
+    its build dependencies, setuptools first, from an index). --isolated and PIP_CONFIG_FILE=/dev/null: no PIP_*
+    variable and no pip.conf applies, since --no-index leaves their find-links (which may be URLs) and their
+    user/target/prefix (which would install elsewhere) in force."""
     command = [str(python), "-m", "pip", "--isolated", "install", "-q", "--disable-pip-version-check", "--no-index",
-               "--only-binary=:all:", "--find-links", str(wheels), *requirements]
+               "--only-binary=:all:", *install_args]
     subprocess.run(command, check=True, env=dict(os.environ, PIP_CONFIG_FILE=os.devnull))
+
+
+def pip_install(python: Path, wheels: Path, requirements: Sequence[str]) -> None:
+    """`requirements` installed into the layer from the folder `wheels`, their dependencies resolved there."""
+    pip_offline(python, "--find-links", str(wheels), *requirements)
 
 
 def install_checkout(python: Path) -> Path:
@@ -267,18 +273,15 @@ def target_from(wheels: Path, args: argparse.Namespace) -> int:
     files = sorted(wheels.glob("*.whl"))
     if files:
         print(f"unpacking {len(files)} wheels: {', '.join(f.name for f in files)}")
-        command = [sys.executable, "-m", "pip", "--isolated", "install", "-q", "--disable-pip-version-check",
-                   "--no-index", "--no-deps", "--only-binary=:all:", "--upgrade", "--target", str(folder),
-                   *map(str, files)]
-        subprocess.run(command, check=True, env=dict(os.environ, PIP_CONFIG_FILE=os.devnull))
+        pip_offline(Path(sys.executable), "--no-deps", "--upgrade", "--target", str(folder), *map(str, files))
     path = target_pythonpath(folder)
-    probe = subprocess.run([sys.executable, "-c", "import torch, opencood_ddp; print(opencood_ddp.__file__)"],
-                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path))
-    if probe.returncode != 0:
-        last = probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else f"exit {probe.returncode}"
-        print(f"error: with PYTHONPATH={path}, {sys.executable} cannot import the project: {last}", file=sys.stderr)
+    try:
+        package = run_in(Path(sys.executable), "import torch, opencood_ddp; print(opencood_ddp.__file__)",
+                         env=dict(os.environ, PYTHONPATH=path)).strip()
+    except RuntimeError as error:
+        print(f"error: with PYTHONPATH={path}, {sys.executable} cannot import the project: {error}", file=sys.stderr)
         return 2
-    print(f"ready: PYTHONPATH={path} {sys.executable} imports torch {state['torch']} and {probe.stdout.strip()}")
+    print(f"ready: PYTHONPATH={path} {sys.executable} imports torch {state['torch']} and {package}")
     return 0
 
 
