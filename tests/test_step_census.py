@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from launch import REPO
-from opencood_ddp.engine.census import (Step, activity_of, busy_seconds, count_flops, count_ops, cuda_path_on_cpu,
-                                        cudagraph_skips, peak_tflops, trainer_step)
+from opencood_ddp.engine.census import (Step, activity_kind, activity_of, busy_seconds, count_flops, count_ops,
+                                        cuda_path_on_cpu, cudagraph_skips, peak_tflops, trainer_step)
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -178,6 +178,56 @@ def test_a_profiled_steps_activity_is_read_from_the_profilers_own_events():
     assert activity.by_name["aten::addmm"][0] == 1 and activity.kernels == 0  # no "kernel" on a CPU
     assert 0 < activity.busy_s <= elapsed
     assert list(activity.by_name) == sorted(activity.by_name, key=lambda name: -activity.by_name[name][1])
+
+
+class _Event:
+    """A profiler event as torch 2.11's Kineto events present it, no ``activity_type``: its name, device type,
+    annotation flag and interval in ns. Either a real event with its kind hidden, or one made here (a GPU's, which
+    no profile here can hold)."""
+
+    def __init__(self, name: str, device_type, annotation: bool = False, start: int = 0, duration: int = 0):
+        self._name, self._device_type, self._annotation = name, device_type, annotation
+        self._start, self._duration = start, duration
+
+    def start_ns(self) -> int:
+        return self._start
+
+    def duration_ns(self) -> int:
+        return self._duration
+
+    def name(self) -> str:
+        return self._name
+
+    def device_type(self):
+        return self._device_type
+
+    def is_user_annotation(self) -> bool:
+        return self._annotation
+
+
+def test_an_events_kind_where_torch_does_not_tell_it():
+    """torch 2.11 (the GPU machines') has no ``activity_type``: the host's ops come out as torch 2.13 names them,
+    annotations by their flag, and the GPU's events by CUPTI's names for copies and fills, kernels otherwise."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("a user's region"):
+            torch.nn.Linear(4, 3)(torch.randn(5, 4)).sum().backward()
+    events = prof.profiler.kineto_results.events()
+    hidden = [_Event(e.name(), e.device_type(), e.is_user_annotation()) for e in events]
+    assert {activity_kind(e) for e in hidden} == {"cpu_op", "user_annotation"}
+    if hasattr(events[0], "activity_type"):  # torch 2.13 tells the kind: the same answers
+        assert [activity_kind(e) for e in hidden] == [e.activity_type() for e in events]
+    cuda = DeviceType.CUDA
+    device = [_Event("Memcpy HtoD (Pageable -> Device)", cuda, start=0, duration=10),
+              _Event("Memset (Device)", cuda, start=20, duration=5),
+              _Event("void at::native::vectorized_elementwise_kernel<4>", cuda, start=30, duration=10),
+              _Event("ProfilerStep#1", cuda, annotation=True, start=0, duration=100)]
+    assert [activity_kind(e) for e in device] == ["gpu_memcpy", "gpu_memset", "kernel", "gpu_user_annotation"]
+    activity = activity_of(device)  # the annotation spans the step and is left out of the GPU's busy time
+    assert activity.kernels == 1 and set(activity.by_name) == {e.name() for e in device[:3]}
+    assert activity.busy_s == 25e-9
 
 
 def test_cudagraph_skips_hears_inductors_reasons_and_counts_them():

@@ -228,10 +228,27 @@ def busy_seconds(intervals: Iterable[Tuple[int, int]]) -> float:
     return total / 1e9
 
 
+def activity_kind(event) -> str:
+    """Kineto's name of a profiler event's activity ("kernel", "gpu_memcpy", "cpu_op", ...). torch 2.13's events
+    tell it (``activity_type``); torch 2.11's, the GPU machines', do not, and there it is derived: a user
+    annotation from its flag, every other host event as "cpu_op" (the runtime's launch calls too), and on the
+    device a copy or a fill by the names CUPTI gives them through Kineto ("Memcpy HtoD (Pageable -> Device)",
+    "Memset (Device)"), a kernel otherwise."""
+    if hasattr(event, "activity_type"):
+        return event.activity_type()
+    on_host = event.device_type() == torch.autograd.DeviceType.CPU
+    if event.is_user_annotation():
+        return "user_annotation" if on_host else "gpu_user_annotation"
+    if on_host:
+        return "cpu_op"
+    name = event.name()
+    return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset" if name.startswith("Memset") else "kernel"
+
+
 def activity_of(events, kinds: Sequence[str] = GPU_ACTIVITIES) -> DeviceActivity:
     """``DeviceActivity`` of a profile's Kineto events (``profiler.kineto_results.events()``) of the given
-    activity kinds; "kernel" ones count as launches."""
-    chosen = [e for e in events if e.activity_type() in kinds]
+    activity kinds (`activity_kind`); "kernel" ones count as launches."""
+    chosen = [e for e in events if activity_kind(e) in kinds]
     by_name: Dict[str, List[float]] = {}
     for e in chosen:
         calls_and_ns = by_name.setdefault(e.name(), [0, 0])
@@ -239,7 +256,7 @@ def activity_of(events, kinds: Sequence[str] = GPU_ACTIVITIES) -> DeviceActivity
         calls_and_ns[1] += e.duration_ns()
     ranked = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))
     return DeviceActivity({name: (int(calls), ns / 1e9) for name, (calls, ns) in ranked},
-                          sum(1 for e in chosen if e.activity_type() == "kernel"),
+                          sum(1 for e in chosen if activity_kind(e) == "kernel"),
                           busy_seconds((e.start_ns(), e.start_ns() + e.duration_ns()) for e in chosen))
 
 
@@ -331,6 +348,6 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
 
 
 __all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step",
-           "activity_of", "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu", "cudagraph_skips",
-           "device_activity", "device_peak", "median_step_seconds", "peak_tflops", "python_functions", "step_seconds",
-           "trainer_step"]
+           "activity_kind", "activity_of", "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu",
+           "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds", "peak_tflops",
+           "python_functions", "step_seconds", "trainer_step"]
