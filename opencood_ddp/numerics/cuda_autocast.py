@@ -47,7 +47,10 @@ _CUDA_LISTS: Dict[str, Tuple[str, ...]] = {
             "matmul", "einsum", "mm", "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
             "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell",
             "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
-            "cudnn_convolution", "cudnn_convolution_transpose"),
+            "cudnn_convolution", "cudnn_convolution_transpose",
+            # CUDA builds only (the CPU build has no cuDNN): cudnn/RNN.cpp's own AutocastCUDA kernel casts to the
+            # 16-bit type and re-flattens the weights; torch 2.11+cu130 registers it
+            "_cudnn_rnn"),
     FP32: ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
            "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm",
            "native_layer_norm", "rms_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim",
