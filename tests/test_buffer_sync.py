@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from opencood_ddp.distributed.ddp import buffer_sync
+from opencood_ddp.distributed.ddp import buffer_sync, buffer_sync_argument
 from opencood_ddp.distributed.sync_bn import buffers_kept_equal, convert_sync_batchnorm
 from zoo import hypes_of
 
@@ -29,11 +29,11 @@ def test_with_sync_bn_no_zoo_buffer_is_broadcast_and_without_it_rank_0s_are(toy_
     assert any(True for _ in model.buffers())
     synced, kind = convert_sync_batchnorm(model, 2, "cpu")
     assert kind == "GlooSyncBatchNorm" and buffers_kept_equal(synced)
-    assert buffer_sync(synced) == {"forward_sync_buffers": False}  # torch 2.13's name
+    assert buffer_sync(synced) == {buffer_sync_argument(): False}
     plain, kind = convert_sync_batchnorm(build_task(hypes_of(config, toy_root=toy_small), for_training=True).model,
                                          2, "cpu", enabled=False)  # --no_sync_bn: each rank's own statistics
     assert kind is None and not buffers_kept_equal(plain)
-    assert buffer_sync(plain) == {"forward_sync_buffers": True}
+    assert buffer_sync(plain) == {buffer_sync_argument(): True}
 
 
 class _Counter(nn.Module):
@@ -50,3 +50,11 @@ def test_a_buffer_nobody_declared_constant_is_broadcast():
     assert not buffers_kept_equal(model)
     model.constant_buffers = ("seen",)  # the module's own declaration is what counts
     assert buffers_kept_equal(model)
+
+
+def test_the_argument_is_one_this_torchs_ddp_takes():
+    """torch 2.13 renamed broadcast_buffers to forward_sync_buffers; the GPU machines' torch 2.11 has the old name
+    only. The argument must be one that DDP's constructor takes, whichever torch runs."""
+    import inspect
+
+    assert buffer_sync_argument() in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters

@@ -25,16 +25,18 @@ def _ddp_parameters() -> frozenset:
     return frozenset(inspect.signature(DistributedDataParallel.__init__).parameters)
 
 
+def buffer_sync_argument() -> str:
+    """The name of DDP's argument for the broadcast before each forward: torch 2.13's forward_sync_buffers (buffers
+    are still broadcast once when DDP is built), earlier torch's broadcast_buffers (the GPU machines' 2.11; it skips
+    that once too: every rank builds the same model and loads the same checkpoint)."""
+    return "forward_sync_buffers" if "forward_sync_buffers" in _ddp_parameters() else "broadcast_buffers"
+
+
 def buffer_sync(model: nn.Module) -> dict:
     """DDP's keyword argument for the broadcast of rank 0's buffers before each forward: off where
     `sync_bn.buffers_kept_equal`, since it is a collective and some four ops per buffer every step for values that
-    are already equal (a toy AttFuse step on 2 ranks: 1,627 ops with it, 1,505 without). torch 2.13 names it
-    forward_sync_buffers (buffers are still broadcast once when DDP is built); earlier torch broadcast_buffers
-    (which skips that once too: every rank builds the same model and loads the same checkpoint)."""
-    keep = not buffers_kept_equal(model)
-    if "forward_sync_buffers" in _ddp_parameters():
-        return {"forward_sync_buffers": keep}
-    return {"broadcast_buffers": keep}
+    are already equal (a toy AttFuse step on 2 ranks: 1,627 ops with it, 1,505 without)."""
+    return {buffer_sync_argument(): not buffers_kept_equal(model)}
 
 
 def batched_copy() -> dict:
@@ -55,4 +57,4 @@ def wrap_ddp(model: nn.Module, find_unused_parameters: bool = False) -> Distribu
                                    gradient_as_bucket_view=True, **buffer_sync(model), **batched_copy())
 
 
-__all__ = ["batched_copy", "buffer_sync", "wrap_ddp"]
+__all__ = ["batched_copy", "buffer_sync", "buffer_sync_argument", "wrap_ddp"]

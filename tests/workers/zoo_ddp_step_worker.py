@@ -32,7 +32,7 @@ import torch
 
 from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, distributed_session
-from opencood_ddp.distributed.ddp import buffer_sync, wrap_ddp
+from opencood_ddp.distributed.ddp import buffer_sync, buffer_sync_argument, wrap_ddp
 from opencood_ddp.distributed.sync_bn import convert_sync_batchnorm
 from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.train import seed_everything
@@ -79,7 +79,7 @@ def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
     samples = [task.train_set[i] for i in range(env.world_size)]
     reference = copy.deepcopy(task.model)
     model, _ = convert_sync_batchnorm(task.model, env.world_size, env.device)
-    assert buffer_sync(model) == {"forward_sync_buffers": False}  # every buffer kept equal without a broadcast
+    assert buffer_sync(model) == {buffer_sync_argument(): False}  # every buffer kept equal without a broadcast
     ddp = wrap_ddp(model, bool(get_key(hypes, "train_params.find_unused_parameters", False)))
     # Where torch's DDP can copy the fresh gradients into a bucket together (2.13), the trainer's build does, and
     # the DDP error below covers that path.
