@@ -9,7 +9,7 @@ TORCH_VERSION ?= 2.13.0
 # cpu here; `make venv EXTRAS=cuda` on a GPU machine after installing a CUDA torch by hand.
 EXTRAS ?= cpu
 
-.PHONY: venv slurm check-pins test test-fast demo gpu-venv gpu-wheels gpu-check gpu-tests clean-venv
+.PHONY: venv slurm check-pins test test-fast test-gpu-torch demo gpu-venv gpu-wheels gpu-check gpu-tests clean-venv
 
 venv: $(STAMP)
 
@@ -69,6 +69,25 @@ test:
 # minutes on 2 cores. `make test` still runs everything, and CI runs `make test`.
 test-fast: venv
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" tests
+
+# The whole suite here, on the CPU, under the torch and Python of the lent GPU machines (torch 2.11.0+cu130 on
+# Python 3.12: the device notes' pip list), before a GPU session spends its minutes: torch's private interfaces
+# and dynamo change between releases, and CI runs only TORCH_VERSION. The package index's torch for Linux is a CUDA
+# build; with its CUDA libraries it runs on a CPU (about 5.7 GB in the venv). Opt-in, not part of `make test`:
+# docs/benchmarks.md, "The suite under the GPU machines' torch". GPU_TORCH_PYTHON: an interpreter of that Python.
+GPU_TORCH ?= 2.11.0
+GPU_TORCH_PYTHON ?= python3.12
+GPU_TORCH_VENV ?= .venv-gpu-torch
+GPU_TORCH_STAMP := $(GPU_TORCH_VENV)/.installed-$(GPU_TORCH)
+
+$(GPU_TORCH_STAMP): setup.py
+	@test -x $(GPU_TORCH_VENV)/bin/python || $(GPU_TORCH_PYTHON) -m venv $(GPU_TORCH_VENV)
+	$(GPU_TORCH_VENV)/bin/python -m pip install -q "torch==$(GPU_TORCH)"
+	$(GPU_TORCH_VENV)/bin/python -m pip install -q -e ".[cpu,test]"
+	@touch $@
+
+test-gpu-torch: $(GPU_TORCH_STAMP)
+	$(GPU_TORCH_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal -p no:cacheprovider tests
 
 demo: venv
 	$(PY) tools/demo.py

@@ -69,6 +69,13 @@ def test_readme_starts_with_the_two_set_up_commands():
     assert {"demo", "test", "venv"} <= set(targets)
 
 
+def test_every_make_target_the_readme_runs_is_the_makefiles():
+    targets = set(re.findall(r"^([a-z-]+):", (REPO / "Makefile").read_text(), flags=re.M))
+    named = {shlex.split(c)[1] for c in COMMANDS if shlex.split(c)[0] == "make"}
+    assert {"demo", "test", "gpu-check", "test-gpu-torch"} <= named
+    assert named <= targets, f"README.md runs make targets the Makefile lacks: {sorted(named - targets)}"
+
+
 def test_readme_shows_every_launcher():
     launchers = {shlex.split(c)[0] for c in TOOL_COMMANDS}
     assert {"python", "torchrun", "srun"} <= launchers
