@@ -163,6 +163,24 @@ def machine_like_base(path: Path, leave_out: set[str]) -> tuple[Path, Path]:
     return python, site_dir
 
 
+def test_a_layer_is_kept_over_the_same_python_and_made_anew_over_another(tmp_path):
+    """A layer left by another interpreter is rebuilt, not reused: reused, it read this interpreter's site
+    directories with another Python (a rehearsal on 2026-11-29 found a 3.11 layer over torch 2.11's Python 3.12
+    site-packages: "Failed to load PyTorch C extensions"). Here the other interpreter is one that is gone, its
+    layer's python a link to nothing; another version is not on this machine to stand for it."""
+    layer = tmp_path / "layer"
+    python = gpu_venv.make_layer(layer)
+    kept = layer / "installed_here"
+    kept.write_text("")
+    assert gpu_venv.make_layer(layer) == python and kept.exists()  # the same Python: kept as it is
+    python.unlink()
+    python.symlink_to(tmp_path / "an interpreter that is gone")
+    assert not gpu_venv.runs_this_python(python)
+    assert gpu_venv.make_layer(layer) == python and not kept.exists()  # made anew, whole
+    assert gpu_venv.runs_this_python(python)
+    subprocess.run([python, "-c", "import torch"], check=True)  # this interpreter's site directories, torch there
+
+
 @pytest.mark.slow
 def test_the_layer_is_made_with_pip_denied_the_network_and_imports_the_checkout(tmp_path):
     """The H200 route with no index: the base lacks tqdm, carried as a packed wheel, and the project goes in

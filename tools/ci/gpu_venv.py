@@ -132,12 +132,28 @@ def interpreter_site_dirs() -> list[str]:
 
 
 def make_layer(path: Path) -> Path:
-    """The layer's python: a venv at `path` without pip, whose .pth adds this interpreter's site directories."""
+    """The layer's python: a venv at `path` without pip, whose .pth adds this interpreter's site directories. A
+    layer already there is kept only if it runs this interpreter's Python (`runs_this_python`): one made over
+    another (a machine's python3 replaced, an earlier rehearsal's) would read this one's site directories with
+    another Python, and its torch would not import ("Failed to load PyTorch C extensions")."""
     python = path / "bin" / "python"
-    if not python.exists():
-        venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True).create(path)
+    if not runs_this_python(python):
+        # clear: a venv over another Python goes whole, with what was installed into it for that Python
+        venv.EnvBuilder(system_site_packages=True, with_pip=False, symlinks=True,
+                        clear=(path / "pyvenv.cfg").exists()).create(path)
     (layer_purelib(python) / LAYER_PTH).write_text("".join(f"{d}\n" for d in interpreter_site_dirs()))
     return python
+
+
+def runs_this_python(python: Path) -> bool:
+    """Whether `python` exists and runs the Python this process runs on: the same base installation and version."""
+    if not python.exists():
+        return False
+    try:
+        seen = run_in(python, "import sys; print(sys.base_prefix); print(sys.version)")
+    except (OSError, RuntimeError):  # a link to an interpreter that is gone, or one that fails to start
+        return False
+    return seen == f"{sys.base_prefix}\n{sys.version}\n"
 
 
 def layer_purelib(python: Path) -> Path:
