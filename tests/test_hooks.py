@@ -58,9 +58,9 @@ class Recorder(TrainHook):
 
 
 def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2, lr_scheduler=None, per_rank=None,
-             max_steps=None) -> Trainer:
+             max_steps=None, workers=0) -> Trainer:
     """The synthetic task's trainer on one process (batch 8: num_train / 8 steps per epoch); `lr_scheduler`
-    replaces the hypes' section, `per_rank` < 8 accumulates."""
+    replaces the hypes' section, `per_rank` < 8 accumulates, `workers` loader workers."""
     sections = {} if lr_scheduler is None else {"lr_scheduler": lr_scheduler}
     hypes = hypes_of(SYNTHETIC, f"synthetic.num_train={num_train}", f"train_params.epoches={epochs}", **sections)
     env = detect_dist_env({})  # one process, no process group
@@ -70,7 +70,7 @@ def _trainer(run_dir: Path, hooks=None, num_train=32, epochs=2, lr_scheduler=Non
     plan = make_batch_plan(hypes["train_params"]["batch_size"], 1, float(hypes["optimizer"]["lr"]),
                            per_gpu_batch=per_rank)
     hypes["train_params"]["seed"] = 0
-    options = TrainOptions(loop=LoopOptions(max_steps=max_steps), process=ProcessOptions(num_workers=0))
+    options = TrainOptions(loop=LoopOptions(max_steps=max_steps), process=ProcessOptions(num_workers=workers))
     return Trainer(task, plan, env, options, RunSetup(Path(run_dir), False, hypes, str(SYNTHETIC)), hooks)
 
 

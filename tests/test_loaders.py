@@ -4,6 +4,7 @@ workers run BLAS on one thread, and a cloud's transform has the same bits on any
 worker count follows the rank's device and share of the cores."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.loaders import (MAX_GPU_WORKERS, EpochBatches, EpochKeyed, cores_per_rank, default_workers,
                                          training_loader, workers_per_rank)
 from test_datasets import SEED, assert_identical, flatten, toy_hypes
+from test_hooks import _trainer
 
 EPOCH_BATCHES = {0: [[0, 1], [2, 3]], 1: [[5, 2], [7, 0]], 2: [[3, 6]]}
 
@@ -66,6 +68,20 @@ def test_the_epochs_differ_and_an_unfinished_epoch_is_left_cleanly(toy_small):
     differs = [k for k in left if isinstance(left[k], torch.Tensor) and left[k].shape == right[k].shape
                and not torch.equal(left[k], right[k])]
     assert differs, "epoch 1 drew epoch 0's augmentation"
+
+
+def test_a_trainer_left_mid_epoch_stops_its_workers_when_its_with_ends(tmp_path):
+    """A program that drives Trainer.steps itself (benchmark_ddp) leaves an epoch after its first step; at the end
+    of `with trainer` both loaders' persistent workers (training, and validation's, which `validate` made) have
+    exited. Without it they would wait for the cycle collector, and a loader shut down there waits 5 s per worker
+    (Trainer.__exit__ says why)."""
+    before = set(multiprocessing.active_children())
+    with _trainer(tmp_path / "run", workers=2) as trainer:
+        next(trainer.steps(0))
+        trainer.validate()
+        workers = set(multiprocessing.active_children()) - before
+        assert len(workers) == 4 and all(w.is_alive() for w in workers)  # 2 a loader
+    assert not any(w.is_alive() for w in workers)
 
 
 # ------------------------------------------------------------------------------------------ BLAS threads

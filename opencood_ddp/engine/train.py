@@ -173,7 +173,7 @@ def prepare_trainer(options: TrainOptions, env: DistEnv, build_task: TaskBuilder
     broadcast (nothing is created; claiming the folder is the caller's, which a benchmark never does), seed,
     batch plan, task, and the Trainer complete (SyncBN, DDP, optimizer, a StopSignal the caller may enter).
     `with_hooks`: train_ddp.py's default_hooks; False for a program that drives Trainer.steps itself and
-    records nothing into the run folder."""
+    records nothing into the run folder (it holds the trainer in `with`, which stops the loaders' workers)."""
     setup = comm.on_main_then_broadcast(lambda: decide_run(options.run, os.environ))
     seed = resolve_seed(setup.hypes, options.loop.seed)
     plan = plan_batches(setup.hypes, options.batch, env.world_size,

@@ -493,6 +493,17 @@ class Trainer:
         """Let the persistent workers go (their loaders' last reference): the run is over or failing."""
         self._train_loader = self._val_loader = None
 
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """A program that drives `steps` itself (benchmark_ddp) holds the trainer in `with`, so that the persistent
+        workers stop when it is done, as `fit` stops them. A trainer is in reference cycles, so without it its
+        loaders wait for the cycle collector (the process group's teardown runs one), and torch's shutdown of a
+        loader collected there waits out its 5 s join timeout for every worker: the collector has already run the
+        finalizers of the loader's index queues, which close them before the workers' stop signal goes out."""
+        self.close_loaders()
+
     # ----------------------------------------------------------------------------------------------- output
     def training_state(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(),

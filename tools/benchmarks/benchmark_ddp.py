@@ -75,10 +75,10 @@ def measure(options, args: argparse.Namespace, env) -> None:
     from opencood_ddp.tasks import build_task
 
     logging.getLogger("opencood_ddp").setLevel(logging.WARNING)
-    trainer = prepare_trainer(options, env, build_task, with_hooks=False)
-    plan = trainer.plan
-    loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)
-    measured = timed_steps(trainer, args.warmup, args.steps)
+    with prepare_trainer(options, env, build_task, with_hooks=False) as trainer:  # its workers stop at the end
+        plan = trainer.plan
+        loader_rate = loader_samples_per_second(trainer, args.steps * plan.accumulation)
+        measured = timed_steps(trainer, args.warmup, args.steps)
     result = dict(measured, rank=env.rank, loader_samples_per_s=loader_rate, device=device_name(env.device),
                   per_rank=plan.per_rank, accumulation=plan.accumulation, global_batch=plan.global_batch,
                   ddp=env.distributed, world_size=env.world_size, workers=trainer.workers)
