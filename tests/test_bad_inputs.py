@@ -1,5 +1,6 @@
 """The bad-input table (issue 7, point 7), row by row: every row in this process, through the tool's own
-`__main__` and the engine's one entry path (`run_distributed` at world size 1, as a plain `python` start takes),
+`__main__` and the engine's one entry path (`run_distributed` at world size 1, as a plain `python` start takes;
+the unwritable-run rows as root in a new plain `python` process that permission bits bind, `honouring_modes`),
 and one row per way of failing also on 2 torchrun ranks (3 where the row is about the world size): a refused
 config, data that cannot be read mid-epoch (in training and in evaluation), a bad checkpoint. How a row fails does
 not depend on the process count except through those paths: the agreement of the ranks on one rank's error is
@@ -21,6 +22,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -31,8 +34,8 @@ import pytest
 import torch
 import yaml
 
-from launch import (REPO, TRAIN, dairv2x_overrides, explain, in_process, split_set_flags, torchrun,
-                    v2v4real_overrides)
+from launch import (REPO, TRAIN, clean_environ, dairv2x_overrides, explain, in_process, split_set_flags,
+                    torchrun, v2v4real_overrides)
 
 
 INFERENCE = REPO / "tools" / "inference_ddp.py"
@@ -103,6 +106,7 @@ class Call:
     existing_run: Optional[Path] = None  # a folder that must come out byte for byte as it went in
     not_created: Optional[Path] = None  # a new --model_dir that a refused run must not leave behind
     resumes: bool = False  # train_ddp.py resuming existing_run (see WRITTEN_BEFORE_RESTORE)
+    needs_modes: bool = False  # the row is a folder's permission bits: run where they hold (`honouring_modes`)
 
 
 @dataclass
@@ -403,6 +407,7 @@ def unwritable_run(tool: str) -> Callable[[World, int], Call]:
             call = Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2"],
                         [str(run), "not writable", "permissions"], existing_run=run, resumes=True)
         run.chmod(0o555)
+        call.needs_modes = True
         return call
     return setup
 
@@ -422,9 +427,25 @@ def not_a_run(tool: str) -> Callable[[World, int], Call]:
     return setup
 
 
-UNWRITABLE = pytest.mark.skipif(root_ignores_modes(), reason="running as root, which ignores permission bits: a "
-                                                              "chmod 0o555 folder stays writable, so this row cannot "
-                                                              "be produced")
+# Root writes into a chmod 0o555 folder through CAP_DAC_OVERRIDE. setpriv drops it (and CAP_DAC_READ_SEARCH) from
+# the bounding set of the program it starts, which for root leaves them out of that program's capabilities: the
+# folder's bits then hold, as for any other user.
+DROP_DAC = ["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+SETPRIV = shutil.which("setpriv")
+UNWRITABLE = pytest.mark.skipif(root_ignores_modes() and SETPRIV is None,
+                                reason="running as root, which ignores permission bits, and without setpriv to drop "
+                                       "that capability: a chmod 0o555 folder stays writable, so this row cannot "
+                                       "be produced")
+
+
+def honouring_modes(call: Call) -> subprocess.CompletedProcess:
+    """The row's tool as a plain `python` start where permission bits hold: in this process for a user they bind,
+    as root a new process without CAP_DAC_OVERRIDE (DROP_DAC)."""
+    if not root_ignores_modes():
+        return in_process(call.script, *call.args)
+    command = [*DROP_DAC, sys.executable, str(call.script), *map(str, call.args)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=3 * WALL_LIMIT_S, cwd=REPO,
+                          env=clean_environ())
 
 # (row id, setup, world sizes, marks by world size)
 ROWS = [
@@ -494,7 +515,7 @@ def test_bad_input(setup, world, tmp_path, toy_small, synthetic_run, toy_run, to
     started = time.monotonic()
     try:
         if world == 0:
-            result = in_process(call.script, *call.args)
+            result = honouring_modes(call) if call.needs_modes else in_process(call.script, *call.args)
         else:
             result = torchrun(world, call.script, *call.args, timeout=3 * WALL_LIMIT_S)
     finally:

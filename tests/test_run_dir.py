@@ -143,7 +143,8 @@ def test_folders_that_must_not_be_written_are_refused(tmp_path, make, message):
     assert _tree(tmp_path) == before
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits")
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permission bits (as root, test_bad_inputs' "
+                    "unwritable-run rows prove the refusal in a process without CAP_DAC_OVERRIDE)")
 def test_a_run_that_is_not_writable_is_refused(tmp_path):
     run = _existing_run(tmp_path / "ro")
     run.chmod(0o555)
