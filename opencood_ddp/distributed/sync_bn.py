@@ -77,8 +77,8 @@ def buffers_kept_equal(model: nn.Module) -> bool:
     """Whether every buffer of ``model`` stays the same on every rank without DDP's broadcast of rank 0's buffers
     before each forward: a synchronized batch norm's (its running statistics are the micro-batch's over all
     ranks, the same arithmetic on the same gathered numbers on every rank), or one its module lists in
-    ``constant_buffers`` (an index table made at construction). Any other buffer (a plain batch norm's under --no_sync_bn, a user model's
-    own) may drift apart, and rank 0's is broadcast, as upstream's DDP does."""
+    ``constant_buffers`` (an index table made at construction). Any other buffer (a plain batch norm's under
+    --no_sync_bn, a user model's own) may drift apart, and rank 0's is broadcast, as upstream's DDP does."""
     for module in model.modules():
         constant = set(getattr(module, "constant_buffers", ()))
         for name, _ in module.named_buffers(recurse=False):
