@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -35,9 +35,10 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 300,
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_environ(extra_env))
 
 
-def python(script: Path, *args: str, timeout: float = 300,
-           extra_env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(script), *map(str, args)]
+def python(script: Path, *args: str, timeout: float = 300, extra_env: Optional[dict] = None,
+           wrapper: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """A plain `python script args` start, in a new process (`wrapper`: a command that starts it, e.g. setpriv)."""
+    cmd = [*wrapper, sys.executable, str(script), *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO, env=clean_environ(extra_env))
 
 

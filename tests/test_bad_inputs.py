@@ -23,7 +23,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -34,8 +33,8 @@ import pytest
 import torch
 import yaml
 
-from launch import (REPO, TRAIN, clean_environ, dairv2x_overrides, explain, in_process, split_set_flags,
-                    torchrun, v2v4real_overrides)
+from launch import (REPO, TRAIN, dairv2x_overrides, explain, in_process, python, split_set_flags, torchrun,
+                    v2v4real_overrides)
 
 
 INFERENCE = REPO / "tools" / "inference_ddp.py"
@@ -440,7 +439,8 @@ def can_drop_dac() -> bool:
     return subprocess.run([*DROP_DAC, "true"], capture_output=True).returncode == 0
 
 
-UNWRITABLE = pytest.mark.skipif(root_ignores_modes() and not can_drop_dac(),
+ROOT_IGNORES_MODES = root_ignores_modes()
+UNWRITABLE = pytest.mark.skipif(ROOT_IGNORES_MODES and not can_drop_dac(),
                                 reason="running as root, which ignores permission bits, and setpriv cannot drop that "
                                        "capability here: a chmod 0o555 folder stays writable, so this row cannot be "
                                        "produced")
@@ -449,11 +449,9 @@ UNWRITABLE = pytest.mark.skipif(root_ignores_modes() and not can_drop_dac(),
 def honouring_modes(call: Call) -> subprocess.CompletedProcess:
     """The row's tool as a plain `python` start where permission bits hold: in this process for a user they bind,
     as root a new process without CAP_DAC_OVERRIDE (DROP_DAC)."""
-    if not root_ignores_modes():
+    if not ROOT_IGNORES_MODES:
         return in_process(call.script, *call.args)
-    command = [*DROP_DAC, sys.executable, str(call.script), *map(str, call.args)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=3 * WALL_LIMIT_S, cwd=REPO,
-                          env=clean_environ())
+    return python(call.script, *call.args, timeout=3 * WALL_LIMIT_S, wrapper=DROP_DAC)
 
 
 # (row id, setup, world sizes, marks by world size)
