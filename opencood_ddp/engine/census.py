@@ -248,7 +248,9 @@ def activity_kind(event) -> str:
 def activity_of(events, kinds: Sequence[str] = GPU_ACTIVITIES) -> DeviceActivity:
     """``DeviceActivity`` of a profile's Kineto events (``profiler.kineto_results.events()``) of the given
     activity kinds (`activity_kind`); "kernel" ones count as launches."""
-    chosen = [e for e in events if activity_kind(e) in kinds]
+    classified = [(e, activity_kind(e)) for e in events]  # each event's kind asked once
+    chosen = [e for e, kind in classified if kind in kinds]
+    launches = sum(1 for _, kind in classified if kind == "kernel") if "kernel" in kinds else 0
     by_name: Dict[str, List[float]] = {}
     for e in chosen:
         calls_and_ns = by_name.setdefault(e.name(), [0, 0])
@@ -256,7 +258,7 @@ def activity_of(events, kinds: Sequence[str] = GPU_ACTIVITIES) -> DeviceActivity
         calls_and_ns[1] += e.duration_ns()
     ranked = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))
     return DeviceActivity({name: (int(calls), ns / 1e9) for name, (calls, ns) in ranked},
-                          sum(1 for e in chosen if activity_kind(e) == "kernel"),
+                          launches,
                           busy_seconds((e.start_ns(), e.start_ns() + e.duration_ns()) for e in chosen))
 
 
