@@ -437,8 +437,9 @@ def test_two_rank_capture_with_the_gpus_batch_norm_is_the_eager_step_in_one_grap
     ("toy/point_pillar_where2comm", ("fusion.args.proj_first=false",)),
     ("toy/point_pillar_v2vnet", ("fusion.args.proj_first=false",)),
     ("toy/second_intermediate_fusion", ()),
+    ("toy/second_intermediate_fusion", ("fusion.args.proj_first=false",)),
 ], ids=["early", "late", "attfuse", "fcooper", "cobevt", "where2comm", "v2vnet", "attfuse-warped", "fcooper-warped",
-        "cobevt-warped", "where2comm-warped", "v2vnet-warped", "second"])
+        "cobevt-warped", "where2comm-warped", "v2vnet-warped", "second", "second-warped"])
 def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
     """On a GPU a graph with a host tensor anywhere in it is not replayed as a CUDA graph: the cudagraphs backend
     looks at every node of the forward and backward graphs ("skipping cudagraphs due to cpu device"), inductor at
