@@ -1,7 +1,9 @@
 """Faults with real processes: stop signals, a rank killed under elastic torchrun, a save killed half-way, torn
 checkpoints, non-finite steps, stalled and dead ranks (docs/reliability.md lists what each test shows)."""
+import csv
 import math
 import os
+import re
 import signal
 import shutil
 import subprocess
@@ -88,6 +90,8 @@ def test_stop_signal_mid_epoch_then_resume_equals_the_uninterrupted_run(tmp_path
         assert result.returncode == 75  # EX_TEMPFAIL; under torchrun the workers' 75 becomes torchrun's failure
     else:
         assert result.returncode != 0
+    if deliver is _signal_rank1:  # torchrun's summary of its failed workers: both exited 75, not by a signal
+        assert sorted(re.findall(r"exitcode  : (-?\d+)", result.stderr)) == ["75", "75"], explain(result)
     step = ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)
     assert len(step) == 1 and 30 <= step[0] < STEPS_PER_EPOCH, (step, stopped)
     assert f"stopped after global step {step[0]} (epoch 1, {step[0]} of {STEPS_PER_EPOCH} steps)" in stopped[0]
@@ -129,6 +133,27 @@ def test_rank_killed_under_torchrun_max_restarts_resumes_and_finishes(tmp_path):
     assert torch.load(run_dir / ckpt.state_name(3), weights_only=False)["global_step"] == 3 * STEPS_PER_EPOCH
     assert [row["step"] for row in read_step_log(run_dir / "train_steps.csv")] == list(range(1, 451))
 
+
+def test_a_torchrun_restart_before_the_first_checkpoint_trains_anew_over_its_own_history(tmp_path):
+    """Rank 0 killed before any save leaves a history and no checkpoint (a rank 0 that lives through a peer's death
+    removes a new run's folder that saved nothing). A user's second command is refused there (test_bad_inputs.py,
+    `history-without-checkpoint`); torchrun's restart of the job that wrote it is not: it trains from the start and
+    replaces that history."""
+    run_dir = tmp_path / "run"
+    job = Background(tmp_path / "job", 2, *LONG, "--model_dir", run_dir, "--set", "train_params.epoches=1",
+                     torchrun_args=("--max-restarts=1",))
+    wait_until(lambda: steps_logged(run_dir) >= 20, 180, "20 logged steps")
+    os.kill(job.worker_pids()[0], signal.SIGKILL)
+    # the first 20 rows as the killed attempt left them (its last line may be cut short)
+    first_attempt = list(csv.DictReader((run_dir / "train_steps.csv").read_text().splitlines()[:21]))
+    assert not ckpt.epochs_on_disk(run_dir), "a checkpoint before the kill: the history would not be alone"
+    result = job.wait(timeout=300)
+    assert result.returncode == 0, explain(result)
+    assert f"run folder: {run_dir} (resuming)" in result.stdout and "has a history" not in result.stderr
+    rows = read_step_log(run_dir / "train_steps.csv")
+    assert [row["step"] for row in rows] == list(range(1, STEPS_PER_EPOCH + 1))
+    assert [row["loss"] for row in rows[:20]] == [float(row["loss"]) for row in first_attempt]  # from the start
+    assert ckpt.epochs_on_disk(run_dir) == [1]
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 def stop_in_the_middle_of_a_save(worker: subprocess.Popen, unfinished, attempts: int = 50) -> None:
