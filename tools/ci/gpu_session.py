@@ -16,8 +16,9 @@ cut short returns what it measured. A lent machine returns at most 8 files from 
 
 The stages (``--device cpu`` rehearses them on one toy config, without what needs CUDA):
 
-- venv: ``make gpu-venv WHEELS=...`` (the project's run-time requirements layered over the machine's CUDA torch,
-  whose pytest the tests use; without ``--wheels``, ``make venv``). Where that fails, the session does not end:
+- venv: ``make gpu-venv WHEELS=...``'s command, ``gpu_venv.py make .venv-gpu`` (the project's run-time
+  requirements layered over the machine's CUDA torch, whose pytest the tests use; without ``--wheels``, ``make
+  venv``). Where that fails, the session does not end:
   it takes the target route (``gpu_venv.py target``: the wheels unpacked into a folder, no venv) and runs the
   stages after it with the machine's python and that folder and the checkout on PYTHONPATH. ``--venv target``
   takes that route from the start;
@@ -111,7 +112,9 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
                 str(args.wheels)]
     else:
         python, env = str(REPO / (".venv-gpu" if args.wheels else ".venv") / "bin" / "python"), {}
-        venv = ["make", "gpu-venv", f"WHEELS={args.wheels}"] if args.wheels else ["make", "venv"]
+        # `make gpu-venv`'s command itself: the lent machine's notes do not list make
+        venv = ([sys.executable, str(REPO / "tools" / "ci" / "gpu_venv.py"), "make", ".venv-gpu", "--wheels",
+                 str(args.wheels)] if args.wheels else ["make", "venv"])
     def gpu_check(out: str) -> List[str]:
         command = [python, str(REPO / "tools" / "gpu_check.py"), "--device", args.device, "--out",
                    str(args.out / out), "--work", str(args.work / out)]
@@ -144,9 +147,13 @@ def run_stage(stage: Stage, limit_s: float, out: Path) -> None:
     """`stage` under `limit_s` seconds, in a process group of its own (the tools start processes: torchrun's, one
     per benchmark row), killed whole at the limit."""
     started = time.monotonic()
-    # unbuffered: a stage killed at its limit keeps every line it printed
-    process = subprocess.Popen(stage.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **stage.env})
+    try:  # unbuffered: a stage killed at its limit keeps every line it printed
+        process = subprocess.Popen(stage.command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True, start_new_session=True,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1", **stage.env})
+    except OSError as exc:  # a program the machine lacks: the stage failed, and the session goes on
+        stage.result = {"status": f"could not start ({exc.strerror}: {stage.command[0]})", "seconds": 0.0}
+        return
     try:
         output, _ = process.communicate(timeout=limit_s)
         status = f"exit {process.returncode}"
