@@ -144,7 +144,8 @@ def test_rsu_generation_is_deterministic_and_leaves_the_vehicles_alone(tmp_path)
     rsu_files = {name for name in a if f"/{RSU_ID}/" in name}
     assert len(rsu_files) == 2 * TINY.frames_per_scenario * 2 and first["clouds"] == len(a) // 2
     assert set(a) - set(c) == rsu_files, "the RSU adds its own folder and nothing else"
-    # The CAVs' yaml does not depend on the RSU (their clouds do: they see its pole).
+    # Here the CAVs' yaml does not depend on the RSU (their clouds do: they see its pole). Not always: where the pole
+    # turns a ray into a return, the frame Generator's later draws (predicted_ego_pos) move (docs/toy_world.md).
     assert {n: h for n, h in a.items() if n.endswith(".yaml") and n not in rsu_files} == \
         {n: h for n, h in c.items() if n.endswith(".yaml")}
     # A set without RSU keeps the manifest identity it had before RSUs existed; one with RSU differs.

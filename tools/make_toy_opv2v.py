@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Write the synthetic toy world in OPV2V's on-disk format: `python tools/make_toy_opv2v.py --out DIR --seed 0`.
 
-A complete set with the same seed, scale and format already in DIR is reused, not regenerated (the demo calls
-this every time). A non-empty DIR that is not a toy set is refused. See docs/toy_world.md.
+A complete set with the same seed, scale and format already in DIR is reused, not regenerated (the demo reuses any
+complete toy world, through `writer.toy_world_in`). A non-empty DIR that is not a toy set is refused. See
+docs/toy_world.md.
 
 `--layout dairv2x` or `--layout v2v4real` writes a copy of the toy world in DAIR-V2X-C's or V2V4Real's layout
 into DIR instead: the OPV2V set it copies is `--source` (made there first when it is not complete; DAIR-V2X-C's

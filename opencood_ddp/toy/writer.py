@@ -9,7 +9,8 @@ the same files, its pose exact (surveyed), ``ego_speed`` 0 and every vehicle wit
 
 Everything random comes from numpy Generators seeded by (seed, split, scenario[, cav, frame]), so the
 same seed gives byte-identical files and a frame does not depend on the order frames are written in. The RSU
-draws from Generators of its own keys, so a set without RSU is byte for byte what it was before RSUs existed.
+draws from Generators of its own keys, so a set without RSU is byte for byte what it was before RSUs existed
+(with one, a CAV frame whose rays the pole turns into returns draws its later noise differently).
 A ``toy_manifest.yaml`` at the top of the output folder records what was generated (``toy.manifest``); a
 complete set with the same identity is not generated twice.
 """
