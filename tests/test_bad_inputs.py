@@ -227,6 +227,12 @@ def negative_lr(w: World, world: int) -> Call:
                 not_created=w.tmp / "new_run")
 
 
+def heads_off_the_anchors(w: World, world: int) -> Call:
+    """The heads made for 3 anchors per cell, the anchors 2 (was: trained, then a traceback in the loss)."""
+    return Call(TRAIN, w.toy_args("--set", "model.args.anchor_number=3"),
+                ["differs from model.args.anchor_number (3)", "make them equal"], not_created=w.tmp / "new_run")
+
+
 def model_changed_on_resume(w: World, world: int) -> Call:
     """Another model whose weights happen to fit (here: the synthetic task's data seed, a data section) once
     resumed silently (issue 17 item 4)."""
@@ -464,6 +470,7 @@ ROWS = [
     ("mistyped-key", mistyped_key, (0, 2), {}),
     ("not-utf8-hypes", not_utf8_hypes, (0,), {}),
     ("negative-lr", negative_lr, (0,), {}),
+    ("heads-off-the-anchors", heads_off_the_anchors, (0,), {}),
     ("mistyped-key-in-file", mistyped_key_in_file, (0,), {}),
     ("mistyped-key-on-resume", mistyped_key_on_resume, (0,), {}),
     ("model-changed-on-resume", model_changed_on_resume, (0,), {}),

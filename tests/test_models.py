@@ -240,6 +240,33 @@ def test_every_model_with_a_shrink_header_refuses_it_alike(config, override, fra
     assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
 
 
+PILLAR_MODELS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
+                 "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt",
+                 "point_pillar_where2comm")
+
+
+@pytest.mark.parametrize("config", PILLAR_MODELS)
+@pytest.mark.parametrize("override, fragment", [
+    # each of these trained on to a crash in the loss (a heads' map that does not fit the anchors), or trained
+    # quietly on pillars whose offsets were computed on another grid than the data's
+    ("model.args.anchor_number=3", "(2) differs from model.args.anchor_number (3)"),  # anchor_num's, or the anchors
+    ("postprocess.anchor_args.feature_stride=8", "postprocess.anchor_args.feature_stride (8) must equal the stride "
+                                                 "of the heads' map"),
+    ("model.args.lidar_range=[-100, -40, -3, 100, 40, 1]", "model.args.lidar_range [-100, -40, -3, 100, 40, 1] "
+                                                           "differs from preprocess.cav_lidar_range"),
+    ("model.args.voxel_size=[0.8, 0.8, 4]", "model.args.voxel_size [0.8, 0.8, 4] differs from "
+                                            "preprocess.args.voxel_size"),
+    ("model.args.pillar_vfe.num_filters=[]", "model.args.pillar_vfe.num_filters must be a non-empty list of "
+                                             "positive integers"),
+])
+def test_every_pillar_model_refuses_a_grid_or_anchors_its_heads_do_not_fit(config, override, fragment):
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override)
+    with pytest.raises(ConfigError) as caught:
+        create_model(hypes)
+    message = str(caught.value)
+    assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
+
+
 @pytest.mark.parametrize("config", ("point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"))
 def test_every_model_with_cav_slots_checks_max_cav_alike(config):
     hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", "train_params.max_cav=3")

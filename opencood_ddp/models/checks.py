@@ -210,6 +210,22 @@ def check_max_cav(hypes: Mapping, source: str) -> None:
                        f"the dataset gives a sample)")
 
 
+def check_grid_agreement(hypes: Mapping, source: str) -> None:
+    """The model's copies of the data's grid and the anchors' count equal the keys the data and the anchors are
+    made from. Upstream's files keep them equal by YAML anchors, which a --set of one of them splits: the pillars'
+    offsets would be computed on another grid, or the heads' map would not fit the anchors."""
+    args = hypes["model"]["args"]
+    for key, other in (("voxel_size", "preprocess.args.voxel_size"), ("lidar_range", "preprocess.cav_lidar_range")):
+        theirs = get_key(hypes, other)
+        if theirs is not None and [float(v) for v in args[key]] != [float(v) for v in theirs]:
+            refuse(source, f"{ARGS}{key} {args[key]!r} differs from {other} {theirs!r}; make them equal")
+    for key in (ARGS + "anchor_num", "postprocess.anchor_args.num"):
+        value = get_key(hypes, key)
+        if value is not None and value != args["anchor_number"]:
+            refuse(source, f"{key} ({value}) differs from {ARGS}anchor_number ({args['anchor_number']}); make them "
+                           f"equal")
+
+
 def check_anchor_stride(hypes: Mapping, source: str, stride: Optional[float]) -> None:
     """The anchors are laid on the grid of the heads' map: their feature_stride is that map's stride."""
     anchors = get_key(hypes, "postprocess.anchor_args.feature_stride")
@@ -229,8 +245,8 @@ def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: fl
 
 
 __all__ = ["refuse", "check_windows_divide", "positive_ints", "backbone_channels", "shrink_header", "head_channels",
-           "head_stride", "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_anchor_stride",
-           "level_map_sizes", "shrunk_map_size", "backbone_compression_steps", "refuse_compression",
-           "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK",
-           "SHRINK_LISTS", "SHRINK_HEADER_KEYS", "COMPRESSION", "BACKBONE_COMPRESSION"]
+           "head_stride", "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_grid_agreement",
+           "check_anchor_stride", "level_map_sizes", "shrunk_map_size", "backbone_compression_steps",
+           "refuse_compression", "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS",
+           "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS", "COMPRESSION", "BACKBONE_COMPRESSION"]
 

@@ -40,7 +40,8 @@ from torch import nn
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backbone_compression_steps,
-                                        check_backbone_compression, check_shrink_neck, level_map_sizes,
+                                        check_anchor_stride, check_backbone_compression, check_grid_agreement,
+                                        check_shrink_neck, head_stride, level_map_sizes, positive_ints, refuse,
                                         refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import counts
@@ -78,21 +79,34 @@ Map = Tuple[int, int, int]  # (channels, rows, cols) of a float32 map
 
 
 def check_pillar_args(hypes: Mapping, source: str) -> None:
-    """What the kinds of PILLAR_KEYS cannot say: the parser ran, the widths agree. Each model's check adds its
-    compression rule (models/checks.py)."""
+    """What the kinds of PILLAR_KEYS cannot say: the parser ran, the widths agree, the model's grid and anchor
+    count are the data's and the anchors'. Each model's check adds its compression rule (models/checks.py) and,
+    once its neck is checked, the heads' stride against the anchors' (`check_heads_fit_the_anchors`)."""
     if get_key(hypes, _ARGS + "point_pillar_scatter.grid_size") is None:
         raise ConfigError(f"{source}: model.args.point_pillar_scatter.grid_size is missing; add "
                           f"'yaml_parser: load_point_pillar_params' to the hypes so that it is computed")
     args = hypes["model"]["args"]
+    filters = args["pillar_vfe"]["num_filters"]
+    if not filters or not positive_ints(filters):
+        refuse(source, f"{_ARGS}pillar_vfe.num_filters must be a non-empty list of positive integers (the "
+                       f"encoder's widths), got {filters!r}")
+    check_grid_agreement(hypes, source)
     if args["point_pillar_scatter"]["num_features"] != args["pillar_vfe"]["num_filters"][-1]:
         raise ConfigError(f"{source}: model.args.point_pillar_scatter.num_features "
                           f"({args['point_pillar_scatter']['num_features']}) must equal the last of "
                           f"model.args.pillar_vfe.num_filters ({args['pillar_vfe']['num_filters'][-1]}); fix the hypes")
 
 
+def check_heads_fit_the_anchors(hypes: Mapping, source: str) -> None:
+    """The anchors are laid at postprocess.anchor_args.feature_stride: the heads' map must have that stride (the
+    loss would otherwise meet maps and labels of different sizes)."""
+    check_anchor_stride(hypes, source, head_stride(hypes["model"]["args"]))
+
+
 def check_point_pillar_args(hypes: Mapping, source: str) -> None:
     """Early and late fusion exchange points or boxes, no feature map: neither compression applies."""
     check_pillar_args(hypes, source)
+    check_heads_fit_the_anchors(hypes, source)
     args = hypes["model"]["args"]
     for key in (COMPRESSION, BACKBONE_COMPRESSION):
         refuse_compression(args, source, key, "early and late fusion send no feature map")
@@ -238,6 +252,7 @@ def check_attfuse_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     check_backbone_compression(args, source, *_grid_rows_cols(args))
+    check_heads_fit_the_anchors(hypes, source)
 
 
 @MODELS.register("point_pillar_intermediate", fusion="intermediate (attention)", required=PILLAR_KEYS,
@@ -261,6 +276,7 @@ def check_fcooper_args(hypes: Mapping, source: str) -> None:
     ratio that divides the shrunk map's channels."""
     check_pillar_args(hypes, source)
     check_shrink_neck(hypes["model"]["args"], source)
+    check_heads_fit_the_anchors(hypes, source)
 
 
 @MODELS.register("point_pillar_fcooper", fusion="intermediate (max)", required=PILLAR_KEYS,

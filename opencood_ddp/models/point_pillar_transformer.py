@@ -24,7 +24,8 @@ from opencood_ddp.models.checks import (SHRINK_HEADER_KEYS, check_max_cav, check
 from opencood_ddp.models.modules.shrink_neck import ShrinkNeck
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_encoder import V2XTransformer
-from opencood_ddp.models.point_pillar import PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar, check_pillar_args
+from opencood_ddp.models.point_pillar import (PILLAR_KEYS, PILLAR_OPTIONAL_KEYS, PointPillar,
+                                              check_heads_fit_the_anchors, check_pillar_args)
 from opencood_ddp.registry import MODELS
 
 _ARGS = "model.args."
@@ -112,6 +113,7 @@ def check_v2xvit_args(hypes: Mapping, source: str) -> None:
     check_pillar_args(hypes, source)
     args = hypes["model"]["args"]
     _check_transformer(hypes, args, source)
+    check_heads_fit_the_anchors(hypes, source)
     check_max_cav(hypes, source)
 
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
-from opencood_ddp.models.checks import check_backbone_compression
+from opencood_ddp.models.checks import check_backbone_compression, check_grid_agreement
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.ego_warp import batch_ego_warp
@@ -70,7 +70,7 @@ def check_second_args(hypes: Mapping, source: str) -> None:
     _, rows, cols = output_shape(grid)  # the BEV backbone's input: the sparse backbone's output, height folded
     check_backbone_compression(args, source, rows, cols)
     _check_head_grid(hypes, grid, source)
-    _check_agreement(hypes, source)
+    check_grid_agreement(hypes, source)
 
 
 def _grid_size(args: Mapping, source: str) -> Sequence[int]:
@@ -153,21 +153,6 @@ def _check_head_grid(hypes: Mapping, grid: Sequence[int], source: str) -> None:
                           f"upsample_strides), the anchors' {expected[0]} x {expected[1]} (postprocess.anchor_args "
                           f"H x W // feature_stride {stride}); make feature_stride the model's stride and the "
                           f"grid's x and y cells multiples of it")
-
-
-def _check_agreement(hypes: Mapping, source: str) -> None:
-    args = hypes["model"]["args"]
-    for key, other in (("voxel_size", "preprocess.args.voxel_size"), ("lidar_range", "preprocess.cav_lidar_range")):
-        theirs = get_key(hypes, other)
-        if theirs is not None and [float(v) for v in args[key]] != [float(v) for v in theirs]:
-            raise ConfigError(f"{source}: model.args.{key} {args[key]!r} differs from {other} {theirs!r}; "
-                              f"make them equal")
-    for key, other in ((_ARGS + "anchor_num", "model.args.anchor_number"),
-                       ("postprocess.anchor_args.num", "model.args.anchor_number")):
-        value = get_key(hypes, key)
-        if value is not None and value != args["anchor_number"]:
-            raise ConfigError(f"{source}: {key} ({value}) differs from {other} ({args['anchor_number']}); "
-                              f"make them equal")
 
 
 @MODELS.register("second_intermediate", fusion="intermediate (attention)", required=SECOND_KEYS,
