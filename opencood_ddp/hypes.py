@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import re
 from numbers import Real
@@ -133,6 +134,9 @@ KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "int": (_is_int, "an integer"),
     "positive_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
     "number": (_is_number, "a number"),
+    "positive_number": (lambda v: _is_number(v) and 0 < v < math.inf, "a positive number"),
+    # numpy's legacy seed, which seed_everything sets, takes only these
+    "seed": (lambda v: _is_int(v) and 0 <= v < 2 ** 32, "an integer in [0, 2**32)"),
     "str": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
     "list": (lambda v: isinstance(v, list), "a list"),
     "dict": (lambda v: isinstance(v, dict), "a mapping"),
@@ -158,7 +162,7 @@ ENGINE_OPTIONAL_KEYS: Sequence[tuple[str, str]] = (
     ("train_params.eval_freq", "positive_int"),
     ("train_params.save_freq", "positive_int"),
     ("train_params.find_unused_parameters", "bool"),
-    ("train_params.seed", "int"),
+    ("train_params.seed", "seed"),
     ("optimizer.args", "dict"),
     ("lr_scheduler.core_method", "str"),
 )
@@ -177,7 +181,7 @@ def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
         check, wanted = KIND_CHECKS[kind]
         value = get_key(hypes, key, _MISSING)
         if value is _MISSING:
-            problems.append(f"missing key {key} ({wanted})")
+            problems.append(_why_missing(hypes, key, wanted))
         elif not check(value):
             problems.append(f"key {key} must be {wanted}, got {value!r}")
     for key, kind in optional:
@@ -185,18 +189,35 @@ def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
         value = get_key(hypes, key, _MISSING)
         if value is not _MISSING and not check(value):
             problems.append(f"key {key} must be {wanted}, got {value!r}")
-    if problems:
-        raise ConfigError(f"{source}: " + "; ".join(problems) + "; fix the hypes or pass --set key=value")
+    if problems:  # once each: every key under a section that is not a mapping says the same
+        raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(problems))
+                          + "; fix the hypes or pass --set key=value")
 
+
+
+def _why_missing(hypes: Mapping, key: str, wanted: str) -> str:
+    """'missing key K', or, where a section on K's path is there but not a mapping (`--set model.args=[1, 2]`),
+    that section's fault: K is not missing from it, it cannot hold K."""
+    parts = key.split(".")
+    node: Any = hypes
+    for depth, part in enumerate(parts[:-1]):
+        node = node.get(part, _MISSING) if isinstance(node, Mapping) else _MISSING
+        if node is _MISSING:
+            break
+        if not isinstance(node, Mapping):
+            section = ".".join(parts[:depth + 1])
+            return f"key {section} must be a mapping, got {node!r}"
+    return f"missing key {key} ({wanted})"
 
 
 def range6(hypes: Mapping, key: str, source: str) -> tuple[float, ...]:
     """The value at ``key`` as a range ``(x_min, y_min, z_min, x_max, y_max, z_max)`` of floats, or a ConfigError."""
     value = get_key(hypes, key)
     if (not isinstance(value, (list, tuple)) or len(value) != 6
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
-        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max], got {value!r}; "
-                          f"fix the hypes or pass --set key=value")
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            or not all(value[axis] < value[axis + 3] for axis in range(3))):
+        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max] with min < max "
+                          f"on each axis, got {value!r}; fix the hypes or pass --set key=value")
     return tuple(float(v) for v in value)
 
 

@@ -85,12 +85,28 @@ def run_yaml_parser(hypes: dict, source: str = "hypes") -> dict:
         return hypes
     entry = YAML_PARSERS.get(name, source)
     entry.validate(hypes, source)
+    _check_grid_inputs(hypes, source)
     try:
         return entry.obj(hypes)
     except (KeyError, TypeError, IndexError, ValueError, ZeroDivisionError) as exc:
         keys = ", ".join(key for key, _ in entry.required)
         raise ConfigError(f"{source}: yaml_parser {name} cannot compute the grid from {keys} "
                           f"({type(exc).__name__}: {exc}); fix the hypes") from None
+
+
+def _check_grid_inputs(hypes: dict, source: str) -> None:
+    """The ranges and the voxel size the grids come from, each named where it is wrong: a grid computed from them
+    would fail, or come out negative, under keys the parser derives (anchor_args.W, grid_size)."""
+    for key in ("preprocess.cav_lidar_range", "postprocess.anchor_args.cav_lidar_range"):
+        if hypes_lib.get_key(hypes, key) is not None:
+            hypes_lib.range6(hypes, key, source)
+    voxel_size = hypes_lib.get_key(hypes, _VOXEL_SIZE[0])
+    if voxel_size is not None and not (
+            isinstance(voxel_size, (list, tuple)) and len(voxel_size) == 3
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+                    for v in voxel_size)):
+        raise ConfigError(f"{source}: key {_VOXEL_SIZE[0]} must be 3 positive numbers [x, y, z] in metres, got "
+                          f"{voxel_size!r}; fix the hypes or pass --set key=value")
 
 
 def load_parsed_hypes(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:

@@ -6,6 +6,7 @@ import stat
 import numpy as np
 import pytest
 
+from launch import REPO
 from opencood_ddp import hypes as H
 from opencood_ddp import yaml_parsers as YP
 from opencood_ddp.errors import ConfigError
@@ -243,7 +244,7 @@ def test_validate_reports_every_problem_in_one_error():
     assert "missing key optimizer.core_method (a non-empty string)" in msg
     assert "key optimizer.lr must be a number, got 'fast'" in msg
     assert "key train_params.batch_size must be a positive integer, got 0" in msg
-    assert "key train_params.seed must be an integer, got 1.5" in msg
+    assert "key train_params.seed must be an integer in [0, 2**32), got 1.5" in msg
 
 
 def test_validate_bool_is_not_an_int():
@@ -256,7 +257,7 @@ def test_validate_bool_is_not_an_int():
     msg = str(info.value)
     assert "train_params.batch_size must be a positive integer, got True" in msg
     assert "optimizer.lr must be a number, got False" in msg
-    assert "train_params.seed must be an integer, got True" in msg
+    assert "train_params.seed must be an integer in [0, 2**32), got True" in msg
 
 
 def test_validate_optional_keys_only_when_present():
@@ -276,7 +277,26 @@ def test_validate_empty_name_and_non_mapping_parent():
         H.validate(hypes, H.ENGINE_KEYS, "h.yaml")
     msg = str(info.value)
     assert "key name must be a non-empty string" in msg
-    assert "missing key optimizer.core_method" in msg and "missing key optimizer.lr" in msg
+    # not "missing key optimizer.core_method": the section is there, and it cannot hold keys; said once
+    assert msg.count("key optimizer must be a mapping, got 'Adam'") == 1 and "missing key optimizer" not in msg
+
+
+@pytest.mark.parametrize("override, fragment", [
+    # these were named after the keys the parser derives (anchor_args.W "must be a positive integer, got -240"),
+    # or as one of four keys the grid comes from
+    ("preprocess.cav_lidar_range=[48, -24, -3, -48, 24, 1]",
+     "key preprocess.cav_lidar_range must be [x_min, y_min, z_min, x_max, y_max, z_max] with min < max on each axis"),
+    ("preprocess.cav_lidar_range=[-48, -24, -3, 48, 24]", "key preprocess.cav_lidar_range must be [x_min"),
+    ("preprocess.args.voxel_size=[0.4, 0.4]", "key preprocess.args.voxel_size must be 3 positive numbers"),
+    ("preprocess.args.voxel_size=[0.4, 0, 4]", "key preprocess.args.voxel_size must be 3 positive numbers"),
+    ("preprocess.args.voxel_size=[-0.4, -0.4, 4]", "key preprocess.args.voxel_size must be 3 positive numbers"),
+])
+def test_the_grids_inputs_are_named_before_the_parser_computes_from_them(override, fragment):
+    path = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
+    with pytest.raises(ConfigError) as info:
+        YP.load_parsed_hypes(path, [override])
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and fragment in message and "anchor_args.W" not in message, message
 
 
 def test_validate_int_lr_is_a_number():

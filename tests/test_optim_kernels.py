@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import io
 
+import pytest
 import torch
 
 from opencood_ddp.engine.optim import build_optimizer, kernel_args, load_optimizer_state
+from opencood_ddp.errors import ConfigError
 
 ADAM = {"optimizer": {"core_method": "Adam", "lr": 0.002, "args": {"eps": 1e-10, "weight_decay": 1e-4}}}
 
@@ -54,3 +56,16 @@ def test_a_resumed_state_keeps_this_runs_kernels_and_its_moments():
         assert torch.equal(resumed.state[p]["exp_avg"], saved_by_gpu_run.state[p]["exp_avg"])
     _step(model, resumed)  # the CPU's update runs on the fused run's moments
     assert all(int(resumed.state[p]["step"]) == 2 for p in model.parameters())
+
+
+@pytest.mark.parametrize("section, fragment", [
+    # torch raised IndexError for a one-entry betas, past the project's frames: a traceback, not a line
+    ({"args": {"betas": [0.9]}}, "optimizer.args rejected by torch.optim.Adam (list index out of range)"),
+    ({"core_method": "Adamw"}, "optimizer.core_method 'Adamw' is not a torch.optim optimizer (did you mean AdamW?)"),
+    ({"core_method": "sgd"}, "(did you mean SGD?)"),
+])
+def test_an_optimizer_torch_refuses_is_one_line_naming_the_key(section, fragment):
+    hypes = {"optimizer": {**ADAM["optimizer"], **section}}
+    with pytest.raises(ConfigError) as info:
+        build_optimizer(hypes, _model().parameters(), 0.002)
+    assert fragment in str(info.value) and "\n" not in str(info.value), str(info.value)

@@ -87,6 +87,16 @@ def test_kernel_flags_hold_for_the_run_and_are_restored_after_it(monkeypatch):
         assert (torch.are_deterministic_algorithms_enabled(), tf32_flags()) == before
 
 
+@pytest.mark.parametrize("value,fragment", [("-1", "-1 is outside [0, 2**32), the seeds numpy takes"),
+                                            ("4294967296", "4294967296 is outside [0, 2**32)"),
+                                            ("x", "'x' is not a whole number")])
+def test_a_seed_numpy_refuses_is_one_argparse_line(value, fragment, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_train_options(["--model_dir", "run", "--seed", value])
+    assert stopped.value.code == 2 and f"argument --seed: {fragment}" in capsys.readouterr().err
+    assert parse_train_options(["--model_dir", "run", "--seed", str(2 ** 32 - 1)]).loop.seed == 2 ** 32 - 1
+
+
 @pytest.mark.parametrize("value,fragment", [("-1", "-1 is negative; 0 loads in the process itself"),
                                             ("two", "'two' is not a whole number")])
 def test_a_bad_worker_count_is_one_argparse_line(value, fragment, capsys):

@@ -506,6 +506,13 @@ def test_generate_gt_bbx_dedupes_by_id_in_the_ego_frame(post):
     ("postprocess.gt_range=[1, 2]", "postprocess.gt_range"),
     ("postprocess.nms_thresh=high", "postprocess.nms_thresh"),
     ("postprocess.target_args.pos_threshold=-0.1", "postprocess.target_args.pos_threshold"),
+    # taken before: NMS that keeps one box a frame or none suppressed, a score no sigmoid reaches, anchors labelled
+    # positive and negative at once, log(size / anchor size) of a negative anchor (NaN targets the loss dropped)
+    ("postprocess.nms_thresh=-0.1", "postprocess.nms_thresh must be an IoU in [0, 1]"),
+    ("postprocess.nms_thresh=1.5", "postprocess.nms_thresh must be an IoU in [0, 1]"),
+    ("postprocess.target_args.score_threshold=1.5", "postprocess.target_args.score_threshold must be a score"),
+    ("postprocess.target_args.pos_threshold=0.3", "postprocess.target_args.pos_threshold (0.3) must not be below"),
+    ("postprocess.anchor_args.l=-3.9", "postprocess.anchor_args.l must be a positive number"),
     ("postprocess.anchor_args.feature_stride=1000", "postprocess.anchor_args.feature_stride"),
 ])
 def test_create_postprocessor_errors_name_the_key(override, key):

@@ -275,6 +275,15 @@ def test_cosineannealwarm_errors_name_the_key(override, key):
         build_scheduler(hypes, _optimizer(), steps_per_epoch=3)
 
 
+@pytest.mark.parametrize("gamma", [0, -0.5])
+def test_a_plain_schedulers_gamma_must_be_positive(gamma):
+    """torch takes any gamma: 0 stops the training at the first milestone, a negative one turns the lr over."""
+    for method in ("multistep", "step", "exponential"):
+        with pytest.raises(ConfigError, match=f"key lr_scheduler.gamma must be a positive number, got {gamma}"):
+            build_scheduler({"lr_scheduler": {"core_method": method, "gamma": gamma, "step_size": 2}}, _optimizer(),
+                            1)
+
+
 def test_plain_schedulers_keep_their_defaults():
     optimizer = _optimizer(1.0)
     schedule = build_scheduler({"lr_scheduler": {"core_method": "multistep", "step_size": 2}}, optimizer, 1)

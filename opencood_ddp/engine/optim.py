@@ -10,6 +10,7 @@ The schedulers are entries of the SCHEDULERS registry (`engine/schedulers/`); `b
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Iterable, Union
 
@@ -49,7 +50,13 @@ def optimizer_class(hypes: dict) -> type:
     method = hypes["optimizer"]["core_method"]
     cls = getattr(torch.optim, method, None)
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-        raise ConfigError(f"optimizer.core_method {method!r} is not a torch.optim optimizer; use e.g. Adam or SGD")
+        names = {name.lower(): name for name, value in vars(torch.optim).items()
+                 if isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
+                 and value is not torch.optim.Optimizer}
+        close = difflib.get_close_matches(str(method).lower(), list(names), n=1)  # case-blind: 'Adamw' is AdamW
+        hint = f" (did you mean {names[close[0]]}?)" if close else ""
+        raise ConfigError(f"optimizer.core_method {method!r} is not a torch.optim optimizer{hint}; use e.g. Adam "
+                          f"or SGD")
     return cls
 
 
@@ -66,7 +73,7 @@ def build_optimizer(hypes: dict, parameters: Iterable[torch.nn.Parameter], lr: f
         return cls(parameters, lr=lr, **args)
     except TypeError as exc:
         raise ConfigError(f"optimizer.args {args} do not fit {method} ({exc}); fix the hypes") from None
-    except ValueError as exc:  # torch's own range checks: "Invalid learning rate: -0.1", "Invalid beta ..."
+    except (ValueError, IndexError) as exc:  # torch's checks ("Invalid learning rate: -0.1"); betas: [0.9]
         key = "optimizer.lr" if "learning rate" in str(exc) else "optimizer.args"
         raise ConfigError(f"{key} rejected by torch.optim.{method} ({exc}); fix the hypes or --set {key}") from None
 

@@ -147,6 +147,17 @@ def worker_count(text: str) -> int:
     return value
 
 
+def seed_value(text: str) -> int:
+    """--seed: an integer numpy's legacy seed takes (seed_everything sets it), as train_params.seed."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 2 ** 32:
+        raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**32), the seeds numpy takes")
+    return value
+
+
 def per_gpu_batch_value(text: str) -> Union[int, str]:
     """--per_gpu_batch: a positive integer or 'auto'."""
     if text == "auto":
@@ -202,7 +213,7 @@ def add_loop_arguments(parser: Any) -> None:
     parser.add_argument("--half", nargs="?", const="auto", choices=HALF_MODES, metavar="{fp16,bf16}",
                         help="mixed precision: fp16 with a GradScaler, or bf16; a bare --half is fp16 on CUDA and bf16 "
                              "on the CPU")
-    parser.add_argument("--seed", type=int, help="default: train_params.seed of the hypes, else 0")
+    parser.add_argument("--seed", type=seed_value, help="default: train_params.seed of the hypes, else 0")
     parser.add_argument("--no_sync_bn", dest="sync_bn", action="store_false",
                         help="keep per-rank BatchNorm statistics")
     parser.add_argument("--max_steps", type=int, help="end the run after this many optimizer steps and save "

@@ -36,9 +36,9 @@ from opencood_ddp.registry import POSTPROCESSORS
 # their absence gets check_postprocess_hypes' hint ("add yaml_parser: ...") rather than a bare missing key.
 REQUIRED_KEYS: Tuple[Tuple[str, str], ...] = (
     ("postprocess.anchor_args.cav_lidar_range", "list"),
-    ("postprocess.anchor_args.l", "number"),
-    ("postprocess.anchor_args.w", "number"),
-    ("postprocess.anchor_args.h", "number"),
+    ("postprocess.anchor_args.l", "positive_number"),  # box sizes: the targets are log(size / anchor size)
+    ("postprocess.anchor_args.w", "positive_number"),
+    ("postprocess.anchor_args.h", "positive_number"),
     ("postprocess.anchor_args.r", "list"),
     ("postprocess.anchor_args.num", "positive_int"),
     ("postprocess.anchor_args.W", "positive_int"),
@@ -74,10 +74,19 @@ def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
     if postprocess["order"] != "hwl":
         raise _fail(source, f"key postprocess.order must be 'hwl' for VoxelPostprocessor (upstream's label "
                             f"generation supports only 'hwl'), got {postprocess['order']!r}")
-    for name in ("pos_threshold", "neg_threshold"):
-        value = postprocess["target_args"][name]
+    for key in ("target_args.pos_threshold", "target_args.neg_threshold", "nms_thresh"):
+        value = get_key(postprocess, key)
         if not 0 <= value <= 1:
-            raise _fail(source, f"key postprocess.target_args.{name} must be an IoU in [0, 1], got {value!r}")
+            raise _fail(source, f"key postprocess.{key} must be an IoU in [0, 1], got {value!r}")
+    score = postprocess["target_args"]["score_threshold"]
+    if not 0 <= score <= 1:
+        raise _fail(source, f"key postprocess.target_args.score_threshold must be a score in [0, 1] (a sigmoid's), "
+                            f"got {score!r}")
+    targets = postprocess["target_args"]
+    if targets["pos_threshold"] < targets["neg_threshold"]:
+        # an anchor with an IoU between the two would be labelled positive and negative at once
+        raise _fail(source, f"key postprocess.target_args.pos_threshold ({targets['pos_threshold']}) must not be "
+                            f"below postprocess.target_args.neg_threshold ({targets['neg_threshold']})")
     args = postprocess["anchor_args"]
     if not all(isinstance(r, (int, float)) and not isinstance(r, bool) for r in args["r"]):
         raise _fail(source, f"key postprocess.anchor_args.r must be a list of yaw angles in degrees, got {args['r']!r}")

@@ -9,7 +9,7 @@ from torch.optim.lr_scheduler import ExponentialLR, MultiStepLR, StepLR
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.registry import SCHEDULERS
 
-_GAMMA = ("lr_scheduler.gamma", "number")
+_GAMMA = ("lr_scheduler.gamma", "positive_number")  # 0 stops the training, < 0 ascends
 
 
 def _milestones(section: Mapping) -> list:
