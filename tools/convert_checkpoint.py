@@ -39,10 +39,20 @@ def convert(args: argparse.Namespace) -> str:
     if not args.trust:
         raise ConfigError(f"converting {source} unpickles it in full, which runs any code it holds; pass --trust "
                           f"if you trust its source")
+    if not source.is_file():
+        raise CheckpointError(f"{source} is not a file; pass the checkpoint to convert")
     if target.exists():
         raise ConfigError(f"{target} exists; give a new file name")
+    if not target.parent.is_dir():
+        raise ConfigError(f"{target}: its folder {target.parent} is not there; create it, or give a file in an "
+                          f"existing folder")
     print(f"warning: unpickling {source} with torch.load(weights_only=False), as --trust asked", file=sys.stderr)
-    loaded = torch.load(source, map_location="cpu", weights_only=False)  # the one full unpickling: --trust above
+    try:
+        loaded = torch.load(source, map_location="cpu", weights_only=False)  # the one full unpickling: --trust
+    except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign file makes the unpickler raise
+        first_line = (str(exc).splitlines() or [""])[0]
+        raise CheckpointError(f"{source} is not a torch checkpoint, or is truncated ({type(exc).__name__}: "
+                              f"{first_line}); pass a net_epoch<N>.pth file") from None
     state = ckpt.strip_module_prefix(ckpt.as_state_dict(loaded, str(source)))
     ckpt.atomic_save({key: value.detach().cpu() for key, value in state.items()}, target)
     reread = ckpt.load_file(target)  # the safe unpickler: what every loader of this project will do

@@ -71,11 +71,19 @@ def exported_epoch(run_dir: Path, checkpoint: Path, step: Optional[int]) -> int:
     return int((ckpt.WEIGHTS_RE.match(checkpoint.name) or ckpt.BESTVAL_RE.match(checkpoint.name)).group(1))
 
 
+def check_out(out: Path) -> None:
+    """--out is a new or empty folder, or can be made one (its nearest existing parent is a folder)."""
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty; pass a new or empty folder")
+    existing = next(path for path in (out, *out.parents) if path.exists())
+    if not existing.is_dir():
+        raise ConfigError(f"--out {out}: {existing} is a file; pass a new or empty folder")
+
+
 def export(args: argparse.Namespace) -> str:
     run_dir, out = Path(args.model_dir), Path(args.out)
     run = load_run(run_dir, args.epoch, args.bestval, args.step)
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} is not empty; pass a new or empty folder")
+    check_out(out)
     hypes = run.hypes
     model = create_model(hypes)
     core_method = hypes["model"]["core_method"]

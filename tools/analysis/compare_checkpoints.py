@@ -7,21 +7,44 @@ Relative difference of one tensor: max|a - b| / max|b|; the largest over tensors
 Exit status 1 when a figure exceeds the tolerance (for scripts).
 """
 import argparse
+import math
 import sys
 
-from opencood_ddp.checkpoint_files import load_file
+from opencood_ddp.checkpoint_files import as_state_dict, describe_mismatch, load_file, strip_module_prefix
 from opencood_ddp.engine.parity import relative_differences
-from opencood_ddp.errors import OpencoodDdpError
+from opencood_ddp.errors import CheckpointError, OpencoodDdpError
+
+
+def tolerance(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} is not a relative difference >= 0")
+    return value
+
+
+def weights(path: str) -> dict:
+    """The file's state_dict (ours, upstream's, a fork's wrapped one; DDP's `module.` prefix taken off)."""
+    return strip_module_prefix(as_state_dict(load_file(path), path))
+
+
+def comparable(state: dict, reference: dict, labels: tuple) -> None:
+    """Both hold the same tensors: the differences are taken over every key, so a key only one holds, or a
+    tensor of another shape, would leave out what differs (two different models compared 'equal')."""
+    mismatch = describe_mismatch(reference, state)
+    if mismatch:
+        raise CheckpointError(f"{labels[0]} and {labels[1]} are not weights of one model ({mismatch}: 'checkpoint' is "
+                              f"the first, 'model' the second); compare two checkpoints of one configuration")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint")
     parser.add_argument("reference")
-    parser.add_argument("--tolerance", type=float, default=1e-4)
+    parser.add_argument("--tolerance", type=tolerance, default=1e-4)
     args = parser.parse_args()
     try:
-        state, reference = load_file(args.checkpoint), load_file(args.reference)
+        state, reference = weights(args.checkpoint), weights(args.reference)
+        comparable(state, reference, (args.checkpoint, args.reference))
     except OpencoodDdpError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
