@@ -95,6 +95,20 @@ def test_plan_batch_says_when_nothing_fits(toy_small):
     assert result.returncode == 2 and result.stderr.strip() == "error: --gpus 0: give at least 1", explain(result)
 
 
+@pytest.mark.parametrize("args, line", [
+    # each was measured first and then planned against nan GiB, or ended in a traceback from torch
+    (("--gpu_mem_gib", "nan"), "error: --gpu_mem_gib nan: give the memory of one GPU in GiB"),
+    (("--gpu_mem_gib", "64", "--largest_probe", "0"), "error: --largest_probe 0: give the largest per-GPU batch"),
+    (("--gpu_mem_gib", "64", "--device", "cuda"), "error: --device cuda: torch sees no GPU here"),
+])
+def test_plan_batch_refuses_what_it_cannot_measure_or_plan_before_measuring(toy_small, args, line):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: --device cuda is valid here")
+    result = _plan(toy_small, "--gpus", "2", *args)
+    assert result.returncode == 2 and result.stderr.strip().startswith(line), explain(result)
+    assert "per-GPU batch 1:" not in result.stdout  # refused before any measurement
+
+
 @pytest.mark.slow
 def test_train_per_gpu_batch_auto_changes_nothing_else_of_the_run(toy_small, tmp_path):
     common = ("--hypes_yaml", TOY, "--num_workers", "0", "--max_steps", "2", "--set", "train_params.batch_size=4",

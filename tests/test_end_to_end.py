@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from launch import REPO, clean_environ, explain, python, split_set_flags, train
+from launch import REPO, clean_environ, explain, in_process, python, split_set_flags, train
 from shared_runs import completed_process, made_once, process_record
 from upstream_loop import upstream_step_lrs
 
@@ -122,6 +122,27 @@ def test_parity_check_refuses_a_batch_that_does_not_split(toy_small):
     assert result.returncode == 2, explain(result)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "train_params.batch_size" in errors[0] and "--world_sizes" in errors[0]
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    # each was a traceback: shlex's ValueError, FileExistsError, subprocess.TimeoutExpired
+    (["--train_args=--no_sync_bn 'x"], "--train_args \"--no_sync_bn 'x\" cannot be split into flags"),
+    (["--timeout", "0"], "--timeout 0: give each run's limit in seconds, above 0"),
+    (["--work_dir", "A_FILE"], "--work_dir A_FILE is a file; pick an empty folder"),
+    (["--timeout", "0.5", "--work_dir", "RUNS"], "the world1 run took longer than --timeout 0.5 s and was stopped; "
+                                                 "its output is in RUNS/world1.log"),
+])
+def test_parity_check_flags_it_cannot_run_are_one_line(toy_small, tmp_path, flags, fragment):
+    (tmp_path / "a_file").write_text("notes\n")
+    names = {"A_FILE": str(tmp_path / "a_file"), "RUNS": str(tmp_path / "runs")}
+    flags = [names.get(flag, flag) for flag in flags]
+    for name, path in names.items():
+        fragment = fragment.replace(name, path)
+    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "1",
+                        *split_set_flags(toy_small), *flags)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], explain(result)
+    assert (tmp_path / "a_file").read_text() == "notes\n"
 
 
 # ------------------------------------------------------------------------------------------------ multi-node

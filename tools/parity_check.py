@@ -114,8 +114,12 @@ def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, r
     print(f"{name}: {shown}", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
-        result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_environ(os.environ),
-                                timeout=args.timeout)
+        try:
+            result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_environ(os.environ),
+                                    timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"the {name} run took longer than --timeout {args.timeout:g} s and was stopped; its "
+                              f"output is in {log_path}: raise --timeout, or give fewer --steps") from None
     if result.returncode != 0:
         raise ConfigError(f"the {name} run failed (exit {result.returncode}): "
                           f"{last_error_line(log_path)}; its output is in {log_path}")
@@ -232,10 +236,24 @@ def report(results: list[RunResult], noise: RunResult, args: argparse.Namespace,
     return passed
 
 
-def parity_check(args: argparse.Namespace) -> int:
-    world_sizes = parse_world_sizes(args.world_sizes)
+def check_flags(args: argparse.Namespace) -> None:
+    """What the runs would fail on, said before any folder is made."""
     if args.steps < 1:
         raise ConfigError(f"--steps {args.steps}: give a positive number of optimizer steps")
+    if not args.timeout > 0:
+        raise ConfigError(f"--timeout {args.timeout:g}: give each run's limit in seconds, above 0")
+    try:
+        shlex.split(args.train_args)
+    except ValueError as exc:
+        raise ConfigError(f"--train_args {args.train_args!r} cannot be split into flags ({exc}); check its "
+                          f"quotes") from None
+    if args.work_dir and Path(args.work_dir).exists() and not Path(args.work_dir).is_dir():
+        raise ConfigError(f"--work_dir {args.work_dir} is a file; pick an empty folder")
+
+
+def parity_check(args: argparse.Namespace) -> int:
+    world_sizes = parse_world_sizes(args.world_sizes)
+    check_flags(args)
     batch = check_batch_splits(args, world_sizes)
     with tempfile.TemporaryDirectory(prefix="parity_") as scratch:
         work_dir = Path(args.work_dir or scratch)

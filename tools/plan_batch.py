@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import shlex
 import sys
 from typing import Optional, Sequence
@@ -38,17 +39,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu_mem_gib", type=float, required=True, help="memory of one GPU, GiB")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of each GPU kept free (default 0.1)")
     parser.add_argument("--largest_probe", type=int, default=4, help="largest per-GPU batch to measure")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the step is measured (default: cuda when torch sees a GPU)")
     return parser
 
 
 def check_args(args: argparse.Namespace) -> None:
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: give at least 1")
-    if args.gpu_mem_gib <= 0:
+    if not 0 < args.gpu_mem_gib < math.inf:  # nan too: it passed a '<= 0' test and planned against nan GiB
         raise ConfigError(f"--gpu_mem_gib {args.gpu_mem_gib}: give the memory of one GPU in GiB")
     if not 0 <= args.headroom < 1:
         raise ConfigError(f"--headroom {args.headroom}: give a share in [0, 1)")
+    if args.largest_probe < 1:
+        raise ConfigError(f"--largest_probe {args.largest_probe}: give the largest per-GPU batch to measure, 1 or "
+                          f"more")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch sees no GPU here (a CPU build, or no device visible); measure on "
+                          "the machine that will train, or pass --device cpu")
 
 
 def print_probe(probe: batch_fit.Probe) -> None:
