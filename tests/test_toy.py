@@ -278,6 +278,14 @@ def test_a_non_empty_folder_that_is_not_a_toy_set_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+def test_an_out_under_a_file_is_one_error_not_a_traceback(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(DataError) as error:  # was NotADirectoryError from mkdir
+        generate_toy_opv2v(tmp_path / "notes.txt" / "world", seed=0, config=TINY)
+    assert "\n" not in str(error.value) and "cannot make" in str(error.value) and "--out" in str(error.value)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
 def test_command_line_reuses_the_set_and_reports_errors(small_set, tmp_path, capsys):
     main = _load_tool("make_toy_opv2v").main
     assert main(["--out", str(small_set), "--seed", str(SEED), "--scale", "small"]) == 0

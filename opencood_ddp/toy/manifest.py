@@ -67,7 +67,10 @@ def is_complete_match(out: Path, manifest: dict, identity: dict, kind: ToySetKin
 def prepare_output_dir(out: Path, manifest: Optional[dict], kind: ToySetKind = OPV2V_SET) -> None:
     """Make out an empty folder, deleting only what an earlier toy set of ``kind`` wrote; never anything else."""
     if not out.exists():
-        out.mkdir(parents=True)
+        try:
+            out.mkdir(parents=True)
+        except OSError as exc:  # a parent that is a file, or a folder it may not write in
+            raise DataError(f"cannot make {out} ({exc.strerror}): choose another --out for {kind.what}") from None
         return
     if not out.is_dir():
         raise DataError(f"{out} is a file, not a folder: choose another --out for {kind.what}")

@@ -37,7 +37,12 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--runs", nargs="+", required=True, help="run folders evaluated with --save_npy")
     parser.add_argument("--iou", type=float, default=0.5, help="BEV IoU that counts as found (default 0.5)")
     parser.add_argument("--min_points", type=int, default=10, help="points that make an object seen")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not 0 < args.iou <= 1:
+        parser.error(f"argument --iou: {args.iou} is not an IoU in (0, 1]")
+    if args.min_points < 0:
+        parser.error(f"argument --min_points: {args.min_points} is negative")
+    return args
 
 
 def found(pred: np.ndarray, gt: np.ndarray, iou: float) -> np.ndarray:
@@ -52,11 +57,33 @@ def load_npy(run: Path, frame_number: int) -> Dict[str, np.ndarray]:
     if missing:
         raise DataError(f"{missing[0]} does not exist; evaluate {run} with tools/inference_ddp.py --save_npy "
                         f"--dataset_dir of this split first")
-    return {kind: np.load(paths[kind]) for kind in ("pred", "gt")}
+    return {kind: corners_file(paths[kind]) for kind in ("pred", "gt")}
+
+
+def corners_file(path: Path) -> np.ndarray:
+    """One of inference's --save_npy box files: (K, 8, 3) corners, read without unpickling anything."""
+    try:
+        corners = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise DataError(f"{path} is not a readable .npy file ({exc}); evaluate the run with --save_npy "
+                        f"again") from None
+    if corners.ndim != 3 or corners.shape[1:] != (8, 3):
+        raise DataError(f"{path} holds an array of shape {corners.shape}, not box corners (K, 8, 3); evaluate the "
+                        f"run with --save_npy again")
+    return corners
+
+
+def check_split(runs: Sequence[Path], frames: int, dataset_dir: Path) -> None:
+    """A run evaluated on a longer split holds npy files past this one's frames: another split, not this one."""
+    for run in runs:
+        if npy_paths(run, frames)["gt"].is_file():
+            raise DataError(f"{run} holds npy files of more than the {frames} frames of {dataset_dir}: it was "
+                            f"evaluated on another split; pass that split as --dataset_dir")
 
 
 def recall_table(runs: Sequence[Path], dataset_dir: Path, iou: float, min_points: int) -> str:
-    index = scan_split(dataset_dir)
+    index = scan_split(dataset_dir, key="--dataset_dir")
+    check_split(runs, len(index), dataset_dir)
     totals = {run: np.zeros((len(GROUPS), 2), dtype=np.int64) for run in runs}  # [group] -> (found, objects)
     for frame_number in range(len(index)):
         clouds = frame_clouds(index, frame_number)
@@ -77,7 +104,8 @@ def recall_table(runs: Sequence[Path], dataset_dir: Path, iou: float, min_points
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    return run_tool(lambda: recall_table([Path(run) for run in args.runs], Path(args.dataset_dir), args.iou, args.min_points))
+    return run_tool(lambda: recall_table([Path(run) for run in args.runs], Path(args.dataset_dir), args.iou,
+                                         args.min_points))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""The checkpoint tools on bad inputs: compare_checkpoints, convert_checkpoint and export_upstream give one error
-line and exit 2, write nothing, and compare_checkpoints never calls two different models equal.
+"""The tools besides training and evaluation on bad inputs: compare_checkpoints, convert_checkpoint,
+export_upstream and recall_by_visibility give one error line and exit 2 and write nothing, and compare_checkpoints
+never calls two different models equal (parity_check's and plan_batch's flags: test_end_to_end.py and
+test_batch_fit.py; make_toy_opv2v's --out: test_toy.py).
 
 Found by running each tool on what a researcher might pass it; every case here ended in a traceback, or, for
 compare_checkpoints, in "max relative difference 0.000e+00" and exit 0 for files with no tensor in common (it
 compared only the keys both held, and a fork's wrapped file held none at the top)."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from launch import REPO, explain, in_process
@@ -15,6 +18,7 @@ from opencood_ddp import checkpoint_files as ckpt
 COMPARE = REPO / "tools" / "analysis" / "compare_checkpoints.py"
 CONVERT = REPO / "tools" / "convert_checkpoint.py"
 EXPORT = REPO / "tools" / "export_upstream.py"
+RECALL = REPO / "tools" / "analysis" / "recall_by_visibility.py"
 
 
 def one_error_line(result, *fragments: str) -> None:
@@ -67,3 +71,29 @@ def test_export_upstream_refuses_an_out_that_is_or_lies_under_a_file(tmp_path, t
                    f"--out {tmp_path / 'a_file'}: {tmp_path / 'a_file'} is a file")
     one_error_line(in_process(EXPORT, "--model_dir", run, "--out", tmp_path / "a_file" / "sub"), "is a file")
     assert (tmp_path / "a_file").read_text() == "notes\n"
+
+
+def test_recall_by_visibility_names_a_damaged_npy_file_and_a_run_of_another_split(tmp_path, toy_small):
+    run = tmp_path / "run"
+    (run / "npy").mkdir(parents=True)
+    for frame in range(4):  # the small world's test split: 4 frames, no box found, none labelled
+        for kind in ("pred", "gt"):
+            np.save(run / "npy" / f"{frame:04d}_{kind}.npy", np.zeros((0, 8, 3), dtype=np.float32))
+    result = in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run)
+    assert result.returncode == 0 and "4 frames of" in result.stdout, explain(result)
+
+    (run / "npy" / "0001_pred.npy").write_text("junk\n")
+    one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run),
+                   f"{run / 'npy' / '0001_pred.npy'} is not a readable .npy file")
+    np.save(run / "npy" / "0001_pred.npy", np.zeros((3, 5), dtype=np.float32))
+    one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run),
+                   "holds an array of shape (3, 5), not box corners (K, 8, 3)")
+    np.save(run / "npy" / "0001_pred.npy", np.zeros((0, 8, 3), dtype=np.float32))
+    for frame in range(4, 6):  # as a run evaluated on a longer split leaves them
+        for kind in ("pred", "gt"):
+            np.save(run / "npy" / f"{frame:04d}_{kind}.npy", np.zeros((0, 8, 3), dtype=np.float32))
+    one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run),
+                   "holds npy files of more than the 4 frames", "it was evaluated on another split")
+    one_error_line(in_process(RECALL, "--dataset_dir", tmp_path / "nowhere", "--runs", run), "--dataset_dir")
+    bad_iou = in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run, "--iou", "1.5")
+    assert bad_iou.returncode == 2 and "argument --iou: 1.5 is not an IoU in (0, 1]" in bad_iou.stderr
