@@ -225,6 +225,15 @@ SHRINK_MODELS = ("point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_co
                  "point_pillar_v2xvit")
 
 
+def assert_toy_model_refused(config: str, override: str, fragment: str) -> None:
+    """create_model of the toy config with `override` is one ConfigError line holding `fragment`."""
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override)
+    with pytest.raises(ConfigError) as caught:
+        create_model(hypes)
+    message = str(caught.value)
+    assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
+
+
 @pytest.mark.parametrize("config", SHRINK_MODELS)
 @pytest.mark.parametrize("override, fragment", [
     ("model.args.shrink_header.input_dim=100", "model.args.shrink_header.input_dim (100) must equal the backbone's"),
@@ -233,11 +242,7 @@ SHRINK_MODELS = ("point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_co
 ])
 def test_every_model_with_a_shrink_header_refuses_it_alike(config, override, fragment):
     """models/checks.py: one shrink-header rule and one error line for the five models that take one."""
-    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override)
-    with pytest.raises(ConfigError) as caught:
-        create_model(hypes)
-    message = str(caught.value)
-    assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
+    assert_toy_model_refused(config, override, fragment)
 
 
 PILLAR_MODELS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
@@ -260,11 +265,7 @@ PILLAR_MODELS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point
                                              "positive integers"),
 ])
 def test_every_pillar_model_refuses_a_grid_or_anchors_its_heads_do_not_fit(config, override, fragment):
-    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override)
-    with pytest.raises(ConfigError) as caught:
-        create_model(hypes)
-    message = str(caught.value)
-    assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
+    assert_toy_model_refused(config, override, fragment)
 
 
 @pytest.mark.parametrize("config", ("point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"))
