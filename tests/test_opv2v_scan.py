@@ -195,6 +195,17 @@ def test_error_no_scenario(tmp_path):
     one_line_error(exc_info, str(tmp_path), "no scenario", "empty split")
 
 
+def test_error_the_data_sets_root_for_a_split(tmp_path):
+    """The data set's root passed for a split (say --dataset_dir /data/opv2v): its splits were scanned as scenarios
+    and the run failed later as an 'empty split' under the key inference replaces (validate_dir)."""
+    make_cav(tmp_path / "test" / "2021_08_18_19_48_05", "1")
+    (tmp_path / "train").mkdir()
+    with pytest.raises(DataError) as exc_info:
+        opv2v.scan_split(tmp_path, key="--dataset_dir")
+    one_line_error(exc_info, f"--dataset_dir {tmp_path}: holds the splits test, train, not scenarios",
+                   f"pass --dataset_dir an OPV2V split folder such as {tmp_path / 'test'}")
+
+
 def test_error_scenario_without_cav(tmp_path):
     make_cav(tmp_path / "a", "1")
     (tmp_path / "b").mkdir()

@@ -310,6 +310,10 @@ def _split_fix(key: str) -> str:
     return f"set {key} in the hypes (or --set {key}=PATH) to an OPV2V split folder"
 
 
+# Folder names of a data set's splits: a folder holding them is the data set's root, not a split.
+SPLIT_NAMES = ("train", "validate", "test", "val", "training", "testing", "validation", "test_culver_city")
+
+
 def split_root(root_dir: PathLike, key: str = "root_dir") -> Path:
     """``root_dir`` as a Path, checked to be a folder holding scenario sub-folders; ``key`` (the hypes key or flag
     the path came from) names it in the error."""
@@ -318,8 +322,13 @@ def split_root(root_dir: PathLike, key: str = "root_dir") -> Path:
     if not root.is_dir():
         problem = "is a file, not a split folder" if root.exists() else "split folder not found"
         raise DataError(f"{key} {root}: {problem}; {_split_fix(key)} {layout}")
-    if not _subdirectories(root):
+    folders = _subdirectories(root)
+    if not folders:
         raise DataError(f"{key} {root}: no scenario folder in this split (empty split); {_split_fix(key)} {layout}")
+    splits = [name for name in folders if name in SPLIT_NAMES]
+    if splits:  # else its splits would be read as scenarios, to fail later as an "empty split" under another key
+        raise DataError(f"{key} {root}: holds the splits {', '.join(splits)}, not scenarios: it is the data set's "
+                        f"root; {_split_fix(key)} such as {root / splits[0]}")
     return root
 
 
