@@ -46,6 +46,7 @@ def test_compare_checkpoints_compares_every_tensor_or_refuses(tmp_path):
     one_error_line(in_process(COMPARE, path["other_model"], path["plain"]), "2 missing (conv.weight, conv.bias)",
                    "1 unexpected (head.weight)")
     one_error_line(in_process(COMPARE, path["a_list"], path["plain"]), "holds a list, not a state_dict")
+    one_error_line(in_process(COMPARE, tmp_path, path["plain"]), f"{tmp_path} is not a file; pass two checkpoint")
     bad_tolerance = in_process(COMPARE, path["plain"], path["plain"], "--tolerance", "-1")
     assert bad_tolerance.returncode == 2 and "-1 is not a relative difference >= 0" in bad_tolerance.stderr
 

@@ -9,6 +9,7 @@ Exit status 1 when a figure exceeds the tolerance (for scripts).
 import argparse
 import math
 import sys
+from pathlib import Path
 
 from opencood_ddp.checkpoint_files import as_state_dict, describe_mismatch, load_file, strip_module_prefix
 from opencood_ddp.engine.parity import relative_differences
@@ -24,6 +25,8 @@ def tolerance(text: str) -> float:
 
 def weights(path: str) -> dict:
     """The file's state_dict (ours, upstream's, a fork's wrapped one; DDP's `module.` prefix taken off)."""
+    if not Path(path).is_file():  # load_file's own line asks for --model_dir / --epoch, which this tool has not
+        raise CheckpointError(f"{path} is not a file; pass two checkpoint files")
     return strip_module_prefix(as_state_dict(load_file(path), path))
 
 
