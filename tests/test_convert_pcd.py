@@ -19,7 +19,7 @@ import pytest
 from launch import REPO, clean_environ, explain, in_process
 from opencood_ddp.data.datasets import build_dataset
 from opencood_ddp.data.pcd import read_pcd, read_pcd_header, write_pcd
-from opencood_ddp.data.pcd_convert import (BINARY, CONVERTED, FAILED, TEMP_SUFFIX, convert_file,
+from opencood_ddp.data.pcd_convert import (BINARY, CONVERTED, FAILED, MIRROR_MARK, TEMP_SUFFIX, convert_file,
                                            plan_conversion, run_conversion)
 from opencood_ddp.errors import ConfigError, DataError
 from test_datasets import assert_identical, toy_hypes
@@ -488,3 +488,27 @@ def test_leftover_temporary_files_are_never_mirrored_and_are_removed_where_the_r
     assert left_in_root.exists() and not (mirror / left_in_root.name).exists()  # the source is only read
     summary = run_conversion(plan_conversion(root), workers=1)
     assert summary.leftovers_removed == 1 and not left_in_root.exists()
+
+
+def test_a_mirror_replaces_no_file_it_did_not_write(tmp_path: Path) -> None:
+    """--out into an existing folder: a file there at a path of the dataset, different from the dataset's, may be
+    someone's own (it was replaced without a word); a mirror is known by its mark, or by holding only what a mirror
+    of this root holds (one of an earlier version, made before the mark)."""
+    root, mirror, other = tmp_path / "data", tmp_path / "mirror", tmp_path / "other"
+    write_pcd(_write(root / "s" / "a.pcd", b""), _cloud(10))
+    _write(root / "s" / "a.yaml", b"x: 1\n")
+    notes = _write(mirror / "s" / "a.yaml", b"my notes\n")
+    with pytest.raises(ConfigError, match=f"holds {mirror / 's' / 'a.yaml'}, which differs from the dataset's"):
+        plan_conversion(root, mirror)
+    assert notes.read_text() == "my notes\n" and not (mirror / MIRROR_MARK).exists()
+
+    notes.unlink()
+    first = run_conversion(plan_conversion(root, mirror), workers=1)
+    assert first.converted == 1 and (mirror / MIRROR_MARK).read_text().strip() == str(root.resolve())
+    (mirror / MIRROR_MARK).unlink()  # as a mirror made before the mark: taken, since nothing of it differs
+    again = run_conversion(plan_conversion(root, mirror), workers=1)
+    assert (again.converted, again.done) == (0, 1) and (mirror / MIRROR_MARK).is_file()
+
+    write_pcd(_write(other / "s" / "a.pcd", b""), _cloud(10, seed=3))
+    with pytest.raises(ConfigError, match=f"is the mirror of {root.resolve()}, not of {other}"):
+        plan_conversion(other, mirror)

@@ -36,6 +36,10 @@ conversion unless the source changed after it; a newer source is converted again
 skipped when it is the same file (a link), or has the source's size and modification time (``shutil.copy2``
 keeps it). Temporary files of a killed run are never read as data (hidden, no .pcd suffix, never mirrored) and
 are removed by the next run in the tree it writes into. Run one conversion of a tree at a time.
+
+A mirror's top folder holds ``.convert_pcd_mirror``, the root it mirrors. An ``out`` that exists without it (a
+mirror of an earlier version, or someone's folder) is taken only where nothing of it would be replaced: every file
+there at a path of the dataset must already be the mirror's (a link or copy of the source, a conversion of it).
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ __all__ = ["ConversionPlan", "FileResult", "Summary", "binary_mirror", "convert_
            "format_summary", "plan_conversion", "run_conversion"]
 
 TEMP_SUFFIX = ".pcd-convert.tmp"
+# In a mirror's top folder: the dataset root it mirrors. A mirror replaces its stale files; a folder without the
+# mark is not known to be a mirror, and a file of it that differs from the dataset's may be someone's own.
+MIRROR_MARK = ".convert_pcd_mirror"
 CONVERTED, BINARY, DONE, FAILED = "converted", "binary", "done", "failed"
 
 _HEAD_BYTES = 4096  # a .pcd header is a dozen short lines; longer ones are read in full
@@ -548,6 +555,33 @@ def _check_roots(root: Path, out: Optional[Path]) -> None:
         raise ConfigError(f"--out {out} is a file; pass a new or earlier mirror folder")
 
 
+def _is_mirrors(source: Path, dest: Path) -> bool:
+    """dest, where it exists, is what a mirror of source holds: its link or copy, or its verified conversion."""
+    if not dest.exists() or _is_current_copy(source, dest):
+        return True
+    if source.suffix.lower() != ".pcd":
+        return False
+    try:
+        return _already_converted(source, _read_header(source), dest)
+    except DataError:  # an unreadable source: the run reports it; its output is not the question here
+        return True
+
+
+def _check_mirror_out(root: Path, out: Path, clouds: list, others: list) -> None:
+    """An existing ``out``: the mirror of ``root`` by its mark, or a folder where no file would be replaced."""
+    mark = out / MIRROR_MARK
+    if mark.is_file():
+        mirrored = mark.read_text().strip()
+        if mirrored != str(root.resolve()):
+            raise ConfigError(f"--out {out} is the mirror of {mirrored}, not of {root}; pass another folder")
+        return
+    replaced = [relative for relative in (*clouds, *others) if not _is_mirrors(root / relative, out / relative)]
+    if replaced:
+        more = f" and {len(replaced) - 1} more" if len(replaced) > 1 else ""
+        raise ConfigError(f"--out {out} holds {out / replaced[0]}{more}, which differs from the dataset's file and "
+                          f"is not marked as this tool's mirror ({MIRROR_MARK}); move it away, or pass a new folder")
+
+
 def plan_conversion(root, out=None) -> ConversionPlan:
     """Walk ``root`` for every .pcd (and, for a mirror into ``out``, every other file); refuse a missing root, an
     ``out`` inside the root or holding it, and a root without any .pcd, each in one line."""
@@ -572,6 +606,7 @@ def plan_conversion(root, out=None) -> ConversionPlan:
         raise DataError(f"{root}: no .pcd file below this folder; pass the dataset's root (e.g. /data/opv2v)")
     if out is not None and out.is_dir():
         leftovers = [folder / name for folder, _, files in _walk(out) for name in files if _is_temporary(name)]
+        _check_mirror_out(root, out, [relative for relative, _ in clouds], others)
     clouds.sort(key=lambda item: (-item[1], item[0]))
     return ConversionPlan(root, out, tuple(clouds), tuple(others), tuple(folders), tuple(leftovers))
 
@@ -617,6 +652,7 @@ def _prepare_tree(plan: ConversionPlan, summary: Summary) -> None:
         return
     for folder in plan.folders:
         (plan.out / folder).mkdir(parents=True, exist_ok=True)
+    (plan.out / MIRROR_MARK).write_text(f"{plan.root.resolve()}\n")  # before any file of it is replaced
     for relative in plan.others:
         try:
             _mirror_file(plan.root / relative, plan.out / relative)
