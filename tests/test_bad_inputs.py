@@ -339,7 +339,8 @@ def truncated_checkpoint(tool: str) -> Callable[[World, int], Call]:
         weights = run / "net_epoch1.pth"  # the run's only epoch checkpoint
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) // 2])
-        return _checkpoint_call(tool, run, [str(weights), "truncated or corrupt", "delete"])
+        fix = "delete" if tool == "train" else "restore it, or pass another checkpoint of the run (--epoch N"
+        return _checkpoint_call(tool, run, [str(weights), "truncated or corrupt", fix])
     return setup
 
 
