@@ -295,6 +295,10 @@ def test_command_line_reuses_the_set_and_reports_errors(small_set, tmp_path, cap
     assert main(["--out", str(tmp_path), "--seed", "0", "--scale", "small"]) == DataError.exit_code
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refusing" in err
+    with pytest.raises(SystemExit) as stopped:  # was ignored, and --out written as a toy OPV2V set
+        main(["--out", str(tmp_path / "x"), "--source", str(small_set)])
+    assert stopped.value.code == 2 and "argument --source: only with --layout" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_the_dense_scale_has_opv2v_size_clouds(tmp_path):

@@ -41,7 +41,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
                              "V2V4Real's (v2v4real) on-disk layout")
     parser.add_argument("--source", help="--layout dairv2x/v2v4real: the toy OPV2V set to copy, written there "
                                          "first when not complete (default: OUT_opv2v beside OUT)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.source is not None and args.layout == "opv2v":  # it was ignored: --out was written instead
+        parser.error("argument --source: only with --layout dairv2x or v2v4real (the set their copy is made from)")
+    return args
 
 
 def write_layout(args: argparse.Namespace) -> str:
