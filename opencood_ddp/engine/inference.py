@@ -74,7 +74,8 @@ def choose_checkpoint(run_dir: Path, epoch: Optional[int] = None, bestval: bool 
     if not found:
         steps = ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)
         raise CheckpointError(f"{run_dir}: no net_epoch*.pth checkpoint (steps on disk: {steps or 'none'}); train "
-                              f"first, pass another --model_dir, or --step K to a tool that takes it")
+                              f"first, or pass another --model_dir (a step's weights: tools/export_upstream.py "
+                              f"--step K)")
     return run_dir / ckpt.weights_name(found[-1])
 
 
