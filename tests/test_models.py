@@ -245,12 +245,12 @@ def test_every_model_with_a_shrink_header_refuses_it_alike(config, override, fra
     assert_toy_model_refused(config, override, fragment)
 
 
-PILLAR_MODELS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
+PILLAR_CONFIGS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
                  "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt",
                  "point_pillar_where2comm")
 
 
-@pytest.mark.parametrize("config", PILLAR_MODELS)
+@pytest.mark.parametrize("config", PILLAR_CONFIGS)
 @pytest.mark.parametrize("override, fragment", [
     # each of these trained on to a crash in the loss (a heads' map that does not fit the anchors), or trained
     # quietly on pillars whose offsets were computed on another grid than the data's
@@ -263,6 +263,7 @@ PILLAR_MODELS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "point
                                             "preprocess.args.voxel_size"),
     ("model.args.pillar_vfe.num_filters=[]", "model.args.pillar_vfe.num_filters must be a non-empty list of "
                                              "positive integers"),
+    ("model.args.voxel_size=[a, b, c]", "model.args.voxel_size must be a list of numbers, got ['a', 'b', 'c']"),
 ])
 def test_every_pillar_model_refuses_a_grid_or_anchors_its_heads_do_not_fit(config, override, fragment):
     assert_toy_model_refused(config, override, fragment)

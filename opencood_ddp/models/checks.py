@@ -216,6 +216,8 @@ def check_grid_agreement(hypes: Mapping, source: str) -> None:
     offsets would be computed on another grid, or the heads' map would not fit the anchors."""
     args = hypes["model"]["args"]
     for key, other in (("voxel_size", "preprocess.args.voxel_size"), ("lidar_range", "preprocess.cav_lidar_range")):
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in args[key]):
+            refuse(source, f"{ARGS}{key} must be a list of numbers, got {args[key]!r}")
         theirs = get_key(hypes, other)
         if theirs is not None and [float(v) for v in args[key]] != [float(v) for v in theirs]:
             refuse(source, f"{ARGS}{key} {args[key]!r} differs from {other} {theirs!r}; make them equal")

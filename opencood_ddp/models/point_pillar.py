@@ -100,6 +100,10 @@ def check_pillar_args(hypes: Mapping, source: str) -> None:
 def check_heads_fit_the_anchors(hypes: Mapping, source: str) -> None:
     """The anchors are laid at postprocess.anchor_args.feature_stride: the heads' map must have that stride (the
     loss would otherwise meet maps and labels of different sizes)."""
+    bev = hypes["model"]["args"]["base_bev_backbone"]
+    for key in ("layer_strides", "upsample_strides"):
+        if not positive_ints(bev[key]):
+            refuse(source, f"{_ARGS}base_bev_backbone.{key} must be a list of positive integers, got {bev[key]!r}")
     check_anchor_stride(hypes, source, head_stride(hypes["model"]["args"]))
 
 
