@@ -503,6 +503,11 @@ def test_a_mirror_replaces_no_file_it_did_not_write(tmp_path: Path) -> None:
     assert notes.read_text() == "my notes\n" and not (mirror / MIRROR_MARK).exists()
 
     notes.unlink()
+    mine = _write(mirror / "s" / "a.pcd", b"")  # a cloud of someone's at a cloud's path: not the conversion
+    write_pcd(mine, _cloud(10, seed=7), binary=True)
+    with pytest.raises(ConfigError, match=f"holds {mine}, which differs"):
+        plan_conversion(root, mirror)
+    mine.unlink()
     first = run_conversion(plan_conversion(root, mirror), workers=1)
     assert first.converted == 1 and (mirror / MIRROR_MARK).read_text().strip() == str(root.resolve())
     (mirror / MIRROR_MARK).unlink()  # as a mirror made before the mark: taken, since nothing of it differs
@@ -512,3 +517,7 @@ def test_a_mirror_replaces_no_file_it_did_not_write(tmp_path: Path) -> None:
     write_pcd(_write(other / "s" / "a.pcd", b""), _cloud(10, seed=3))
     with pytest.raises(ConfigError, match=f"is the mirror of {root.resolve()}, not of {other}"):
         plan_conversion(other, mirror)
+    # a mirror of the mirror gets a mark of its own, not a link to the first one's
+    run_conversion(plan_conversion(mirror, tmp_path / "second"), workers=1)
+    assert (tmp_path / "second" / MIRROR_MARK).read_text().strip() == str(mirror.resolve())
+    assert (mirror / MIRROR_MARK).read_text().strip() == str(root.resolve())

@@ -555,15 +555,16 @@ def _check_roots(root: Path, out: Optional[Path]) -> None:
         raise ConfigError(f"--out {out} is a file; pass a new or earlier mirror folder")
 
 
-def _is_mirrors(source: Path, dest: Path) -> bool:
+def _is_mirror_of(source: Path, dest: Path) -> bool:
     """dest, where it exists, is what a mirror of source holds: its link or copy, or its verified conversion."""
     if not dest.exists() or _is_current_copy(source, dest):
         return True
     if source.suffix.lower() != ".pcd":
         return False
-    try:
-        return _already_converted(source, _read_header(source), dest)
-    except DataError:  # an unreadable source: the run reports it; its output is not the question here
+    try:  # the resume rule's layout and age, then the points themselves: the folder is not known to be ours
+        return (_already_converted(source, _read_header(source), dest)
+                and np.array_equal(read_pcd(source).view(np.uint32), read_pcd(dest).view(np.uint32)))
+    except (DataError, OSError):  # an unreadable source or a broken link: the run reports it, not this check
         return True
 
 
@@ -575,7 +576,7 @@ def _check_mirror_out(root: Path, out: Path, clouds: list, others: list) -> None
         if mirrored != str(root.resolve()):
             raise ConfigError(f"--out {out} is the mirror of {mirrored}, not of {root}; pass another folder")
         return
-    replaced = [relative for relative in (*clouds, *others) if not _is_mirrors(root / relative, out / relative)]
+    replaced = [relative for relative in (*clouds, *others) if not _is_mirror_of(root / relative, out / relative)]
     if replaced:
         more = f" and {len(replaced) - 1} more" if len(replaced) > 1 else ""
         raise ConfigError(f"--out {out} holds {out / replaced[0]}{more}, which differs from the dataset's file and "
@@ -597,6 +598,8 @@ def plan_conversion(root, out=None) -> ConversionPlan:
                 if out is None:
                     leftovers.append(folder / name)
                 continue  # never mirrored, never read
+            if name == MIRROR_MARK and folder == root:
+                continue  # a mirror's own mark: a mirror of it gets its own, not a link to this one
             path = folder / name
             if name.lower().endswith(".pcd"):  # a broken link: size 0 here, the reader's 'not found' later
                 clouds.append((relative / name, path.stat().st_size if path.exists() else 0))
