@@ -58,7 +58,6 @@ class CorruptCheckpointError(CheckpointError):
 
     def __init__(self, problem: str, fix: str = "delete it to resume from an earlier checkpoint"):
         super().__init__(f"{problem}; {fix}")
-        self.problem = problem
         self.problem = problem  # without the fix, for a message that lists several files
 
 
@@ -238,8 +237,7 @@ def load_weights(model: nn.Module, source: Path | Mapping[str, Any], strict: boo
     try:
         loaded = load_file(Path(source)) if isinstance(source, (str, Path)) else source
     except CorruptCheckpointError as exc:  # a file named to evaluate or export: resuming is not the way out
-        raise CorruptCheckpointError(exc.problem, "restore it, or pass another checkpoint of the run (--epoch N, "
-                                                  "--bestval)") from None
+        raise CorruptCheckpointError(exc.problem, "restore it, or take another checkpoint of the run") from None
     state = strip_module_prefix(as_state_dict(loaded, label))
     target = unwrap(model)
     model_state = target.state_dict()

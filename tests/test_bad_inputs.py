@@ -339,7 +339,7 @@ def truncated_checkpoint(tool: str) -> Callable[[World, int], Call]:
         weights = run / "net_epoch1.pth"  # the run's only epoch checkpoint
         data = weights.read_bytes()
         weights.write_bytes(data[: len(data) // 2])
-        fix = "delete" if tool == "train" else "restore it, or pass another checkpoint of the run (--epoch N"
+        fix = "delete" if tool == "train" else "restore it, or take another checkpoint of the run"
         return _checkpoint_call(tool, run, [str(weights), "truncated or corrupt", fix])
     return setup
 

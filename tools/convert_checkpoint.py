@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import torch
 
 from opencood_ddp import checkpoint_files as ckpt
-from opencood_ddp.errors import CheckpointError, ConfigError, run_tool
+from opencood_ddp.errors import CheckpointError, ConfigError, first_line, run_tool
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -50,9 +50,8 @@ def convert(args: argparse.Namespace) -> str:
     try:
         loaded = torch.load(source, map_location="cpu", weights_only=False)  # the one full unpickling: --trust
     except Exception as exc:  # noqa: BLE001 - whatever a damaged or foreign file makes the unpickler raise
-        first_line = (str(exc).splitlines() or [""])[0]
         raise CheckpointError(f"{source} is not a torch checkpoint, or is truncated ({type(exc).__name__}: "
-                              f"{first_line}); pass a net_epoch<N>.pth file") from None
+                              f"{first_line(exc)}); pass a net_epoch<N>.pth file") from None
     state = ckpt.strip_module_prefix(ckpt.as_state_dict(loaded, str(source)))
     ckpt.atomic_save({key: value.detach().cpu() for key, value in state.items()}, target)
     reread = ckpt.load_file(target)  # the safe unpickler: what every loader of this project will do

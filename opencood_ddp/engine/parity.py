@@ -5,6 +5,7 @@ Both read state dicts from any source (a net_epoch{N}.pth, a model's state_dict)
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 from opencood_ddp.checkpoint_files import strip_module_prefix
@@ -22,8 +23,11 @@ def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any])
         other = state.get(key)
         if other is None or not ref.is_floating_point():
             continue
+        if ref.numel() == 0:  # no value to differ (its .max() would raise)
+            continue
         kind = "buffers" if "running_" in key else "parameters"
         diff = ((other.double() - ref.double()).abs().max() / (ref.double().abs().max() + 1e-12)).item()
+        diff = diff if math.isfinite(diff) else math.inf  # a NaN is a difference: 'nan > worst' is never true
         if diff > worst[kind][0]:
             worst[kind] = (diff, key)
     return worst

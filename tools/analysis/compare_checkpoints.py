@@ -11,7 +11,8 @@ import math
 import sys
 from pathlib import Path
 
-from opencood_ddp.checkpoint_files import as_state_dict, describe_mismatch, load_file, strip_module_prefix
+from opencood_ddp.checkpoint_files import (CorruptCheckpointError, as_state_dict, describe_mismatch, load_file,
+                                          strip_module_prefix)
 from opencood_ddp.engine.parity import relative_differences
 from opencood_ddp.errors import CheckpointError, OpencoodDdpError
 
@@ -27,10 +28,14 @@ def weights(path: str) -> dict:
     """The file's state_dict (ours, upstream's, a fork's wrapped one; DDP's `module.` prefix taken off)."""
     if not Path(path).is_file():  # load_file's own line asks for --model_dir / --epoch, which this tool has not
         raise CheckpointError(f"{path} is not a file; pass two checkpoint files")
-    return strip_module_prefix(as_state_dict(load_file(path), path))
+    try:
+        loaded = load_file(path)
+    except CorruptCheckpointError as exc:  # its own fix is resume's
+        raise CorruptCheckpointError(exc.problem, "restore it, or compare another file") from None
+    return strip_module_prefix(as_state_dict(loaded, path))
 
 
-def comparable(state: dict, reference: dict, labels: tuple) -> None:
+def check_comparable(state: dict, reference: dict, labels: tuple) -> None:
     """Both hold the same tensors: the differences are taken over every key, so a key only one holds, or a
     tensor of another shape, would leave out what differs (two different models compared 'equal')."""
     mismatch = describe_mismatch(reference, state)
@@ -47,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
     try:
         state, reference = weights(args.checkpoint), weights(args.reference)
-        comparable(state, reference, (args.checkpoint, args.reference))
+        check_comparable(state, reference, (args.checkpoint, args.reference))
     except OpencoodDdpError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code

@@ -57,10 +57,10 @@ def load_npy(run: Path, frame_number: int) -> Dict[str, np.ndarray]:
     if missing:
         raise DataError(f"{missing[0]} does not exist; evaluate {run} with tools/inference_ddp.py --save_npy "
                         f"--dataset_dir of this split first")
-    return {kind: corners_file(paths[kind]) for kind in ("pred", "gt")}
+    return {kind: load_corners(paths[kind]) for kind in ("pred", "gt")}
 
 
-def corners_file(path: Path) -> np.ndarray:
+def load_corners(path: Path) -> np.ndarray:
     """One of inference's --save_npy box files: (K, 8, 3) corners, read without unpickling anything."""
     try:
         corners = np.load(path, allow_pickle=False)
