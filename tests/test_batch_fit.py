@@ -99,10 +99,11 @@ def test_plan_batch_says_when_nothing_fits(toy_small):
     # each was measured first and then planned against nan GiB, or ended in a traceback from torch
     (("--gpu_mem_gib", "nan"), "error: --gpu_mem_gib nan: give the memory of one GPU in GiB"),
     (("--gpu_mem_gib", "64", "--largest_probe", "0"), "error: --largest_probe 0: give the largest per-GPU batch"),
-    (("--gpu_mem_gib", "64", "--device", "cuda"), "error: --device cuda: torch sees no GPU here"),
+    (("--gpu_mem_gib", "64", "--device", "cuda"), "error: --device cuda: torch sees no such GPU here"),
+    (("--gpu_mem_gib", "64", "--device", "cuda:3"), "error: --device cuda:3: torch sees no such GPU here"),
 ])
 def test_plan_batch_refuses_what_it_cannot_measure_or_plan_before_measuring(toy_small, args, line):
-    if "cuda" in args and torch.cuda.is_available():
+    if any(arg.startswith("cuda") for arg in args) and torch.cuda.is_available():
         pytest.skip("this machine has a GPU: --device cuda is valid here")
     result = _plan(toy_small, "--gpus", "2", *args)
     assert result.returncode == 2 and result.stderr.strip().startswith(line), explain(result)

@@ -258,6 +258,14 @@ def test_validate_bool_is_not_an_int():
     assert "train_params.batch_size must be a positive integer, got True" in msg
     assert "optimizer.lr must be a number, got False" in msg
     assert "train_params.seed must be an integer in [0, 2**32), got True" in msg
+    for seed in (-1, 2 ** 32):  # numpy's legacy seed takes neither
+        hypes["train_params"]["seed"] = seed
+        with pytest.raises(ConfigError, match=rf"train_params.seed must be an integer in \[0, 2\*\*32\), got {seed}"):
+            H.validate(hypes, H.ENGINE_KEYS, "h.yaml", H.ENGINE_OPTIONAL_KEYS)
+    hypes["train_params"]["seed"] = 2 ** 32 - 1
+    with pytest.raises(ConfigError) as info:  # the other keys still wrong, the seed now right
+        H.validate(hypes, H.ENGINE_KEYS, "h.yaml", H.ENGINE_OPTIONAL_KEYS)
+    assert "train_params.seed" not in str(info.value)
 
 
 def test_validate_optional_keys_only_when_present():

@@ -107,6 +107,17 @@ def run_environ(environ: Mapping[str, str]) -> dict:
     return {"OMP_NUM_THREADS": "1", **environ_without_launcher(environ)}
 
 
+def stop(process: subprocess.Popen, grace_s: float = 60) -> None:
+    """SIGTERM first: torchrun passes it on to its workers, which run in sessions of their own and would outlive
+    a SIGKILL of torchrun; SIGKILL only after ``grace_s``."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, reverse: bool = False) -> Path:
     run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
     cmd = command(world, args, run_dir, reverse)
@@ -114,14 +125,15 @@ def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, r
     print(f"{name}: {shown}", flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_environ(os.environ))
         try:
-            result = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_environ(os.environ),
-                                    timeout=args.timeout)
+            returncode = process.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
+            stop(process)
             raise ConfigError(f"the {name} run took longer than --timeout {args.timeout:g} s and was stopped; its "
                               f"output is in {log_path}: raise --timeout, or give fewer --steps") from None
-    if result.returncode != 0:
-        raise ConfigError(f"the {name} run failed (exit {result.returncode}): "
+    if returncode != 0:
+        raise ConfigError(f"the {name} run failed (exit {returncode}): "
                           f"{last_error_line(log_path)}; its output is in {log_path}")
     print(f"{name}: done in {time.perf_counter() - started:.0f} s", flush=True)
     return run_dir
@@ -257,7 +269,11 @@ def parity_check(args: argparse.Namespace) -> int:
     batch = check_batch_splits(args, world_sizes)
     with tempfile.TemporaryDirectory(prefix="parity_") as scratch:
         work_dir = Path(args.work_dir or scratch)
-        work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            work_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a parent that is a file, or a folder it may not write in
+            raise ConfigError(f"--work_dir {work_dir}: cannot make it ({exc.strerror}); pick an empty folder") \
+                from None
         names = [f"world{world}" for world in world_sizes] + [NOISE_RUN]
         taken = [name for name in names if (work_dir / name).exists()]
         if taken:

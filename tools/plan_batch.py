@@ -39,9 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu_mem_gib", type=float, required=True, help="memory of one GPU, GiB")
     parser.add_argument("--headroom", type=float, default=0.1, help="share of each GPU kept free (default 0.1)")
     parser.add_argument("--largest_probe", type=int, default=4, help="largest per-GPU batch to measure")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="where the step is measured (default: cuda when torch sees a GPU)")
+    parser.add_argument("--device", type=device_name, default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the step is measured: cpu, cuda or cuda:N (default: cuda when torch sees a GPU)")
     return parser
+
+
+def device_name(text: str) -> str:
+    """--device: a CPU or CUDA device as torch names it (cuda:1 on a node of several GPUs)."""
+    try:
+        kind = torch.device(text).type
+    except RuntimeError:
+        kind = None
+    if kind not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -54,9 +65,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.largest_probe < 1:
         raise ConfigError(f"--largest_probe {args.largest_probe}: give the largest per-GPU batch to measure, 1 or "
                           f"more")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: torch sees no GPU here (a CPU build, or no device visible); measure on "
-                          "the machine that will train, or pass --device cpu")
+    device = torch.device(args.device)
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ConfigError(f"--device {args.device}: torch sees no such GPU here ({torch.cuda.device_count()} "
+                          f"visible); measure on the machine that will train, or pass --device cpu")
 
 
 def print_probe(probe: batch_fit.Probe) -> None:

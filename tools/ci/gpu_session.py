@@ -112,7 +112,8 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
                 str(args.wheels)]
     else:
         python, env = str(REPO / (".venv-gpu" if args.wheels else ".venv") / "bin" / "python"), {}
-        # `make gpu-venv`'s command itself: the lent machine's notes do not list make
+        # `make gpu-venv`'s command itself (the lent machine's notes do not list make), on the python that runs this
+        # tool: start it with the machine's python3, whose torch is the CUDA one the layer goes over
         venv = ([sys.executable, str(REPO / "tools" / "ci" / "gpu_venv.py"), "make", ".venv-gpu", "--wheels",
                  str(args.wheels)] if args.wheels else ["make", "venv"])
     def gpu_check(out: str) -> List[str]:
