@@ -130,13 +130,15 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool)
 
 
+# numpy's RandomState, and np.random.seed that seed_everything calls, take seeds in [0, 2**32)
+RANDOM_STATE_SEEDS = 2 ** 32
+
 KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "int": (_is_int, "an integer"),
     "positive_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
     "number": (_is_number, "a number"),
     "positive_number": (lambda v: _is_number(v) and 0 < v < math.inf, "a positive number"),
-    # numpy's legacy seed, which seed_everything sets, takes only these
-    "seed": (lambda v: _is_int(v) and 0 <= v < 2 ** 32, "an integer in [0, 2**32)"),
+    "seed": (lambda v: _is_int(v) and 0 <= v < RANDOM_STATE_SEEDS, "an integer in [0, 2**32)"),
     "str": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
     "list": (lambda v: isinstance(v, list), "a list"),
     "dict": (lambda v: isinstance(v, dict), "a mapping"),

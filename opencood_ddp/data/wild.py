@@ -29,7 +29,7 @@ import numpy as np
 
 from opencood_ddp.data.geometry import is_pose_matrix
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key
 
 FRAME_INTERVAL_MS = 100  # OPV2V and V2XSet are recorded at 10 Hz (upstream's "// 100")
 ASYNC_MODES = ("sim", "real")
@@ -37,7 +37,6 @@ LOC_ERR_MODES = ("upstream", "per_sample")
 DEFAULT_LOC_ERR_MODE = "upstream"  # so that upstream's hypes files give upstream's inputs
 # Upstream's values for keys its wild_setting block may leave out (basedataset.py).
 DEFAULT_TRANSMISSION_SPEED_MBPS = 27.0
-RANDOM_STATE_SEEDS = 2 ** 32  # numpy's RandomState accepts seeds in [0, 2**32)
 
 # The last word of a per-CAV generator's key: what it draws. Non-zero, because numpy's SeedSequence gives
 # [a, b] and [a, b, 0] the same state; so no key here can collide with sample_rng's [seed, epoch, index].

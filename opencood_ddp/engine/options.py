@@ -24,6 +24,7 @@ from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, LrScalin
 from opencood_ddp.engine.capture import CAPTURE_MODES, CaptureMode
 from opencood_ddp.engine.step import HALF_MODES, HalfMode
 from opencood_ddp.engine.step_guard import NONFINITE_POLICIES, NonfinitePolicy
+from opencood_ddp.hypes import RANDOM_STATE_SEEDS
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def seed_value(text: str) -> int:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if not 0 <= value < 2 ** 32:
+    if not 0 <= value < RANDOM_STATE_SEEDS:
         raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**32), the seeds numpy takes")
     return value
 

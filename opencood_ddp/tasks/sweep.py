@@ -30,7 +30,7 @@ import numpy as np
 import yaml
 
 from opencood_ddp.atomic import atomic_write
-from opencood_ddp.data.wild import RANDOM_STATE_SEEDS, DelaySetting, delay_frames
+from opencood_ddp.data.wild import DelaySetting, delay_frames
 from opencood_ddp.engine import inference
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
@@ -38,7 +38,7 @@ from opencood_ddp.engine.loaders import workers_per_rank
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, ProcessOptions, eval_parser, from_flags
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key
 from opencood_ddp.metrics.conventions import AP_CONVENTIONS
 from opencood_ddp.tasks import build_eval as build_task_eval
 from opencood_ddp.tasks.eval_presets import DEFAULT_PRESET, preset_global_sort, result_suffix
