@@ -101,10 +101,9 @@ def _check_grid_inputs(hypes: dict, source: str) -> None:
         if hypes_lib.get_key(hypes, key) is not None:
             hypes_lib.range6(hypes, key, source)
     voxel_size = hypes_lib.get_key(hypes, _VOXEL_SIZE[0])
+    positive, _ = hypes_lib.KIND_CHECKS["positive_number"]
     if voxel_size is not None and not (
-            isinstance(voxel_size, (list, tuple)) and len(voxel_size) == 3
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
-                    for v in voxel_size)):
+            isinstance(voxel_size, (list, tuple)) and len(voxel_size) == 3 and all(map(positive, voxel_size))):
         raise ConfigError(f"{source}: key {_VOXEL_SIZE[0]} must be 3 positive numbers [x, y, z] in metres, got "
                           f"{voxel_size!r}; fix the hypes or pass --set key=value")
 

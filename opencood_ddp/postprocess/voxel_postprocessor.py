@@ -78,11 +78,10 @@ def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
         value = get_key(postprocess, key)
         if not 0 <= value <= 1:
             raise _fail(source, f"key postprocess.{key} must be an IoU in [0, 1], got {value!r}")
-    score = postprocess["target_args"]["score_threshold"]
-    if not 0 <= score <= 1:
-        raise _fail(source, f"key postprocess.target_args.score_threshold must be a score in [0, 1] (a sigmoid's), "
-                            f"got {score!r}")
     targets = postprocess["target_args"]
+    if not 0 <= targets["score_threshold"] <= 1:
+        raise _fail(source, f"key postprocess.target_args.score_threshold must be a score in [0, 1] (a sigmoid's), "
+                            f"got {targets['score_threshold']!r}")
     if targets["pos_threshold"] < targets["neg_threshold"]:
         # an anchor with an IoU between the two would be labelled positive and negative at once
         raise _fail(source, f"key postprocess.target_args.pos_threshold ({targets['pos_threshold']}) must not be "
