@@ -1,7 +1,7 @@
 """OpenCOOD-schema hypes YAML: load, override (--set a.b=c), validate, save (yaml_parsers.py runs its yaml_parser).
 
 The loader reads floats written as `1e-3` (PyYAML's YAML 1.1 resolver would leave them strings), as upstream's
-loader does. Validation reports every missing or ill-typed key of a run in one line naming the file.
+loader does, and the numpy arrays upstream's own config.yaml holds (numpy_yaml.py), as plain lists. Validation reports every missing or ill-typed key of a run in one line naming the file.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import yaml
 
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp.errors import ConfigError
+from opencood_ddp.numpy_yaml import add_numpy_constructors, plain
 
 _FLOAT_RE = re.compile(r"""^(?:
      [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -29,7 +30,9 @@ _FLOAT_RE = re.compile(r"""^(?:
 
 
 class HypesLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
-    """SafeLoader that also resolves 1e-3 style floats."""
+    """SafeLoader that also resolves 1e-3 style floats, and reads the numpy number objects and tuples that
+    ``yaml.dump`` writes: upstream's run folders hold a config.yaml dumped after its yaml_parser put a numpy array
+    in the hypes (``grid_size``). parse_yaml_text turns them into plain lists and numbers."""
 
 
 class HypesDumper(yaml.SafeDumper):
@@ -38,15 +41,20 @@ class HypesDumper(yaml.SafeDumper):
 
 for _cls in (HypesLoader, HypesDumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+add_numpy_constructors(HypesLoader)
+HYPES_READS = ("only plain YAML, !!python/tuple and numpy's number arrays, scalars and dtypes (as yaml.dump writes "
+               "them) are read")
 
 
 def parse_yaml_text(text: str, source: str, fix: str = "fix the file") -> Any:
     try:
-        return yaml.load(text, Loader=HypesLoader)
+        return plain(yaml.load(text, Loader=HypesLoader))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        if isinstance(exc, yaml.constructor.ConstructorError):  # well-formed, but a tag no safe loader builds
+            raise ConfigError(f"{source}: unsupported YAML tag{where} ({problem}); {HYPES_READS}; {fix}") from None
         raise ConfigError(f"{source}: malformed YAML{where} ({problem}); {fix}") from None
 
 
@@ -230,14 +238,8 @@ def save_hypes(hypes: Mapping, path: str | os.PathLike) -> None:
 
 
 def _plain(value: Any) -> Any:
-    """numpy scalars/arrays and tuples to YAML-safe Python types."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    return value
+    """numpy scalars/arrays and tuples to YAML-safe Python types, every key a string."""
+    return plain(value, key=str)
 
 
 # Sections a resumed run may change on purpose: more epochs, another lr or schedule, data moved elsewhere, the

@@ -183,6 +183,15 @@ def malformed_yaml(w: World, world: int) -> Call:
                 [str(bad), "malformed YAML at line", "fix the file"], not_created=w.tmp / "new_run")
 
 
+def python_tag_in_hypes(w: World, world: int) -> Call:
+    """A hypes file whose tag would run a command under PyYAML's unsafe loader (upstream's): refused, never run.
+    The command would create the run folder's path, which a refused run does not create either."""
+    bad, run = w.tmp / "tagged.yaml", w.tmp / "new_run"
+    bad.write_text(f"name: x\nroot_dir: !!python/object/apply:os.system ['touch {run}']\n")
+    return Call(TRAIN, ["--hypes_yaml", bad, "--model_dir", run],
+                [str(bad), "unsupported YAML tag at line 2", "os.system", "fix the file"], not_created=run)
+
+
 def unknown_name(key: str, value: str) -> Callable[[World, int], Call]:
     def setup(w: World, world: int) -> Call:
         return Call(TRAIN, w.toy_args("--set", f"{key}={value}"), [key, repr(value), "one of", "fix the hypes"],
@@ -464,6 +473,7 @@ def honouring_modes(call: Call) -> subprocess.CompletedProcess:
 # (row id, setup, world sizes, marks by world size)
 ROWS = [
     ("malformed-yaml", malformed_yaml, (0,), {}),
+    ("python-tag-in-hypes", python_tag_in_hypes, (0,), {}),
     ("unknown-model", unknown_name("model.core_method", "point_pilar"), (0,), {}),
     ("unknown-loss", unknown_name("loss.core_method", "focal_loss"), (0,), {}),
     ("unknown-fusion", unknown_name("fusion.core_method", "IntermediateFusion"), (0,), {}),

@@ -7,13 +7,10 @@ section 2), with the departures named in docs/compatibility.md:
 
 - ``lidar_pose`` is a (4, 4) LiDAR-to-world matrix. The fork's files hold it as a numpy array (and other values,
   such as ``gps``, as numpy scalars), which upstream reads with PyYAML's unsafe loader. Here a safe loader builds
-  what that loader builds from what ``yaml.dump`` writes for numpy objects of a number type (bool, int, uint,
-  float, complex; any byte order): ndarrays of any shape, C or Fortran order (``numpy.core.multiarray.
-  _reconstruct`` or numpy 2's ``numpy._core``, args naming exactly ``numpy.ndarray``), scalars (``.multiarray.
-  scalar``, as a sequence or a mapping of args) and dtypes (``numpy.dtype``), anywhere in the document. Each part is
-  checked against what numpy writes, the bytes against shape x item size, and no tag's name is imported. Any other
-  Python tag (another name or object, an object, structured, string or datetime dtype) is one error line naming
-  the yaml, the line and the tag; so is a pose that is not a 4x4 matrix (a numpy array or a plain nested list).
+  what that loader builds from what ``yaml.dump`` writes for numpy objects of a number type (``numpy_yaml.py``),
+  and no tag's name is imported. Any other Python tag (another name or object, an object, structured, string or
+  datetime dtype) is one error line naming the yaml, the line and the tag; so is a pose that is not a 4x4 matrix
+  (a numpy array or a plain nested list).
 - ``vehicles`` are given in the CAV's own LiDAR frame: an object's pose is [location + center, angle] (degrees),
   mapped by ``T_target<-cav @ pose_to_matrix(object pose)``. ``obj_type`` Pedestrian is dropped and every other
   class is one vehicle class; an object's id is its ``ass_id`` (the association across the two cars) unless that
@@ -38,13 +35,10 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
-import math
 import re
-import reprlib
-from typing import Any, Dict, Mapping, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
-import yaml
 
 from opencood_ddp.data.geometry import project_local_objects, x1_to_x2
 from opencood_ddp.data.opv2v import (CavFrame, CavRecord, Opv2vIndex, Opv2vYamlLoader, Scenario,
@@ -53,6 +47,8 @@ from opencood_ddp.data.sources import Objects
 from opencood_ddp.data.sources.opv2v import Opv2vSource, boxes_and_ids, vehicles_of
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.hypes import get_key
+from opencood_ddp.numpy_yaml import (add_numpy_constructors, ndarray_from_state, number_dtype,
+                                      state_problem)
 from opencood_ddp.registry import SOURCES
 
 V2V4REAL_COMM_RANGE = 70.0  # metres: the fork's COM_RANGE, tested by its intermediate dataset only
@@ -69,20 +65,6 @@ DROPPED_CLASS = "Pedestrian"  # the fork's only skipped class; every other one i
 TRAIN_ORDER_DRAWS = 11  # the last word of the generator key that orders a scene's CAVs in training
 
 # ------------------------------------------------------------------------------------------------- YAML
-# PyYAML's unsafe Dumper writes a numpy object as the call its pickle reduce names (Representer.represent_object):
-# the call's args as a sequence where the reduce carries nothing else (a scalar), else a mapping of args and state
-# (an ndarray, a dtype). The three calls are rebuilt here from their checked parts, never by importing a tag's
-# name, and only for plain number dtypes: an object dtype's data is a pickle, which runs code when loaded.
-_TAG = "tag:yaml.org,2002:"
-_DTYPE_TAG = _TAG + "python/object/apply:numpy.dtype"
-_NDARRAY_NAME_TAG = _TAG + "python/name:numpy.ndarray"
-_MULTIARRAY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")  # written under numpy 1 and numpy 2
-_NUMBER_KINDS = "biufc"  # bool, int, uint, float, complex
-_NUMBER_CODE = re.compile(r"[biufc][1-9][0-9]?")  # a number dtype's code without its byte order: b1, i8, f16, c32
-_APPLY_KEYS = ("args", "kwds", "state", "listitems", "dictitems")  # the keys of represent_object's mapping form
-_RECONSTRUCT_ARGS = ((0,), b"b")  # after numpy.ndarray: the empty array that ndarray.__reduce__'s state fills
-
-
 class V2V4RealYamlLoader(Opv2vYamlLoader):
     """OPV2V's safe loader plus the Python objects V2V4Real's frame files hold: numpy arrays, scalars and dtypes of
     plain number types, built as PyYAML's unsafe loader builds them from ``yaml.dump``'s text (module docstring)."""
@@ -91,148 +73,7 @@ class V2V4RealYamlLoader(Opv2vYamlLoader):
              "writes them) are read")
 
 
-def _refuse(node: yaml.Node, why: str) -> NoReturn:
-    tag = node.tag.replace(_TAG, "!!", 1)  # as the file writes it
-    raise yaml.constructor.ConstructorError(None, None, f"{tag}: {why}", node.start_mark)
-
-
-def _built(loader: yaml.BaseLoader, node: yaml.Node) -> Any:
-    return loader.construct_object(node, deep=True)
-
-
-def _is_nothing(value: Any) -> bool:
-    """Whether the unsafe loader's ``if state:`` (``if listitems:`` ...) skips ``value``: None or a false plain value.
-    (type(), not isinstance: a numpy value has no plain truth here.)"""
-    return value is None or (type(value) in (bool, int, float, str, bytes, tuple, list, dict, set) and not value)
-
-
-def _apply_parts(loader: yaml.BaseLoader, node: yaml.Node) -> Tuple[list, Any]:
-    """(the args' nodes, the built state or None) of a ``!!python/object/apply`` node in either of represent_object's
-    forms: a sequence of args, or a mapping of args and state. Its kwds, listitems and dictitems must be empty: the
-    unsafe loader would pass or apply them."""
-    if isinstance(node, yaml.SequenceNode):
-        return node.value, None
-    if not isinstance(node, yaml.MappingNode):
-        _refuse(node, "expected a sequence of args or a mapping of args and state")
-    parts: Dict[str, yaml.Node] = {}
-    for key_node, value_node in node.value:
-        key = _built(loader, key_node)
-        if type(key) is not str or key not in _APPLY_KEYS:
-            _refuse(node, f"unexpected key {reprlib.repr(key)} (expected {', '.join(_APPLY_KEYS)})")
-        parts[key] = value_node
-    if not isinstance(parts.get("args"), yaml.SequenceNode):
-        _refuse(node, "its args must be a sequence")
-    kwds = _built(loader, parts["kwds"]) if "kwds" in parts else {}
-    if type(kwds) is not dict or kwds:  # the unsafe loader calls function(*args, **kwds)
-        _refuse(node, "its kwds must be an empty mapping")
-    for key in ("listitems", "dictitems"):  # applied where true
-        if key in parts and not _is_nothing(_built(loader, parts[key])):
-            _refuse(node, f"its {key} must be empty")
-    return parts["args"].value, _built(loader, parts["state"]) if "state" in parts else None
-
-
-def _number_dtype(args: tuple, state: Any) -> Optional[np.dtype]:
-    """The dtype ``numpy.dtype(*args)`` then ``__setstate__(state)`` makes, where it is a plain number type and
-    (args, state) are what numpy's own ``dtype.__reduce__`` gives for it; else None. Types are checked first, so
-    that no comparison below meets a numpy value."""
-    if not (len(args) == 3 and type(args[0]) is str and _NUMBER_CODE.fullmatch(args[0])
-            and all(type(flag) in (bool, int) for flag in args[1:])):  # older numpy wrote align, copy as 0, 1
-        return None
-    if not (type(state) is tuple and len(state) == 8 and all(type(item) in (int, str, type(None)) for item in state)
-            and state[1] in ("<", ">", "|")):
-        return None
-    try:
-        dtype = np.dtype(state[1] + args[0])
-    except TypeError:  # a code this platform has no type for (f16 where long double is 8 bytes)
-        return None
-    return dtype if dtype.kind in _NUMBER_KINDS and dtype.__reduce__()[1:] == (args, state) else None
-
-
-def _construct_dtype(loader: yaml.BaseLoader, node: yaml.Node) -> np.dtype:
-    """``numpy.dtype``: args (code, align, copy), state (3, byte order, None, None, None, -1, -1, 0)."""
-    arg_nodes, state = _apply_parts(loader, node)
-    args = tuple(_built(loader, item) for item in arg_nodes)
-    dtype = _number_dtype(args, state)
-    if dtype is None:
-        _refuse(node, f"args {reprlib.repr(args)} and state {reprlib.repr(state)} are not a plain number dtype as "
-                      f"numpy writes one; only bool, int, uint, float and complex dtypes are read")
-    return dtype
-
-
-def _dtype_arg(loader: yaml.BaseLoader, owner: yaml.Node, node: yaml.Node) -> np.dtype:
-    if node.tag != _DTYPE_TAG:
-        _refuse(owner, f"expected a !!python/object/apply:numpy.dtype, found {node.tag.replace(_TAG, '!!', 1)}")
-    return _built(loader, node)
-
-
-def _construct_scalar(loader: yaml.BaseLoader, node: yaml.Node) -> np.generic:
-    """``numpy.(_)core.multiarray.scalar``: args (dtype, raw bytes) -> the numpy scalar (native byte order, as
-    numpy's scalar() makes it), in the sequence form ``yaml.dump`` writes or the mapping form with args."""
-    arg_nodes, state = _apply_parts(loader, node)
-    if not _is_nothing(state):
-        _refuse(node, "a numpy scalar has no state")
-    if len(arg_nodes) != 2:
-        _refuse(node, f"expected args (dtype, bytes), found {len(arg_nodes)} items")
-    dtype = _dtype_arg(loader, node, arg_nodes[0])
-    data = _built(loader, arg_nodes[1])
-    if type(data) is not bytes or len(data) != dtype.itemsize:
-        _refuse(node, f"a {dtype} scalar needs {dtype.itemsize} bytes of !!binary, found {reprlib.repr(data)}")
-    return np.frombuffer(data, dtype=dtype)[0]
-
-
-def _ndarray(shape: tuple, dtype: np.dtype, fortran: bool, data: bytes) -> Optional[np.ndarray]:
-    """What ``ndarray.__setstate__`` (numpy's own unpickling, as the unsafe loader calls it) makes of a checked state:
-    an array owning a copy of ``data``; numpy 2 turns a non-native byte order native. None where numpy cannot make
-    an array of that shape."""
-    try:
-        # ndarray's own checks of a shape first (at most 64 dimensions, a size in its index range, even with a 0 in
-        # the shape): __setstate__ alone misreads a shape of over 64 dimensions and takes sizes ndarray refuses.
-        np.ndarray(shape, dtype, buffer=data, order="F" if fortran else "C")
-    except ValueError:
-        return None
-    array = np.ndarray((0,), dtype="b")
-    array.__setstate__((1, shape, dtype, fortran, data))
-    return array
-
-
-def _state_problem(shape: Any, dtype: Any, fortran: Any, data: Any) -> Optional[str]:
-    """Why (shape, dtype, fortran order, bytes) are not a number array's pickled state; None where they are."""
-    if type(shape) is not tuple or not all(type(size) is int and size >= 0 for size in shape):
-        return f"the shape must be a tuple of sizes, found {reprlib.repr(shape)}"
-    if not isinstance(dtype, np.dtype) or dtype.kind not in _NUMBER_KINDS:  # only _construct_dtype makes one
-        return f"expected a number dtype, found {reprlib.repr(dtype)}"
-    if type(fortran) is not bool:
-        return f"the Fortran order flag must be true or false, found {reprlib.repr(fortran)}"
-    if type(data) is not bytes or len(data) != dtype.itemsize * math.prod(shape):
-        return (f"an array of shape {reprlib.repr(shape)} and {dtype} needs {dtype.itemsize * math.prod(shape)} "
-                f"bytes of !!binary, found {len(data) if type(data) is bytes else reprlib.repr(data)}")
-    return None
-
-
-def _construct_ndarray(loader: yaml.BaseLoader, node: yaml.Node) -> np.ndarray:
-    """``numpy.(_)core.multiarray._reconstruct``: args (numpy.ndarray, (0,), b'b') make an empty array that
-    ``__setstate__`` fills from state (1, shape, dtype, Fortran order, raw bytes)."""
-    arg_nodes, state = _apply_parts(loader, node)
-    name = arg_nodes[0] if arg_nodes else None
-    if not (isinstance(name, yaml.ScalarNode) and name.tag == _NDARRAY_NAME_TAG and name.value == ""):
-        _refuse(node, "its args must start with !!python/name:numpy.ndarray ''")
-    rest = tuple(_built(loader, item) for item in arg_nodes[1:])
-    if not (len(rest) == 2 and type(rest[0]) is tuple and all(type(size) is int for size in rest[0])
-            and type(rest[1]) is bytes and rest == _RECONSTRUCT_ARGS):
-        _refuse(node, f"its args after numpy.ndarray must be {_RECONSTRUCT_ARGS}, found {reprlib.repr(rest)}")
-    if not (type(state) is tuple and len(state) == 5 and type(state[0]) is int and state[0] == 1):
-        _refuse(node, "its state must be (1, shape, dtype, Fortran order, bytes)")
-    problem = _state_problem(*state[1:])
-    array = None if problem else _ndarray(*state[1:])
-    if array is None:
-        _refuse(node, problem or f"numpy cannot make an array of shape {reprlib.repr(state[1])}")
-    return array
-
-
-V2V4RealYamlLoader.add_constructor(_DTYPE_TAG, _construct_dtype)
-for _module in _MULTIARRAY_MODULES:
-    V2V4RealYamlLoader.add_constructor(f"{_TAG}python/object/apply:{_module}._reconstruct", _construct_ndarray)
-    V2V4RealYamlLoader.add_constructor(f"{_TAG}python/object/apply:{_module}.scalar", _construct_scalar)
+add_numpy_constructors(V2V4RealYamlLoader)
 
 
 # A top-level key holding an ndarray exactly as PyYAML's dump writes one (numpy 1 or 2, block style, a shape
@@ -266,11 +107,11 @@ def dumped_ndarray_key(part: str) -> Optional[Tuple[str, np.ndarray]]:
         data = base64.decodebytes(text.encode("ascii"))
     except (ValueError, binascii.Error):
         return None
-    dtype = _number_dtype((match["code"], False, True), (3, match["order"], None, None, None, -1, -1, 0))
+    dtype = number_dtype((match["code"], False, True), (3, match["order"], None, None, None, -1, -1, 0))
     shape = tuple(int(line[6:]) for line in match["shape"].splitlines())
-    if dtype is None or _state_problem(shape, dtype, match["fortran"] == "true", data):
+    if dtype is None or state_problem(shape, dtype, match["fortran"] == "true", data):
         return None
-    array = _ndarray(shape, dtype, match["fortran"] == "true", data)
+    array = ndarray_from_state(shape, dtype, match["fortran"] == "true", data)
     return None if array is None else (match["key"], array)
 
 
