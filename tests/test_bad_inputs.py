@@ -301,6 +301,19 @@ def missing_data_folder_inference(w: World, world: int) -> Call:
                 existing_run=run)
 
 
+def moved_run_inference(w: World, world: int) -> Call:
+    """A run folder from another machine (ours or upstream's): its config.yaml's validate_dir is a path that does
+    not exist here. inference_ddp has no --set: the line names the flag it has."""
+    run, missing = w.copy_run("fcooper"), w.tmp / "elsewhere" / "validate"
+    config = run / "config.yaml"
+    text, moved = re.subn(r"(?m)^validate_dir: .*$", f"validate_dir: {missing}", config.read_text())
+    assert moved == 1
+    config.write_text(text)
+    return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--num_workers", "0"],
+                [f"validate_dir {missing}", "not found", "pass --dataset_dir (or edit validate_dir in the run's "
+                 "config.yaml"], existing_run=run)
+
+
 def empty_split(w: World, world: int) -> Call:
     empty = w.tmp / "empty_split"
     empty.mkdir()
@@ -490,6 +503,7 @@ ROWS = [
     ("impossible-batch-split", impossible_batch_split, (0, 3), {}),
     ("missing-data-folder", missing_data_folder_train, (0,), {}),
     ("missing-data-folder-inference", missing_data_folder_inference, (0,), {}),
+    ("moved-run-inference", moved_run_inference, (0,), {}),
     ("empty-split", empty_split, (0,), {}),
     ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {}),
     ("corrupt-pcd-inference", corrupt_pcd_inference, (0, 2), {}),

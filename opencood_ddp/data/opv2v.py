@@ -301,31 +301,34 @@ def _scan_scenario(folder: Path, max_cav: int, not_frames: Tuple[str, ...]) -> S
 
 
 def _split_fix(key: str) -> str:
-    """How to point ``key`` (a hypes key such as root_dir, or a flag such as --dataset_dir) at another split."""
+    """How to point ``key`` (a hypes key such as root_dir, or a flag such as --dataset_dir) at another split: the
+    words before what the split must be."""
     if key.startswith("--"):
-        return f"pass {key} an OPV2V split folder"
-    return f"set {key} in the hypes (or --set {key}=PATH) to an OPV2V split folder"
+        return f"pass {key}"
+    return f"set {key} in the hypes (or --set {key}=PATH) to"
 
 
 # Folder names of a data set's splits: a folder holding them is the data set's root, not a split.
 SPLIT_NAMES = ("train", "validate", "test", "val", "training", "testing", "validation", "test_culver_city")
 
 
-def split_root(root_dir: PathLike, key: str = "root_dir") -> Path:
+def split_root(root_dir: PathLike, key: str = "root_dir", fix: Optional[str] = None) -> Path:
     """``root_dir`` as a Path, checked to be a folder holding scenario sub-folders; ``key`` (the hypes key or flag
-    the path came from) names it in the error."""
+    the path came from) names it in the error, and ``fix`` (default: how to set ``key``) says how to point it at
+    another split, in the words before "an OPV2V split folder"."""
     root = Path(root_dir)
     layout = "holding <scenario>/<cav_id>/<timestamp>.yaml"
+    how = f"{fix or _split_fix(key)} an OPV2V split folder"
     if not root.is_dir():
         problem = "is a file, not a split folder" if root.exists() else "split folder not found"
-        raise DataError(f"{key} {root}: {problem}; {_split_fix(key)} {layout}")
+        raise DataError(f"{key} {root}: {problem}; {how} {layout}")
     folders = _subdirectories(root)
     if not folders:
-        raise DataError(f"{key} {root}: no scenario folder in this split (empty split); {_split_fix(key)} {layout}")
+        raise DataError(f"{key} {root}: no scenario folder in this split (empty split); {how} {layout}")
     splits = [name for name in folders if name in SPLIT_NAMES]
     if splits:  # else its splits would be read as scenarios, to fail later as an "empty split" under another key
         raise DataError(f"{key} {root}: holds the splits {', '.join(splits)}, not scenarios: it is the data set's "
-                        f"root; {_split_fix(key)} such as {root / splits[0]}")
+                        f"root; {how} such as {root / splits[0]}")
     return root
 
 

@@ -275,6 +275,10 @@ def eval_dataset_hypes(hypes: dict, request: EvalRequest, fusion_method: str) ->
         hypes["validate_dir"] = check_split_path(hypes, request.dataset_dir, "--dataset_dir")
     elif request.test_split and hypes.get("test_dir"):
         hypes["validate_dir"] = check_split_path(hypes, hypes["test_dir"], "test_dir")
+    elif not request.test_split:  # the run's own validate_dir, often another machine's path: the tool's flag fixes it
+        hypes["validate_dir"] = check_split_path(hypes, hypes["validate_dir"], "validate_dir",
+                                                 "pass --dataset_dir (or edit validate_dir in the run's config.yaml "
+                                                 "to name)")
     return hypes
 
 

@@ -78,8 +78,9 @@ class SplitSource:
         self.train, self.seed, self.max_cav = bool(train), int(seed), int(max_cav)
 
     @staticmethod
-    def split_path(path: Any, key: str) -> Path:
-        """``path`` checked to be a split of this data set (DataError naming ``key`` otherwise)."""
+    def split_path(path: Any, key: str, fix: Optional[str] = None) -> Path:
+        """``path`` checked to be a split of this data set (DataError naming ``key`` otherwise, and ``fix``: how to
+        point it at another split, where the data set's own words for setting ``key`` do not fit the tool)."""
         raise NotImplementedError
 
     def __len__(self) -> int:
@@ -150,10 +151,10 @@ def build_source(hypes: Mapping, split_key: str, *, train: bool, seed: int, max_
     return source_entry(hypes).obj(hypes, split_key, train=train, seed=seed, max_cav=max_cav)
 
 
-def check_split_path(hypes: Mapping, path: Any, key: str) -> str:
+def check_split_path(hypes: Mapping, path: Any, key: str, fix: Optional[str] = None) -> str:
     """``path`` (a split another key or flag names: test_dir, --dataset_dir) checked the way the data set stores
-    its splits; DataError naming ``key`` otherwise. Returns it as a string for the hypes."""
-    return str(source_entry(hypes).obj.split_path(path, key))
+    its splits; DataError naming ``key`` (and ``fix``) otherwise. Returns it as a string for the hypes."""
+    return str(source_entry(hypes).obj.split_path(path, key, fix))
 
 
 __all__ = ["FUSIONS", "Objects", "SampleFrames", "SplitSource", "build_source", "check_split_path", "source_entry"]

@@ -324,16 +324,17 @@ class DairV2XSource(SplitSource):
     def data_folder(hypes: Mapping) -> Path:
         folder = Path(hypes["data_dir"])
         if not folder.is_dir():
-            raise DataError(f"data_dir {folder}: folder not found; set data_dir (or --set data_dir=PATH) to "
-                            f"DAIR-V2X-C's cooperative-vehicle-infrastructure folder")
+            raise DataError(f"data_dir {folder}: folder not found; set data_dir in the hypes (an evaluation's: the "
+                            f"run's config.yaml; training also takes --set data_dir=PATH) to DAIR-V2X-C's "
+                            f"cooperative-vehicle-infrastructure folder")
         return folder
 
     @staticmethod
-    def split_path(path: Any, key: str) -> Path:
+    def split_path(path: Any, key: str, fix: Optional[str] = None) -> Path:
         split = Path(path)
         if not split.is_file():
-            raise DataError(f"{key} {split}: split file not found; pass a DAIR-V2X-C split file (a JSON list of "
-                            f"vehicle frame ids, e.g. val.json)")
+            raise DataError(f"{key} {split}: split file not found; {fix or 'pass'} a DAIR-V2X-C split file (a JSON "
+                            f"list of vehicle frame ids, e.g. val.json)")
         return split
 
     def __len__(self) -> int:

@@ -41,8 +41,8 @@ class Opv2vSource(SplitSource):
         return scan_split(folder, self.max_cav, key=split_key, not_frames=self.not_frames)
 
     @staticmethod
-    def split_path(path: Any, key: str) -> Path:
-        return split_root(path, key)
+    def split_path(path: Any, key: str, fix: Optional[str] = None) -> Path:
+        return split_root(path, key, fix)
 
     # What reads one CAV's frame: the OPV2V yaml (V2V4Real replaces it).
     read_frame: FrameReader = staticmethod(read_opv2v_frame)
