@@ -97,6 +97,17 @@ def test_a_seed_numpy_refuses_is_one_argparse_line(value, fragment, capsys):
     assert parse_train_options(["--model_dir", "run", "--seed", str(2 ** 32 - 1)]).loop.seed == 2 ** 32 - 1
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "inf", "nan", "soon"])
+def test_a_dist_timeout_that_cannot_wait_is_one_argparse_line(value, capsys):
+    """0 or less failed the first rendezvous with socket tracebacks on every rank (a 0 ms client timeout)."""
+    for parse in (parse_train_options, parse_eval_options):
+        with pytest.raises(SystemExit) as stopped:
+            parse(["--model_dir", "run", "--dist_timeout", value])
+        assert stopped.value.code == 2
+        assert "argument --dist_timeout: " in capsys.readouterr().err
+    assert parse_train_options(["--model_dir", "run", "--dist_timeout", "0.5"]).process.dist_timeout == 0.5
+
+
 @pytest.mark.parametrize("value,fragment", [("-1", "-1 is negative; 0 loads in the process itself"),
                                             ("two", "'two' is not a whole number")])
 def test_a_bad_worker_count_is_one_argparse_line(value, fragment, capsys):

@@ -474,6 +474,8 @@ def test_the_new_keys_are_declared(world):
     ("wild_setting", "seed", None, ("key wild_setting.seed is needed by wild_setting.loc_err: true",)),
     ("wild_setting", "async_overhead", None, ("key wild_setting.async_overhead is needed by wild_setting.async",)),
     ("noise_setting", "pos_std", -0.5, ("key noise_setting.args.pos_std must be a finite number >= 0 (m)",)),
+    ("noise_setting", "pos_mean", float("nan"), ("key noise_setting.args.pos_mean must be a finite number (m)",)),
+    ("noise_setting", "rot_mean", float("inf"), ("key noise_setting.args.rot_mean must be a finite number (deg",)),
     ("noise_setting", "add_noise", "yes", ("key noise_setting.add_noise must be true or false",)),
     ("both", None, None, ("wild_setting.loc_err and noise_setting.add_noise are both true",)),
 ])

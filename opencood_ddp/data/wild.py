@@ -272,6 +272,16 @@ def _non_negative(hypes: Mapping, key: str, unit: str, default: float, source: s
     return float(value)
 
 
+def _finite(hypes: Mapping, key: str, unit: str, default: float, source: str) -> float:
+    """A mean of the noise: any finite number (a NaN or infinite mean moves every pose, the ego's too, out of
+    reach, and every cloud out of range)."""
+    value = get_key(hypes, key, default)
+    if not math.isfinite(value):
+        raise ConfigError(f"{source}: key {key} must be a finite number ({unit}), got {value!r}; write a finite "
+                          f"value (0 for noise around the true pose)")
+    return float(value)
+
+
 def _required_when(hypes: Mapping, key: str, flag: str, example: str, source: str) -> None:
     if get_key(hypes, key) is None:
         raise ConfigError(f"{source}: key {key} is needed by {flag}: true; add it (e.g. {example}) or set "
@@ -327,8 +337,8 @@ def _heal_noise(hypes: Mapping, source: str) -> Optional[NoiseSetting]:
     for key, example in (("pos_std", "0.2 (m)"), ("rot_std", "0.2 (degrees)")):
         _required_when(hypes, f"noise_setting.args.{key}", "noise_setting.add_noise", example, source)
     return NoiseSetting("per_sample", xy_std=pos, z_std=0.0, yaw_std=rot,
-                        xy_mean=float(get_key(hypes, "noise_setting.args.pos_mean", 0.0)),
-                        yaw_mean=float(get_key(hypes, "noise_setting.args.rot_mean", 0.0)),
+                        xy_mean=_finite(hypes, "noise_setting.args.pos_mean", "m", 0.0, source),
+                        yaw_mean=_finite(hypes, "noise_setting.args.rot_mean", "degrees", 0.0, source),
                         laplace=bool(get_key(hypes, "noise_setting.args.laplace", False)), include_ego=True)
 
 

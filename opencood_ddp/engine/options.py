@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Protocol, Sequence, Union
@@ -129,7 +130,7 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num_workers", type=worker_count, default=ProcessOptions.num_workers,
                         help="DataLoader workers per process (default: 2 on the CPU; on a GPU, the rank's share of "
                              "the cores less one, at most 8)")
-    parser.add_argument("--dist_timeout", type=float, default=ProcessOptions.dist_timeout,
+    parser.add_argument("--dist_timeout", type=timeout_minutes, default=ProcessOptions.dist_timeout,
                         help="minutes a collective waits for a stalled or dead peer before every waiting rank "
                              "fails with a message naming the ranks behind")
     parser.add_argument("--dist_backend", choices=("nccl", "gloo"), help="default: nccl on CUDA, gloo on CPU")
@@ -145,6 +146,19 @@ def worker_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; 0 loads in the process itself")
+    return value
+
+
+def timeout_minutes(text: str) -> float:
+    """--dist_timeout: a positive, finite number of minutes; 0 or less fails the first rendezvous with a socket
+    traceback, inf or nan in torch's timedelta."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of minutes (default "
+                                         f"{ProcessOptions.dist_timeout:g})")
     return value
 
 
