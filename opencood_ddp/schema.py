@@ -53,6 +53,13 @@ def selected_entries(hypes: Mapping) -> list:
     return entries
 
 
+def check_selected_entries(hypes: Mapping, source: str) -> None:
+    """Each selected entry's keys and cross-key rules (the checks building it runs), before anything is built:
+    one ConfigError for the first that fails."""
+    for entry in selected_entries(hypes) or ():
+        entry.validate(hypes, source)
+
+
 def accepted_keys(hypes: Mapping, extra: Iterable[tuple[str, str]] = ()) -> dict[str, str]:
     """Every accepted key with its kind."""
     keys = dict(tuple(ENGINE_KEYS) + tuple(ENGINE_OPTIONAL_KEYS) + tuple(extra))

@@ -117,6 +117,20 @@ def test_a_level_sets_the_loc_err_and_delay_the_datasets_read(mode):
     assert (delayed.delay.enabled, delayed.delay.mode, delayed.delay.overhead_ms) == (True, "sim", 200.0)
 
 
+def test_a_level_the_run_cannot_take_is_refused_before_any_level_is_evaluated():
+    """A delay on DAIR-V2X-C (its splits list single frame pairs): refused by check_levels, which evaluate_levels
+    runs before the first level, naming the flag that asked for it. Before, every noise level was evaluated and
+    lost, and the line named wild_setting.async, a key the user never set. Every level of an OPV2V run passes."""
+    from zoo import hypes_of
+
+    levels = sweep.sweep_levels(options(pos_std=(0.0, 0.4), delays_ms=(0.0, 100.0)))
+    with pytest.raises(ConfigError) as info:
+        sweep.check_levels(hypes_of("dairv2x/point_pillar_intermediate_fusion"), levels, seed=25)
+    one_line_error(info, "--delays_ms 100: the run cannot be evaluated at this level", "DAIR-V2X-C",
+                   "leave the level out of the sweep")
+    sweep.check_levels(hypes_of("toy/point_pillar_intermediate_fusion"), levels, seed=25)
+
+
 def test_the_clean_level_reads_true_poses_at_the_egos_timestamp():
     clean = wild_setting_from_hypes(sweep.level_hypes(RUN_HYPES, sweep.Level(0.0, 0.0, 0.0, "upstream"), 25), "t")
     assert clean.noise is None and not clean.delay.enabled

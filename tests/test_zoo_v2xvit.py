@@ -10,6 +10,7 @@ import torch
 from launch import REPO, WORKERS, explain, torchrun
 from zoo import assert_forward_backward, assert_key_error, toy_batch
 
+from opencood_ddp.errors import DataError
 from opencood_ddp.models.modules.v2xvit_agents import INFRASTRUCTURE, VEHICLE, Agents
 from opencood_ddp.models.modules.v2xvit_hmsa import HeteroCavAttention
 from opencood_ddp.models.modules.v2xvit_mswin import WindowAttention
@@ -110,7 +111,7 @@ def test_delay_and_infrastructure_flag_reach_the_output(toy):
     assert not torch.allclose(rsu[0], base[0]) and torch.allclose(rsu[1], base[1])
     too_late = prior.clone()
     too_late[0, 1, 1] = 50  # x RTE_ratio 2 = row 100 of a 100-row table
-    with pytest.raises(ValueError, match="RTE_ratio"):
+    with pytest.raises(DataError, match="RTE_ratio"):
         model(dict(batch, prior_encoding=too_late))
 
 
@@ -356,3 +357,20 @@ def test_on_two_ranks_unused_everywhere_is_skipped_and_used_on_one_is_ddps_avera
         _check_steps_without_and_with_a_road_side_unit(rank)
     last = [rank["steps"][-1]["infra"] for rank in ranks]
     assert all(torch.equal(last[0][n], last[1][n]) for n in last[0])
+
+
+@pytest.mark.parametrize("ratio,longest_ms", [(2, 4900), (40, 200)])
+def test_a_delay_past_the_table_is_one_line_saying_how_short_it_must_be(ratio, longest_ms):
+    """delay x RTE_ratio indexes the 100-row table: the longest delay that fits is 49 frames at upstream's ratio 2
+    and 2 frames at 40. One past it was a ValueError with a traceback mid-evaluation; it is now a DataError whose
+    bound is the first delay refused."""
+    from opencood_ddp.models.modules.v2xvit_encoder import DelayEmbedding
+
+    table = DelayEmbedding(8, ratio)
+    fits = longest_ms // 100
+    assert table(torch.tensor([0, fits]), [0, fits]).shape == (2, 8)
+    with pytest.raises(DataError) as info:
+        table(torch.tensor([0, fits + 1]), [0, fits + 1])
+    assert "\n" not in str(info.value)
+    assert f"shorten the delay (wild_setting.async_overhead, or noise_sweep's --delays_ms) to under " \
+           f"{longest_ms + 100} ms" in str(info.value)

@@ -38,8 +38,9 @@ from opencood_ddp.engine.loaders import workers_per_rank
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, ProcessOptions, eval_parser, from_flags
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key
+from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key, hypes_source
 from opencood_ddp.metrics.conventions import AP_CONVENTIONS
+from opencood_ddp.schema import check_selected_entries
 from opencood_ddp.tasks import build_eval as build_task_eval
 from opencood_ddp.tasks.eval_presets import DEFAULT_PRESET, preset_global_sort, result_suffix
 from opencood_ddp.tasks.opencood import DetectionEvalOptions, fusion_suffix
@@ -154,6 +155,25 @@ def sweep_levels(options: SweepOptions) -> List[Level]:
     return list(dict.fromkeys(levels))  # first occurrence kept, order kept
 
 
+def level_flags(level: Level) -> str:
+    """The flags that asked for ``level``."""
+    if level.delay_ms > 0:
+        return f"--delays_ms {level.delay_ms:g}"
+    return f"--pos_std {level.pos_std:g} --rot_std {level.rot_std:g}"
+
+
+def check_levels(hypes: dict, levels: Sequence[Level], seed: int) -> None:
+    """Every level's hypes through the checks its build runs, before the first level is evaluated: a level the run
+    cannot take (a delay on DAIR-V2X-C's single frame pairs) is refused up front, naming the flag that asked for
+    it, not after the levels before it were evaluated and lost."""
+    for level in levels:
+        try:
+            check_selected_entries(level_hypes(hypes, level, seed), hypes_source(hypes))
+        except ConfigError as error:
+            raise ConfigError(f"{level_flags(level)}: the run cannot be evaluated at this level ({error}); leave "
+                              f"the level out of the sweep") from None
+
+
 def refuse_per_evaluation_files(task: DetectionEvalOptions) -> None:
     for field, flag in PER_EVALUATION_FILES:
         if getattr(task, field):
@@ -233,6 +253,7 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
     run = inference.run_to_evaluate(options.eval)
     hypes, checkpoint = run.hypes, run.checkpoint
     seed = noise_seed(options, hypes)
+    check_levels(hypes, levels, seed)
     log, warned, results = get_logger(), False, []
     # The engine writes each level's eval.yaml into the request's folder: a scratch one, so that the run's own
     # eval.yaml stays what it was.

@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
+from opencood_ddp.errors import DataError
 from opencood_ddp.models.modules.v2xvit_agents import Agents
 from opencood_ddp.models.modules.v2xvit_hmsa import CavAttention, HeteroCavAttention
 from opencood_ddp.models.modules.v2xvit_mswin import PyramidWindowAttention
@@ -76,9 +77,11 @@ class DelayEmbedding(nn.Module):
         """(N,) delays in frames, and the same as Python ints (Agents.delays: checked without reading the device)
         -> (N, C). RTE_ratio converts frames to table rows (2: 100 ms frames, 50 ms rows)."""
         rows = self.emb.num_embeddings
-        if any(not 0 <= d * self.ratio < rows for d in delays):
-            raise ValueError(f"time delay x RTE_ratio must be in 0..{rows - 1} (V2X-ViT's delay table), got delays "
-                             f"{list(delays)} with RTE_ratio {self.ratio}")
+        if any(not 0 <= d * self.ratio < rows for d in delays):  # a DataError: one line, on every rank
+            raise DataError(f"time delay x RTE_ratio must be in 0..{rows - 1} (V2X-ViT's delay table), got delays "
+                            f"{list(delays)} (frames) with RTE_ratio {self.ratio}; shorten the delay "
+                            f"(wild_setting.async_overhead, or noise_sweep's --delays_ms) to under "
+                            f"{-(-rows // self.ratio) * 100} ms")
         return self.lin(self.emb(delay * self.ratio))
 
 
