@@ -216,6 +216,9 @@ def test_the_plot_has_a_delay_panel_only_with_delays():
     assert noise.ticks == ["0/0", "0.2/0.2"] and list(noise.series) == ["AP@0.3", "AP@0.5", "AP@0.7"]
     assert delay.ticks == ["0", "100", "300"]  # sorted by delay, the clean level first
     assert len(sweep.sweep_panels(levels[:2])) == 1
+    # --pos_std 0.2 0.4 --delays_ms 0 100: the clean level comes from the delays, and opens the noise axis
+    noise, _ = sweep.sweep_panels([levels[1], dict(levels[1], pos_std=0.4, rot_std=0.4), levels[0], levels[3]])
+    assert noise.ticks == ["0/0", "0.2/0.2", "0.4/0.4"]
 
 
 # ------------------------------------------------------------------------------------------ end to end

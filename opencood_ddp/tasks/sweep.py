@@ -367,9 +367,10 @@ def markdown_table(table: Mapping) -> str:
 
 
 def sweep_panels(levels: Sequence[Mapping]) -> List[SweepPanel]:
-    """AP against the noise levels (at zero delay, in order) and, with delays, against the delay (clean poses)."""
+    """AP against the noise levels (at zero delay, in order, the clean level first: it can come from --delays_ms 0)
+    and, with delays, against the delay (clean poses)."""
     panels = []
-    noise = [e for e in levels if e["delay_ms"] == 0]
+    noise = sorted((e for e in levels if e["delay_ms"] == 0), key=lambda e: e["mode"] != CLEAN)  # stable
     if noise:
         panels.append(_panel("noise std: position (m) / yaw (deg)", noise,
                              [f"{_number(e['pos_std'])}/{_number(e['rot_std'])}" for e in noise]))
