@@ -7,6 +7,7 @@ is inference_ddp.py's AP, noise and delay change the detections, and the run's e
 """
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -148,6 +149,16 @@ def test_upstream_noise_is_known_to_miss_early_and_late_datasets():
     assert not sweep.ignores_the_noise(spec(IntermediateFusionDataset), upstream)
     assert not sweep.ignores_the_noise(spec(LateFusionDataset), per_sample)
     assert not sweep.ignores_the_noise(spec(LateFusionDataset), sweep.Level(0.0, 0.0, 100.0, "upstream"))
+
+
+def test_a_nofusion_sweep_says_that_no_level_can_change_it(caplog):
+    """The ego detects alone and the sweep never perturbs or delays the ego: a warning, as for upstream mode's
+    early and late datasets; none for a sweep of the clean level alone."""
+    with caplog.at_level(logging.WARNING):
+        sweep.warn_ego_alone(sweep.sweep_levels(options(pos_std=(0.0,))))
+        assert not caplog.records
+        sweep.warn_ego_alone(sweep.sweep_levels(options(pos_std=(0.0,), delays_ms=(100.0,))))
+    assert "every level equals the clean one" in caplog.text
 
 
 def frame(*scores: float) -> FrameStats:

@@ -43,7 +43,7 @@ from opencood_ddp.metrics.conventions import AP_CONVENTIONS
 from opencood_ddp.schema import check_selected_entries
 from opencood_ddp.tasks import build_eval as build_task_eval
 from opencood_ddp.tasks.eval_presets import DEFAULT_PRESET, preset_global_sort, result_suffix
-from opencood_ddp.tasks.opencood import DetectionEvalOptions, fusion_suffix
+from opencood_ddp.tasks.opencood import NO_FUSION, DetectionEvalOptions, fusion_suffix
 from opencood_ddp.vis.sweep_plot import SweepPanel, plot_sweep
 
 DEFAULT_STDS = (0.0, 0.2, 0.4, 0.6)  # HEAL's and CoAlign's inference_w_noise.py levels (m and degrees)
@@ -229,6 +229,13 @@ def ignores_the_noise(spec: EvalSpec, level: Level) -> bool:
                                                                         True)
 
 
+def warn_ego_alone(levels: Sequence[Level]) -> None:
+    """nofusion: the ego detects on its own cloud, and the sweep never perturbs or delays the ego."""
+    if any(level.noisy or level.delay_ms > 0 for level in levels):
+        get_logger().warning("--fusion_method nofusion: the ego detects alone, and the sweep perturbs and delays "
+                             "only the other CAVs, so every level equals the clean one")
+
+
 def warn_noise_ignored(spec: EvalSpec) -> None:
     get_logger().warning(f"--noise_mode upstream: {type(spec.dataset).__name__} projects with the true poses (as "
                          f"upstream's early and late datasets do), so every noise level equals the clean one; use "
@@ -254,6 +261,8 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
     hypes, checkpoint = run.hypes, run.checkpoint
     seed = noise_seed(options, hypes)
     check_levels(hypes, levels, seed)
+    if options.eval.task.fusion_method == NO_FUSION:
+        warn_ego_alone(levels)
     log, warned, results = get_logger(), False, []
     # The engine writes each level's eval.yaml into the request's folder: a scratch one, so that the run's own
     # eval.yaml stays what it was.
