@@ -86,3 +86,17 @@ def test_one_reading_of_a_run_picks_epoch_bestval_and_step_checkpoints(toy_small
     assert load_run(run, step=5).checkpoint.name == "net_step5.pth"
     with pytest.raises(CheckpointError, match=r"no net_step4.pth \(steps on disk: \[5\]\); pass one of them to --step"):
         choose_checkpoint(run, step=4)
+
+
+def test_a_run_of_step_checkpoints_only_is_sent_where_it_can_go_on(toy_small, tmp_path):
+    """Evaluation has no --step: the line names training, which goes on from the step; a tool with --step (export)
+    also names its flag. It named export_upstream before, which refuses every toy and several zoo configs."""
+    run = make_run(tmp_path / "run", toy_small)
+    (run / "net_epoch1.pth").rename(run / "net_step5.pth")
+    with pytest.raises(CheckpointError) as info:
+        choose_checkpoint(run)
+    assert str(info.value) == (f"{run}: no net_epoch*.pth checkpoint (steps on disk: [5]); train on to the epoch's "
+                               f"end (tools/train_ddp.py --model_dir {run} goes on from net_step5.pth), or pass "
+                               f"another --model_dir")
+    with pytest.raises(CheckpointError, match=r"net_step5.pth\), pass --step K for a step, or pass another"):
+        choose_checkpoint(run, step_flag="--step")

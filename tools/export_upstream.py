@@ -82,7 +82,7 @@ def check_out(out: Path) -> None:
 
 def export(args: argparse.Namespace) -> str:
     run_dir, out = Path(args.model_dir), Path(args.out)
-    run = load_run(run_dir, args.epoch, args.bestval, args.step)
+    run = load_run(run_dir, args.epoch, args.bestval, args.step, step_flag="--step")
     check_out(out)
     hypes = run.hypes
     model = create_model(hypes)

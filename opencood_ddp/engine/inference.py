@@ -48,19 +48,19 @@ class LoadedRun:
 
 
 def load_run(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
-             step: Optional[int] = None) -> LoadedRun:
+             step: Optional[int] = None, step_flag: Optional[str] = None) -> LoadedRun:
     """The one reading of a run folder, for evaluation and every tool: its config.yaml through the one hypes
     loader, and the checkpoint `choose_checkpoint` picks."""
     config = run_dir / CONFIG_NAME
     if not config.is_file():
         raise ConfigError(f"{config} does not exist; pass --model_dir of a training run (it holds config.yaml)")
-    return LoadedRun(load_parsed_hypes(config), choose_checkpoint(run_dir, epoch, bestval, step))
+    return LoadedRun(load_parsed_hypes(config), choose_checkpoint(run_dir, epoch, bestval, step, step_flag))
 
 
 def choose_checkpoint(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
-                      step: Optional[int] = None) -> Path:
-    """--bestval (the newest), --epoch N, --step K (a tool that offers it), or the highest net_epoch{N}.pth
-    (upstream's choice)."""
+                      step: Optional[int] = None, step_flag: Optional[str] = None) -> Path:
+    """--bestval (the newest), --epoch N, --step K (a tool that offers it: ``step_flag`` names the flag), or the
+    highest net_epoch{N}.pth (upstream's choice)."""
     if bestval:
         found = ckpt.epochs_on_disk(run_dir, ckpt.BESTVAL_RE)
         if not found:
@@ -73,9 +73,11 @@ def choose_checkpoint(run_dir: Path, epoch: Optional[int] = None, bestval: bool 
     found = ckpt.epochs_on_disk(run_dir)
     if not found:
         steps = ckpt.epochs_on_disk(run_dir, ckpt.STEP_WEIGHTS_RE)
-        raise CheckpointError(f"{run_dir}: no net_epoch*.pth checkpoint (steps on disk: {steps or 'none'}); train "
-                              f"first, or pass another --model_dir (a step's weights: tools/export_upstream.py "
-                              f"--step K)")
+        go_on = (f"train on to the epoch's end (tools/train_ddp.py --model_dir {run_dir} goes on from "
+                 f"{ckpt.step_weights_name(steps[-1])}){f', pass {step_flag} K for a step' if step_flag else ''}, "
+                 if steps else "train first, ")
+        raise CheckpointError(f"{run_dir}: no net_epoch*.pth checkpoint (steps on disk: {steps or 'none'}); {go_on}"
+                              f"or pass another --model_dir")
     return run_dir / ckpt.weights_name(found[-1])
 
 
