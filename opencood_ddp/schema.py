@@ -93,18 +93,24 @@ def unknown_keys(hypes: Mapping, extra: Iterable[tuple[str, str]] = ()) -> list[
     return [leaf for leaf, value in _leaves(hypes) if not _covered(leaf, value, accepted)]
 
 
-def check_known_keys(hypes: Mapping, source: str, extra: Iterable[tuple[str, str]] = ()) -> None:
-    """One ConfigError naming every key that neither this project nor upstream's hypes use."""
+def named_unknown_keys(hypes: Mapping, extra: Iterable[tuple[str, str]] = ()) -> list[str]:
+    """Every key that neither this project nor upstream's hypes use, each with its nearest known key."""
     extra = tuple(extra)
     unknown = unknown_keys(hypes, extra)
-    if not unknown:
-        return
-    accepted = sorted(accepted_keys(hypes, extra))
+    accepted = sorted(accepted_keys(hypes, extra)) if unknown else []
     named = []
     for key in unknown:
         close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.75)
         named.append(f"{key} (did you mean {close[0]}?)" if close else key)
-    raise ConfigError(f"{source}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(named)}: neither this "
-                      f"project nor upstream's hypes files use {'them' if len(unknown) > 1 else 'it'}; fix the "
-                      f"spelling or remove {'them' if len(unknown) > 1 else 'it'} (a model of your own declares "
-                      f"its keys where it is registered)")
+    return named
+
+
+def check_known_keys(hypes: Mapping, source: str, extra: Iterable[tuple[str, str]] = ()) -> None:
+    """One ConfigError naming every key that neither this project nor upstream's hypes use."""
+    named = named_unknown_keys(hypes, extra)
+    if not named:
+        return
+    many = len(named) > 1
+    raise ConfigError(f"{source}: unknown key{'s' if many else ''} {', '.join(named)}: neither this project nor "
+                      f"upstream's hypes files use {'them' if many else 'it'}; fix the spelling or remove "
+                      f"{'them' if many else 'it'} (a model of your own declares its keys where it is registered)")

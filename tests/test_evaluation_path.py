@@ -100,3 +100,23 @@ def test_a_run_of_step_checkpoints_only_is_sent_where_it_can_go_on(toy_small, tm
                                f"another --model_dir")
     with pytest.raises(CheckpointError, match=r"net_step5.pth\), pass --step K for a step, or pass another"):
         choose_checkpoint(run, step_flag="--step")
+
+
+def test_a_key_nobody_reads_in_the_runs_config_is_said_once_and_the_run_is_evaluated(toy_small, tmp_path, caplog):
+    """A hand edit of config.yaml (`gt_range` misspelt) moved AP without a word: evaluation reads the run's own
+    config and does not refuse it (a fork's run or an older version may carry keys we do not read), but it says
+    which keys nothing reads, with the nearest known one, once a process however many evaluations it builds."""
+    import logging
+
+    from opencood_ddp.engine.evaluator import EvalRequest
+    from opencood_ddp.tasks.opencood import build_eval
+
+    run = make_run(tmp_path / "run", toy_small)
+    hypes = load_run(run).hypes
+    hypes["postprocess"]["gt_rnge"] = hypes["postprocess"].pop("gt_range", [-140, -40, -3, 140, 40, 1])
+    request = EvalRequest(run_dir=str(run), task_options=DetectionEvalOptions(fusion_method="intermediate"))
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            build_eval(hypes, request)
+    said = [record.getMessage() for record in caplog.records if "nothing reads" in record.getMessage()]
+    assert len(said) == 1 and "postprocess.gt_rnge (did you mean postprocess.gt_range?)" in said[0], said

@@ -27,6 +27,7 @@ from opencood_ddp.data.device_points import prepare_batch
 from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.sources import check_split_path
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
+from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.task import LossOutput, Task
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source
@@ -38,7 +39,7 @@ from opencood_ddp.models.parameter_use import take_parameter_use
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
 from opencood_ddp.registry import import_modules
-from opencood_ddp.schema import check_known_keys
+from opencood_ddp.schema import check_known_keys, named_unknown_keys
 from opencood_ddp.tasks.communication import CommunicationMeter
 from opencood_ddp.tasks.eval_presets import (DEFAULT_PRESET, PRESETS, EvalConvention, band_rows, eval_convention,
                                              result_suffix)
@@ -391,8 +392,24 @@ def build_pr_plot(options: DetectionEvalOptions, run_dir: Optional[str], convent
     return PrPlot(Path(run_dir) / pr_plot_name(options.global_sort, convention.preset, fusion_method), convention)
 
 
+_SAID_UNKNOWN: set = set()
+
+
+def warn_unknown_keys(hypes: Mapping) -> None:
+    """An evaluation reads the run's own config.yaml, which training checked; keys nobody reads there come from a
+    hand edit, a fork's run or an older version. They are said, not refused: the run stays evaluable."""
+    named = named_unknown_keys(hypes, TASK_KEYS)
+    said = (hypes_source(hypes), tuple(named))
+    if named and said not in _SAID_UNKNOWN:  # once a process: a noise sweep builds an evaluation per level
+        _SAID_UNKNOWN.add(said)
+        get_logger().warning(f"{hypes_source(hypes)}: nothing reads the key{'s' if len(named) > 1 else ''} "
+                             f"{', '.join(named)}; the evaluation uses the defaults in their place (fix the run's "
+                             f"config.yaml if a key is misspelt)")
+
+
 def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     import_modules(hypes, hypes_source(hypes))
+    warn_unknown_keys(hypes)
     options = DetectionEvalOptions.of(request)
     fusion_method = options.fusion_method or fusion_method_of(hypes)
     hypes = eval_dataset_hypes(hypes, request, fusion_method)
