@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from launch import REPO, explain, in_process, split_set_flags, torchrun, train
+from opencood_ddp.vis.export import read_manifest
 
 pytestmark = pytest.mark.slow  # real processes: `make test` runs it, `make test-fast` does not
 
@@ -90,7 +91,10 @@ def test_eval_yaml_and_npy_files_identical_on_1_2_3_ranks(toy_runs, toy_small, t
     for world in (0, 2, 3):
         copy = copy_run(run_dir, tmp_path / f"w{world}")
         results[world] = evaluate(copy, world, fusion, toy_small, "--save_npy")
-        written[world] = {path.name: np.load(path) for path in sorted((copy / "npy").iterdir())}
+        written[world] = {path.name: np.load(path) for path in sorted((copy / "npy").glob("*.npy"))}
+        assert read_manifest(copy / "npy") == {"split": str(toy_small / "test"), "fusion_method": fusion,
+                                               "eval_preset": "opencood", "frames": 4}
+        assert not (copy / "npy.partial").exists()  # published whole
     run_keys = ("world_size", "seconds")
     metrics = {world: {k: v for k, v in r.items() if k not in run_keys} for world, r in results.items()}
     assert metrics[0] == metrics[2] == metrics[3]
@@ -156,8 +160,9 @@ def test_save_vis_and_pr_plot_write_pictures(toy_runs, toy_small, tmp_path):
 
     copy = copy_run(toy_runs("point_pillar_late_fusion", 0), tmp_path / "run")
     evaluate(copy, 2, "late", toy_small, "--save_vis", "--pr_plot")
-    pictures = sorted((copy / "vis").iterdir())
+    pictures = sorted((copy / "vis").glob("*.png"))
     assert [p.name for p in pictures] == [f"bev_{index:05d}.png" for index in range(4)]
+    assert sorted(p.name for p in (copy / "vis").iterdir()) == [p.name for p in pictures] + ["evaluation.yaml"]
     for path in pictures + [copy / "pr_curve.png"]:
         image = matplotlib.image.imread(path)
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 300

@@ -98,3 +98,26 @@ def test_recall_by_visibility_names_a_damaged_npy_file_and_a_run_of_another_spli
     one_error_line(in_process(RECALL, "--dataset_dir", tmp_path / "nowhere", "--runs", run), "--dataset_dir")
     bad_iou = in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run, "--iou", "1.5")
     assert bad_iou.returncode == 2 and "argument --iou: 1.5 is not an IoU in (0, 1]" in bad_iou.stderr
+
+
+def test_recall_by_visibility_refuses_npy_files_another_split_of_the_same_length_wrote(tmp_path, toy_small):
+    """The split's frame count alone let a validate split's boxes be scored against the test split's clouds (the
+    small world has 4 frames in each): exit 0 and a table of the wrong frames. The evaluation's manifest names
+    its split."""
+    from opencood_ddp.vis.export import FrameExporter
+
+    run = tmp_path / "run"
+    corners = np.zeros((0, 8, 3), dtype=np.float32)
+    for split in ("validate", "test"):
+        exporter = FrameExporter(run, save_npy=True, save_vis=False, lidar_range=[-1, -1, -1, 1, 1, 1],
+                                 about={"split": str(toy_small / split), "fusion_method": "late",
+                                        "eval_preset": "opencood"})
+        for frame in range(4):
+            exporter(frame, np.zeros((1, 4), dtype=np.float32), corners, np.zeros(0), corners, None)
+        exporter.publish(4)
+        result = in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run)
+        if split == "validate":
+            one_error_line(result, f"holds the evaluation of {toy_small / 'validate'}, not of {toy_small / 'test'}",
+                           "--save_npy --dataset_dir")
+        else:
+            assert result.returncode == 0 and "4 frames of" in result.stdout, explain(result)

@@ -232,3 +232,38 @@ def test_pr_plot_rejects_bad_curves(tmp_path, curve, expected):
     with pytest.raises(ValueError, match=expected):
         plot_pr_curves(tmp_path / "pr.png", {"IoU 0.5": curve})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_per_frame_files_are_staged_then_published_whole(tmp_path):
+    """The ranks write into npy.partial; the run's npy/ changes only at publish, which leaves exactly this
+    evaluation's frames and its manifest: frames of a longer split evaluated before, an interrupted run's
+    leftovers past this split and temporary files go, and a failing evaluation (no publish) leaves npy/ as it was."""
+    from opencood_ddp.vis.export import FrameExporter, read_manifest
+
+    def exporter(split: str) -> FrameExporter:
+        return FrameExporter(tmp_path, save_npy=True, save_vis=False, lidar_range=RANGE,
+                             about={"split": split, "fusion_method": "late", "eval_preset": "opencood"})
+
+    points, corners = np.zeros((5, 4), np.float32), np.zeros((1, 8, 3), np.float32)
+    longer = exporter("train")
+    for index in range(6):
+        longer(index, points, corners, np.ones(1), corners, None)
+    assert not (tmp_path / "npy").exists()  # nothing published before every rank is done
+    longer.publish(6)
+    before = sorted(p.name for p in (tmp_path / "npy").iterdir())
+    assert len(before) == 6 * 3 + 1 and read_manifest(tmp_path / "npy")["frames"] == 6
+
+    shorter = exporter("test")
+    (tmp_path / "npy.partial").mkdir()
+    (tmp_path / "npy.partial" / "0009_pred.npy").write_bytes(b"stale")  # a stopped run's frame past this split
+    (tmp_path / "npy.partial" / ".0000_pcd.npy.x.tmp").write_bytes(b"")  # a write cut by SIGTERM
+    for index in range(4):
+        shorter(index, points + 1, corners, np.ones(1), corners, None)
+    assert sorted(p.name for p in (tmp_path / "npy").iterdir()) == before  # a failure now loses nothing
+    shorter.publish(4)
+    assert sorted(p.name for p in (tmp_path / "npy").iterdir()) == sorted(
+        [f"{i:04d}_{kind}.npy" for i in range(4) for kind in ("pcd", "pred", "gt")] + ["evaluation.yaml"])
+    assert read_manifest(tmp_path / "npy") == {"split": "test", "fusion_method": "late", "eval_preset": "opencood",
+                                               "frames": 4}
+    assert np.load(tmp_path / "npy" / "0000_pcd.npy")[0, 0] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]  # no staging or old folder left

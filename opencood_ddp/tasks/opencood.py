@@ -294,15 +294,17 @@ def fusion_method_of(hypes: Mapping) -> str:
     return methods[0]
 
 
-def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str]) -> Optional[FrameExporter]:
+def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str],
+                   fusion_method: str) -> Optional[FrameExporter]:
     if not (options.save_npy or options.save_vis):
         return None
     if run_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
     from opencood_ddp.vis.export import FrameExporter
 
+    about = {"split": str(hypes["validate_dir"]), "fusion_method": fusion_method, "eval_preset": options.eval_preset}
     return FrameExporter(Path(run_dir), options.save_npy, options.save_vis,
-                         evaluation_gt_range(hypes, hypes_source(hypes)))
+                         evaluation_gt_range(hypes, hypes_source(hypes)), about)
 
 
 def eval_file_name(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "") -> str:
@@ -381,6 +383,8 @@ class DetectionEvaluator:
     pr_plot: Optional[PrPlot] = None
 
     def finish(self, frames: List[FrameStats]) -> None:
+        if self.evaluate_batch.exporter is not None:  # every rank's frames are written: they become the run's
+            self.evaluate_batch.exporter.publish(len(frames))
         if self.pr_plot is not None:
             self.pr_plot(frames)
 
@@ -417,7 +421,7 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     hypes = convention.eval_hypes(hypes)  # the preset's area reaches the dataset's GT and the post-processor
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
-    exporter = build_exporter(hypes, options, request.run_dir)
+    exporter = build_exporter(hypes, options, request.run_dir, fusion_method)
     dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
                             visualize=exporter is not None)
     meter = CommunicationMeter.of(hypes, fusion_method)
