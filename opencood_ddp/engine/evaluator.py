@@ -85,7 +85,7 @@ def _shard_records(spec: EvalSpec, env: DistEnv, batch_size: int, num_workers: i
     indices = list(sampler)
     loader = DataLoader(spec.dataset, batch_size=batch_size, sampler=sampler,
                         collate_fn=InBandSmallTensors(spec.collate), num_workers=num_workers,
-                        worker_init_fn=one_blas_thread)
+                        worker_init_fn=one_blas_thread, generator=torch.Generator())  # global RNG untouched
     device = torch.device(env.device)
     bar = progress(len(spec.dataset), "evaluating", env.is_main)
     started, records = time.perf_counter(), []

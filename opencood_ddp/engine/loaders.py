@@ -124,9 +124,15 @@ def init_training_worker(worker_id: int) -> None:
 
 def worker_options(workers: int) -> dict:
     """DataLoader options of every loader a run keeps: `workers` processes that persist over the epochs, each on
-    one BLAS thread, leaving Ctrl-C to the main process."""
+    one BLAS thread, leaving Ctrl-C to the main process, and a generator of the loader's own.
+
+    Why the generator: a DataLoader draws its workers' base seed from its generator each time an iterator is made,
+    from torch's global one when it has none. That draw moved the global stream the model's dropout reads, and a
+    resumed run makes its iterators at other places than the uninterrupted run (mid-epoch; with persistent
+    workers, at the first epoch of the resumed process), so a model with dropout did not resume bit for bit. Our
+    samples' draws are keyed by sample and epoch, never by the workers' seeds."""
     return {"num_workers": workers, "worker_init_fn": init_training_worker if workers else None,
-            "persistent_workers": workers > 0}
+            "persistent_workers": workers > 0, "generator": torch.Generator()}
 
 
 def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: int, pin_memory: bool) -> DataLoader:
