@@ -228,3 +228,25 @@ def test_half_precision_trains_through_sync_bn(synthetic_runs):
     baseline = epoch_losses(synthetic_runs(1))["val"]["loss"]
     assert last == pytest.approx(baseline, rel=0.5)  # bf16 rounding, not a different model
     assert state["scaler"] is None  # no GradScaler without CUDA
+
+
+def test_a_resume_without_the_runs_half_or_capture_flags_says_so(tmp_path):
+    """--half and --capture are flags, and README's resume command (`--model_dir RUN`) gives none: a run trained in
+    bf16 went on in float32 without a word (its fp16 GradScaler state would have been dropped). The training state
+    records the flags; a resume with others warns, naming both and the flag that goes on as before."""
+    run = tmp_path / "run"
+    first = train(0, "--hypes_yaml", SYNTHETIC, "--model_dir", run, "--num_workers", "0", "--half", "bf16",
+                  "--max_steps", "2")
+    assert first.returncode == 0, explain(first)
+    state = torch.load(run / "training_state_step2.pt", weights_only=True)
+    assert state["step_flags"] == {"half": "--half bf16", "capture": "no --capture"}
+    resume = ("--model_dir", run, "--num_workers", "0")
+    quiet = train(0, *resume, "--half", "bf16", "--max_steps", "3")  # the flag given again: nothing to say
+    assert quiet.returncode == 0 and "this run was trained with" not in quiet.stdout + quiet.stderr, explain(quiet)
+    dropped = train(0, *resume, "--max_steps", "4")
+    assert dropped.returncode == 0, explain(dropped)
+    assert ("this run was trained with --half bf16; the resumed part runs with no --half: not the same training "
+            "(pass --half bf16 to go on as it was trained)") in dropped.stdout, explain(dropped)
+    added = train(0, *resume, "--half", "bf16", "--max_steps", "5")
+    assert "trained with no --half; the resumed part runs with --half bf16: not the same training (drop --half " \
+           "to go on as it was trained)" in added.stdout, explain(added)

@@ -194,6 +194,24 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         self._restore_position(state)
         self._restore_schedule(state.get("lr_scheduler"), saved)
+        self._say_changed_step_flags(state)
+
+    def step_flags(self) -> dict:
+        """How this run's steps are computed, as the flags that chose it (--half, --capture: flags, not hypes, so
+        config.yaml does not hold them; the training state does)."""
+        dtype = self.precision.autocast_dtype
+        return {"half": {torch.float16: "--half fp16", torch.bfloat16: "--half bf16"}.get(dtype, "no --half"),
+                "capture": f"--capture {self.loop.capture}" if self.loop.capture else "no --capture"}
+
+    def _say_changed_step_flags(self, state: dict) -> None:
+        """A resume takes the flags it is given, and README's resume command gives none: a run trained under
+        --half or --capture would go on in float32 or eagerly (its GradScaler state dropped) without a word."""
+        for flag, now in self.step_flags().items():
+            was = state.get("step_flags", {}).get(flag)  # None: a state saved before they were recorded
+            if was is not None and was != now:
+                fix = f"drop --{flag}" if was.startswith("no ") else f"pass {was}"
+                self.log.warning(f"this run was trained with {was}; the resumed part runs with {now}: not the same "
+                                 f"training ({fix} to go on as it was trained)")
 
     def _restore_position(self, state: dict, fine_tune: bool = False) -> None:
         """Where the run stands (epoch, step, history) and every rank's RNG. A fine-tune (another model section:
@@ -513,7 +531,7 @@ class Trainer:
                 "best_epoch": self.progress.best_epoch, "history": self.progress.history,
                 "skipped_steps": self.progress.skipped_steps,
                 "batch_plan": self.plan.as_dict(), "world_size": self.env.world_size, "seed": self.settings.seed,
-                "config_digests": self.checkpointer.rules.config_digests}
+                "config_digests": self.checkpointer.rules.config_digests, "step_flags": self.step_flags()}
 
     def _save(self, epoch: int, val: Optional[dict]) -> None:
         self._mark(f"epoch {epoch}: checkpoint")
