@@ -147,6 +147,20 @@ def test_eval_after_training_fails_before_training_without_a_test_split(toy_smal
     assert not list(run_dir.glob("net_epoch*.pth"))  # nothing trained
 
 
+def test_eval_after_training_of_a_resume_with_nothing_left_evaluates_the_checkpoint_it_resumed_from(toy_small,
+                                                                                                  tmp_path):
+    """A run stopped at --max_steps 2, started again with the same --max_steps and --eval_after_training: no step
+    is left, nothing is saved, and the evaluation named net_epoch16.pth, a file no run wrote ("check --model_dir /
+    --epoch", flags train_ddp does not have). It evaluates the run's newest weights, the step it resumed from."""
+    run_dir = tmp_path / "run"
+    common = ("--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_late_fusion.yaml", "--model_dir", run_dir,
+              "--num_workers", "0", "--max_steps", "2", *split_set_flags(toy_small))
+    assert train(0, *common).returncode == 0
+    result = train(0, *common, "--eval_after_training")
+    assert result.returncode == 0, explain(result)
+    assert yaml.safe_load((run_dir / "eval.yaml").read_text())["checkpoint"] == "net_step2.pth"
+
+
 def copy_run(run_dir: Path, into: Path) -> Path:
     """The run's config and last checkpoint in a fresh folder, so that two evaluations write apart."""
     into.mkdir()

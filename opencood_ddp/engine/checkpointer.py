@@ -57,7 +57,9 @@ class ResumeRules:
 class RunCheckpointer:
     def __init__(self, run_dir: Path, is_main: bool, keep_states: int = 2, rules: ResumeRules = ResumeRules()):
         self.run_dir, self.is_main, self.keep_states, self.rules = Path(run_dir), is_main, keep_states, rules
-        self.last_weights: Optional[Path] = None  # the newest weights this run wrote (same value on every rank)
+        # The run's newest weights (the same on every rank): the checkpoint it resumed from, then each one it writes.
+        # --eval_after_training evaluates them, also when a resume had nothing left to train.
+        self.last_weights: Optional[Path] = None
         self.log = get_logger()
 
     # ------------------------------------------------------------------------------------------------ config
@@ -92,6 +94,7 @@ class RunCheckpointer:
                                  f"({len(new)} new entries start from their initial values"
                                  f"{': ' + ', '.join(new[:4]) + (' ...' if len(new) > 4 else '') if new else ''});"
                                  f" the optimizer restarts, the epoch count and lr schedule go on")
+            self.last_weights = saved.weights
             return Resumed(saved, state, [exc.problem for exc in rejected], fine_tune, new)
         if rejected:
             more = f" (and {len(rejected) - 1} more)" if len(rejected) > 1 else ""

@@ -138,7 +138,7 @@ class Trainer:
 
     @property
     def last_weights(self) -> Optional[Path]:
-        """The newest weights this run wrote (the same on every rank)."""
+        """The run's newest weights (the same on every rank): the checkpoint it resumed from, then each it writes."""
         return self.checkpointer.last_weights
 
     # ------------------------------------------------------------------------------------------------ set-up
