@@ -158,6 +158,7 @@ def test_eval_after_training_of_a_resume_with_nothing_left_evaluates_the_checkpo
     assert train(0, *common).returncode == 0
     result = train(0, *common, "--eval_after_training")
     assert result.returncode == 0, explain(result)
+    assert "nothing to do: the run is at step 2, --max_steps 2; pass a higher --max_steps" in result.stdout
     assert yaml.safe_load((run_dir / "eval.yaml").read_text())["checkpoint"] == "net_step2.pth"
 
 

@@ -252,6 +252,9 @@ class Trainer:
         checkpoint). --max_steps may end an epoch early; a mid-epoch checkpoint then holds the place."""
         if self.progress.epoch >= self.settings.epochs:
             self.log.info(f"nothing to do: {self.progress.epoch} of {self.settings.epochs} epochs already trained")
+        elif self._max_steps_reached():  # a resume of a run that --max_steps stopped, with the same or a lower one
+            self.log.info(f"nothing to do: the run is at step {self.progress.global_step}, --max_steps "
+                          f"{self.loop.max_steps}; pass a higher --max_steps (or none) to train on")
         first_step = self.progress.global_step
         try:
             with comm.collective_guard(lambda: self.phase):
