@@ -26,6 +26,18 @@ class CheckpointError(OpencoodDdpError):
     """A checkpoint or run folder is missing, truncated or belongs to another model."""
 
 
+class OutputError(OpencoodDdpError):
+    """A result file cannot be written: a full disk, its folder's permissions, a folder in its place."""
+
+    @classmethod
+    def of(cls, exc: OSError, what: str) -> "OutputError":
+        """The error of an OSError raised while writing ``what`` (eval.yaml, a frame's npy file, a picture)."""
+        path = getattr(exc, "filename2", None) or getattr(exc, "filename", None)  # a rename's target, else the file
+        where = f" {path}" if path else ""
+        return cls(f"cannot write {what}{where} ({exc.strerror or first_line(exc)}); free space, fix the "
+                   f"permissions or move what is in its place, then evaluate again")
+
+
 class CollectiveError(OpencoodDdpError):
     """A collective failed because a peer process died or stalled past --dist_timeout."""
 

@@ -332,6 +332,27 @@ def corrupt_pcd(workers: int) -> Callable[[World, int], Call]:
     return setup
 
 
+def frame_file_unwritable(w: World, world: int) -> Call:
+    """A folder where --save_npy puts a frame's file (was an IsADirectoryError traceback on the rank that
+    evaluated the frame and a peer's "Connection closed" traceback on 2 ranks). No npy/ is published."""
+    run, frame = w.copy_run("fcooper"), 3  # the test split's last frame
+    blocked = run / "npy.partial" / f"{frame:04d}_pred.npy"
+    blocked.mkdir(parents=True)
+    return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--dataset_dir",
+                            w.toy_root / "test", "--num_workers", "0", "--save_npy"],
+                [f"cannot write frame {frame}'s --save_npy / --save_vis file {blocked}", "Is a directory",
+                 "then evaluate again"], not_created=run / "npy")
+
+
+def eval_yaml_a_folder(w: World, world: int) -> Call:
+    """Rank 0's result file cannot be written after the whole evaluation (was a traceback)."""
+    run = w.copy_run("fcooper")
+    (run / "eval.yaml").mkdir()
+    return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--dataset_dir",
+                            w.toy_root / "test", "--num_workers", "0"],
+                [f"cannot write eval.yaml {run / 'eval.yaml'}", "Is a directory"])
+
+
 def corrupt_pcd_inference(w: World, world: int) -> Call:
     """A truncated .pcd in the split being evaluated, in the last rank's shard (its first frame)."""
     from opencood_ddp.data.opv2v import scan_split
@@ -507,6 +528,8 @@ ROWS = [
     ("empty-split", empty_split, (0,), {}),
     ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {}),
     ("corrupt-pcd-inference", corrupt_pcd_inference, (0, 2), {}),
+    ("frame-file-unwritable", frame_file_unwritable, (0, 2), {}),
+    ("eval-yaml-a-folder", eval_yaml_a_folder, (0, 2), {}),
     ("corrupt-pcd-loader-worker", corrupt_pcd(workers=1), (0,), {}),
     ("no-lidar-pose", no_lidar_pose, (0,), {}),
     ("truncated-checkpoint-inference", truncated_checkpoint("inference"), (0,), {}),

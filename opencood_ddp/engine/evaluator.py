@@ -25,7 +25,7 @@ from opencood_ddp.distributed.samplers import EvalShardSampler
 from opencood_ddp.engine.handover import InBandSmallTensors
 from opencood_ddp.engine.loaders import one_blas_thread
 from opencood_ddp.engine.logs import progress
-from opencood_ddp.errors import OpencoodDdpError, unwrap_worker_error
+from opencood_ddp.errors import OpencoodDdpError, OutputError, unwrap_worker_error
 
 
 @dataclass
@@ -141,9 +141,18 @@ def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int
         raise error
     gathered = comm.gather_objects(records)
     comm.barrier()
-    if not env.is_main:
-        return None
-    ordered = in_dataset_order(gathered, len(spec.dataset))
-    spec.evaluator.finish(ordered)
-    return EvalResult(summary=spec.evaluator.metric(ordered), frames=len(ordered),
-                      seconds=time.perf_counter() - started, world_size=env.world_size)
+    result = None
+    if env.is_main:
+        try:
+            ordered = in_dataset_order(gathered, len(spec.dataset))
+            spec.evaluator.finish(ordered)
+            result = EvalResult(summary=spec.evaluator.metric(ordered), frames=len(ordered),
+                                seconds=time.perf_counter() - started, world_size=env.world_size)
+        except OSError as exc:  # rank 0's artefacts (the published frames, the plots) could not be written
+            error = OutputError.of(exc, "the evaluation's files")
+        except OpencoodDdpError as exc:
+            error = exc
+    error = comm.first_error(error)  # the other ranks wait here for rank 0's word, not in a later collective
+    if error is not None:
+        raise error
+    return result

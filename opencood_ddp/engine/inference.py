@@ -31,7 +31,7 @@ from opencood_ddp.engine.entry import DistributedRun
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, parse_eval_options
 from opencood_ddp.engine.run_dir import CONFIG_NAME, require_writable
-from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
+from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError, OutputError
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 EvalBuilder = Callable[[dict, EvalRequest], EvalSpec]
@@ -106,10 +106,18 @@ def evaluate_checkpoint(spec: EvalSpec, request: EvalRequest, checkpoint: Path, 
     spec.model.to(torch.device(env.device))
     log.info(f"evaluating {checkpoint} on {len(spec.dataset)} frames with {env.world_size} process(es)")
     result = evaluate(spec, env, batch_size=request.batch_size, num_workers=num_workers)
+    error = None
     if result is not None:
         path = Path(request.run_dir) / spec.evaluator.result_name
-        write_eval_yaml(path, result, checkpoint)
-        log.info(f"{spec.evaluator.report(result)}\n{_pace(result)}\nwrote {path}")
+        try:
+            write_eval_yaml(path, result, checkpoint)
+        except OSError as exc:
+            error = OutputError.of(exc, spec.evaluator.result_name)
+        else:
+            log.info(f"{spec.evaluator.report(result)}\n{_pace(result)}\nwrote {path}")
+    error = comm.first_error(error)  # every rank leaves with rank 0's word
+    if error is not None:
+        raise error
     return result
 
 

@@ -19,6 +19,7 @@ import numpy as np
 import yaml
 
 from opencood_ddp.atomic import atomic_write
+from opencood_ddp.errors import OutputError
 from opencood_ddp.vis.bev import draw_bev
 
 NPY_FOLDER = "npy"
@@ -82,6 +83,13 @@ class FrameExporter:
 
     def __call__(self, index: int, points: np.ndarray, pred_corners: np.ndarray, scores: np.ndarray,
                  gt_corners: np.ndarray, cav_positions: Optional[np.ndarray]) -> None:
+        try:
+            self._write(index, points, pred_corners, scores, gt_corners, cav_positions)
+        except OSError as exc:  # a full disk, a folder in a file's place: this rank's error, which every rank meets
+            raise OutputError.of(exc, f"frame {index}'s --save_npy / --save_vis file") from None
+
+    def _write(self, index: int, points: np.ndarray, pred_corners: np.ndarray, scores: np.ndarray,
+               gt_corners: np.ndarray, cav_positions: Optional[np.ndarray]) -> None:
         if self.save_npy:
             for kind, array in zip(NPY_KINDS, (points, pred_corners, gt_corners)):
                 path = npy_paths(self.run_dir, index, NPY_FOLDER + STAGING_SUFFIX)[kind]
