@@ -215,6 +215,30 @@ def test_error_scenario_without_cav(tmp_path):
     one_line_error(exc_info, str(tmp_path / "b"), "no CAV folder")
 
 
+def test_a_scenario_given_for_a_split_is_named_so_and_no_folder_is_to_be_removed(tmp_path):
+    """A scenario passed where a split goes: its CAV folders look like scenarios without CAVs, and the line told
+    the user to remove them, real data. It now says the path is a scenario and names the split above it."""
+    scenario = tmp_path / "test" / "2021_08_18_19_48_05"
+    make_cav(scenario, "1")
+    with pytest.raises(DataError) as exc_info:
+        opv2v.scan_split(scenario, key="--dataset_dir")
+    one_line_error(exc_info, f"{scenario / '1'}: holds frames", f"{scenario} is a scenario, not a split",
+                   f"such as {tmp_path / 'test'}")
+    assert "remove" not in str(exc_info.value)
+
+
+def test_another_data_sets_root_given_for_an_opv2v_split_is_said_under_the_flag(tmp_path):
+    """--dataset_dir pointing at a folder whose sub-folders hold no frames (DAIR-V2X-C's root) was reported under
+    validate_dir, the hypes key it stood in for: the source checks the whole split where it checks the path."""
+    from opencood_ddp.data.sources.opv2v import Opv2vSource
+
+    for name in ("cooperative", "vehicle-side"):
+        (tmp_path / "dair" / name / "label").mkdir(parents=True)
+    with pytest.raises(DataError) as exc_info:
+        Opv2vSource.split_path(tmp_path / "dair", "--dataset_dir")
+    one_line_error(exc_info, f"--dataset_dir {tmp_path / 'dair'}")
+
+
 def test_error_no_timestamp(tmp_path):
     (tmp_path / "a" / "1").mkdir(parents=True)
     (tmp_path / "a" / "1" / "000000_additional.yaml").write_text("a: 1\n")

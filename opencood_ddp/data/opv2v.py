@@ -288,6 +288,12 @@ def check_cav_timestamps(ego: CavRecord, cav: CavRecord) -> None:
 
 def _scan_scenario(folder: Path, max_cav: int, not_frames: Tuple[str, ...]) -> Scenario:
     cav_ids = order_cav_ids(_subdirectories(folder), max_cav)
+    # Frames themselves (timestamp yamls; a scenario's own data_protocol.yaml is not one): a CAV folder, so the
+    # path given was a scenario, not a split.
+    if not cav_ids and any(stem.isdigit() for stem in _timestamps(folder, not_frames)):
+        raise DataError(f"{folder}: holds frames (<timestamp>.yaml), not CAV folders: it is a CAV folder, so "
+                        f"{folder.parent} is a scenario, not a split; point at the split folder that holds the "
+                        f"scenarios, such as {folder.parent.parent}")
     if not cav_ids:
         raise DataError(f"{folder}: scenario has no CAV folder (<cav_id>/<timestamp>.yaml); restore its "
                         f"CAV folders or remove the scenario")

@@ -40,9 +40,13 @@ class Opv2vSource(SplitSource):
         """The split's index; the scan raises DataError naming ``split_key`` for a missing folder or empty split."""
         return scan_split(folder, self.max_cav, key=split_key, not_frames=self.not_frames)
 
-    @staticmethod
-    def split_path(path: Any, key: str, fix: Optional[str] = None) -> Path:
-        return split_root(path, key, fix)
+    @classmethod
+    def split_path(cls, path: Any, key: str, fix: Optional[str] = None) -> Path:
+        """The folder, then its scan (listings only), so that what is wrong inside it (another data set's root,
+        a scenario given for a split) is said under ``key``, not under the hypes key it then stands in for."""
+        root = split_root(path, key, fix)
+        scan_split(root, key=key, not_frames=cls.not_frames)
+        return root
 
     # What reads one CAV's frame: the OPV2V yaml (V2V4Real replaces it).
     read_frame: FrameReader = staticmethod(read_opv2v_frame)
