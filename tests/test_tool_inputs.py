@@ -121,3 +121,20 @@ def test_recall_by_visibility_refuses_npy_files_another_split_of_the_same_length
                            "--save_npy --dataset_dir")
         else:
             assert result.returncode == 0 and "4 frames of" in result.stdout, explain(result)
+
+
+def test_the_visibility_tools_refuse_a_run_on_another_layout_by_name(tmp_path, toy_small):
+    """Both read the split's clouds as OPV2V's: a DAIR-V2X-C run was an AttributeError traceback in
+    attention_by_visibility, and a V2V4Real split 'unsupported YAML tag ... re-export the file' in
+    recall_by_visibility, wrong advice for valid frames."""
+    from zoo import hypes_of
+    from opencood_ddp.hypes import save_hypes
+
+    run = tmp_path / "dair_run"
+    run.mkdir()
+    save_hypes(hypes_of("dairv2x/point_pillar_intermediate_fusion"), run / "config.yaml")
+    (run / "net_epoch1.pth").write_bytes(b"")  # never read: the refusal comes first
+    needle = "fusion.dataset is 'dairv2x'; this tool reads runs on OPV2V-layout data (OPV2V, V2XSet)"
+    one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run), needle)
+    one_error_line(in_process(REPO / "tools" / "analysis" / "attention_by_visibility.py", "--model_dir", run,
+                              "--dataset_dir", toy_small / "test"), needle)

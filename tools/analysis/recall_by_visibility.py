@@ -25,7 +25,8 @@ import numpy as np
 
 from opencood_ddp.data.ego_view import frame_clouds
 from opencood_ddp.data.opv2v import scan_split
-from opencood_ddp.errors import DataError, run_tool
+from opencood_ddp.errors import ConfigError, DataError, run_tool
+from opencood_ddp.hypes import load_hypes
 from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
 from opencood_ddp.postprocess import bev_iou_matrix
 from opencood_ddp.vis.export import NPY_FOLDER, npy_paths, read_manifest
@@ -88,7 +89,19 @@ def check_split(runs: Sequence[Path], frames: int, dataset_dir: Path) -> None:
                             f"evaluated on another split; pass that split as --dataset_dir")
 
 
+def check_layout(runs: Sequence[Path]) -> None:
+    """The split's clouds are read as OPV2V's (data/ego_view.py): a run of another layout is refused by name (its
+    frames failed as 'unsupported YAML tag', V2V4Real's numpy poses, or were not found, DAIR-V2X-C's)."""
+    for run in runs:
+        config = run / "config.yaml"
+        layout = (load_hypes(config).get("fusion") or {}).get("dataset", "opv2v") if config.is_file() else "opv2v"
+        if layout != "opv2v":
+            raise ConfigError(f"{run}: fusion.dataset is {layout!r}; this tool reads runs on OPV2V-layout data "
+                              f"(OPV2V, V2XSet)")
+
+
 def recall_table(runs: Sequence[Path], dataset_dir: Path, iou: float, min_points: int) -> str:
+    check_layout(runs)
     index = scan_split(dataset_dir, key="--dataset_dir")
     check_split(runs, len(index), dataset_dir)
     totals = {run: np.zeros((len(GROUPS), 2), dtype=np.int64) for run in runs}  # [group] -> (found, objects)
