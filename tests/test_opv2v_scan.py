@@ -296,3 +296,18 @@ def test_error_yaml_not_a_mapping_and_deleted(tmp_path):
     with pytest.raises(DataError) as exc_info:
         opv2v.read_frame(index, 1)
     one_line_error(exc_info, "000070.yaml", "not found")
+
+
+def test_a_v2v4real_frame_read_as_opv2v_names_the_layout_not_a_re_export(tmp_path):
+    """An OPV2V run evaluated on a V2V4Real split meets its numpy poses (written here by PyYAML's own dump): the
+    line told the user to re-export valid frames; it names the layout that reads them. The V2V4Real loader reads
+    the same file."""
+    from opencood_ddp.data.sources.v2v4real import V2V4RealYamlLoader
+
+    path = tmp_path / "000000.yaml"
+    path.write_text(yaml.dump({"lidar_pose": np.eye(4)}))
+    with pytest.raises(DataError) as exc_info:
+        opv2v.load_opv2v_yaml(path)
+    one_line_error(exc_info, str(path), "unsupported YAML tag", "fusion.dataset: v2v4real")
+    assert "re-export" not in str(exc_info.value)
+    assert np.array_equal(opv2v.load_opv2v_yaml(path, V2V4RealYamlLoader)["lidar_pose"], np.eye(4))

@@ -115,8 +115,12 @@ def load_opv2v_yaml(path: PathLike, loader: type = Opv2vYamlLoader) -> Dict[str,
                         f"or rebuild the dataset index") from None
     except yaml.constructor.ConstructorError as exc:
         # Upstream's unsafe loader would build arbitrary Python objects here; we refuse them.
-        raise DataError(f"{path}: unsupported YAML tag ({_yaml_problem(exc)}); {getattr(loader, 'READS', READS)}: "
-                        f"re-export the file without other Python object tags") from None
+        problem = _yaml_problem(exc)
+        fix = ("V2V4Real's frames hold numpy arrays: read its splits with fusion.dataset: v2v4real (a V2V4Real "
+               "config), or evaluate an OPV2V-layout split" if "numpy" in problem and loader is Opv2vYamlLoader
+               else "re-export the file without other Python object tags")
+        raise DataError(f"{path}: unsupported YAML tag ({problem}); {getattr(loader, 'READS', READS)}: "
+                        f"{fix}") from None
     except yaml.YAMLError as exc:
         raise DataError(f"{path}: malformed YAML ({_yaml_problem(exc)}); re-download or repair the "
                         f"file") from None
