@@ -112,7 +112,8 @@ def read_bytes(path: Path) -> bytes:
     """A checkpoint file's bytes; a missing file is one CheckpointError naming it."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; check --model_dir / --epoch")
+        raise CheckpointError(f"checkpoint {path} does not exist; check the run folder and the checkpoint chosen "
+                              f"(the tools' --model_dir, --epoch, --step)")
     return path.read_bytes()
 
 

@@ -74,3 +74,12 @@ def test_a_run_of_step_checkpoints_only_is_said(tmp_path):
     result = export("--model_dir", run, "--out", tmp_path / "up")
     assert result.returncode == 2 and "no net_epoch*.pth checkpoint (steps on disk: [5])" in result.stderr
     assert "--step K" in result.stderr
+
+
+def test_a_step_without_its_training_state_names_the_missing_file(tmp_path):
+    """The state says which epoch the step was saved in; without it the line was 'check --model_dir / --epoch'."""
+    run = make_run(tmp_path / "run", REPO / "hypes_yaml/opv2v/point_pillar_fcooper.yaml", "net_step5.pth")
+    result = export("--model_dir", run, "--out", tmp_path / "up", "--step", "5")
+    assert result.returncode == 2, result.stderr
+    assert "net_step5.pth has no training_state_step5.pt beside it" in result.stderr and "--epoch N" in result.stderr
+    assert not (tmp_path / "up").exists()

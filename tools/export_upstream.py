@@ -67,7 +67,12 @@ def exported_epoch(run_dir: Path, checkpoint: Path, step: Optional[int]) -> int:
     """The N of the exported net_epoch{N}.pth: the chosen epoch's; for a step checkpoint, the epoch it was saved in
     (at least 1, upstream's epochs count from 1)."""
     if step is not None:
-        return max(1, int(ckpt.load_state_file(run_dir / ckpt.step_state_name(step))["epoch"]))
+        state = run_dir / ckpt.step_state_name(step)
+        if not state.is_file():
+            raise ConfigError(f"{checkpoint.name} has no {state.name} beside it, which says the epoch it was saved in "
+                              f"(upstream's files are numbered by epoch); restore it, or export an epoch checkpoint "
+                              f"(--epoch N)")
+        return max(1, int(ckpt.load_state_file(state)["epoch"]))
     return int((ckpt.WEIGHTS_RE.match(checkpoint.name) or ckpt.BESTVAL_RE.match(checkpoint.name)).group(1))
 
 

@@ -30,7 +30,7 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     module = _task_module(hypes)
     if not hasattr(module, "build_eval"):
         raise ConfigError(f"task {hypes.get('task', 'opencood')!r} has no build_eval in {module.__name__}; "
-                          f"it cannot be evaluated: add one there, or drop --eval_after_training")
+                          f"it cannot be evaluated: add one there (training: or drop --eval_after_training)")
     return module.build_eval(hypes, request)
 
 
