@@ -78,6 +78,10 @@ def load_hypes(path: str | os.PathLike) -> dict:
     return hypes
 
 
+# How a bad hypes value is fixed: evaluation tools read a run's config.yaml and take no --set.
+HYPES_FIX = "fix the hypes (in training also --set key=value)"
+
+
 def _split_override(text: str) -> tuple[list[str], Any]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
@@ -201,7 +205,7 @@ def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,
             problems.append(f"key {key} must be {wanted}, got {value!r}")
     if problems:  # once each: every key under a section that is not a mapping says the same
         raise ConfigError(f"{source}: " + "; ".join(dict.fromkeys(problems))
-                          + "; fix the hypes or pass --set key=value")
+                          + f"; {HYPES_FIX}")
 
 
 
@@ -227,7 +231,7 @@ def range6(hypes: Mapping, key: str, source: str) -> tuple[float, ...]:
             or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
             or not all(value[axis] < value[axis + 3] for axis in range(3))):
         raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max] with min < max "
-                          f"on each axis, got {value!r}; fix the hypes or pass --set key=value")
+                          f"on each axis, got {value!r}; {HYPES_FIX}")
     return tuple(float(v) for v in value)
 
 

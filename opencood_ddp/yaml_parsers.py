@@ -105,7 +105,7 @@ def _check_grid_inputs(hypes: dict, source: str) -> None:
     if voxel_size is not None and not (
             isinstance(voxel_size, (list, tuple)) and len(voxel_size) == 3 and all(map(positive, voxel_size))):
         raise ConfigError(f"{source}: key {_VOXEL_SIZE[0]} must be 3 positive numbers [x, y, z] in metres, got "
-                          f"{voxel_size!r}; fix the hypes or pass --set key=value")
+                          f"{voxel_size!r}; {hypes_lib.HYPES_FIX}")
 
 
 def load_parsed_hypes(path: str | os.PathLike, overrides: Iterable[str] = ()) -> dict:

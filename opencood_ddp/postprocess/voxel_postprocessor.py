@@ -20,7 +20,7 @@ import torch
 
 from opencood_ddp.data.ground_truth import evaluation_gt_range, upstream_unique_indices
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key, range6, validate
+from opencood_ddp.hypes import HYPES_FIX, get_key, range6, validate
 from opencood_ddp.postprocess import box_coder
 from opencood_ddp.postprocess.anchors import AnchorSpec, generate_anchors
 from opencood_ddp.postprocess.direction import (DirectionArgs, apply_direction, check_direction_agreement,
@@ -61,7 +61,7 @@ FLOAT_LABELS = ("targets", "pos_equal_one", "neg_equal_one")
 
 
 def _fail(source: str, message: str) -> ConfigError:
-    return ConfigError(f"{source}: {message}; fix the hypes or pass --set key=value")
+    return ConfigError(f"{source}: {message}; {HYPES_FIX}")
 
 
 def check_postprocess_hypes(postprocess: Mapping, source: str) -> None:
