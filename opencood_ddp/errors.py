@@ -50,6 +50,14 @@ class NonFiniteError(OpencoodDdpError):
     exit_code = 3
 
 
+class Interrupted(OpencoodDdpError):
+    """Ctrl-C where no stop is handled at a step boundary (an evaluation, a tool), or a second Ctrl-C in training:
+    the process leaves at once. Exit code 130, the shell's for SIGINT."""
+
+    exit_code = 130
+    label = "stopped"
+
+
 class StopRequested(OpencoodDdpError):
     """SIGTERM/SIGINT: the run stopped at a step boundary and saved a resumable checkpoint.
 

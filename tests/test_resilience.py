@@ -377,3 +377,18 @@ def test_a_first_checkpoint_that_cannot_be_written_says_what_it_needs(tmp_path):
     assert lines[0].endswith("free space, then run the command again") and not (tmp_path / "run").exists()
     needs = float(re.search(r"needs about ([0-9.e+-]+) MiB", lines[0]).group(1))
     assert 0.03 < needs < 0.2, lines[0]  # 3 x the ~20 kB of weights
+
+
+def test_ctrl_c_where_no_step_boundary_handles_it_is_one_stopped_line_and_exit_130(capsys):
+    """An evaluation (or a second Ctrl-C in training) raises KeyboardInterrupt: it was Python's traceback. The
+    entry tells one line and leaves with the shell's code for SIGINT. In this process, as a plain start."""
+    from opencood_ddp.engine.entry import run_distributed
+    from opencood_ddp.engine.options import ProcessOptions
+
+    def interrupted(env):
+        raise KeyboardInterrupt
+
+    assert run_distributed(ProcessOptions(), interrupted) == 130
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["stopped: interrupted (Ctrl-C); the files saved before are as they were: each is "
+                                "replaced whole or not at all"] and "Traceback" not in err

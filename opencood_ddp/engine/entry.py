@@ -20,7 +20,7 @@ from opencood_ddp.distributed import comm
 from opencood_ddp.distributed.env import DistEnv, detect_from_process, init_distributed_mode, teardown
 from opencood_ddp.engine.logs import setup_logging
 from opencood_ddp.engine.options import ProcessOptions
-from opencood_ddp.errors import CollectiveError, OpencoodDdpError
+from opencood_ddp.errors import CollectiveError, Interrupted, OpencoodDdpError
 
 
 class DistributedRun:
@@ -52,6 +52,12 @@ class DistributedRun:
         if exc is None:
             teardown()
             return False
+        if isinstance(exc, KeyboardInterrupt):  # every rank of the foreground group got it: no one to wait for
+            report_error(Interrupted("interrupted (Ctrl-C); the files saved before are as they were: each is "
+                                     "replaced whole or not at all"), self._env)
+            teardown(synchronize=False)
+            self.exit_code = Interrupted.exit_code
+            return True
         if isinstance(exc, OpencoodDdpError):
             # Told before the process group is torn down: after a peer died, torchrun's agent may end this
             # process with SIGTERM during the teardown, and the reason would be lost.
