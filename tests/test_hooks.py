@@ -423,3 +423,16 @@ def test_the_reading_path_to_the_optimizer_step_is_six_frames_in_three_files(tmp
     path = [(Path(frame.filename).name, frame.name) for frame in stack[start:end + 1]]
     assert path == [("train_ddp.py", "<module>"), ("train.py", "main"), ("trainer.py", "fit"),
                     ("trainer.py", "steps"), ("trainer.py", "_train_step"), ("trainer.py", "optimizer_step")]
+
+
+def test_a_step_log_widens_when_a_resume_logs_a_new_column(tmp_path):
+    """A float32 start, then a resume under --half fp16: its scaler_skipped column was dropped (the header is the
+    first start's). The file is rewritten with the column, empty (NaN) on the earlier rows."""
+    from opencood_ddp.engine.logs import StepLog, read_step_log
+
+    StepLog(tmp_path, is_main=True).write({"step": 1, "epoch": 1, "loss": 2.0})
+    StepLog(tmp_path, is_main=True).write({"step": 2, "epoch": 1, "loss": 1.5, "scaler_skipped": 1})
+    rows = read_step_log(tmp_path / "train_steps.csv")
+    assert [list(row) for row in rows] == [["step", "epoch", "loss", "scaler_skipped"]] * 2
+    assert math.isnan(rows[0]["scaler_skipped"]) and rows[1]["scaler_skipped"] == 1.0
+    assert [row["loss"] for row in rows] == [2.0, 1.5]

@@ -141,12 +141,27 @@ class StepLog:
         if self.path is None:
             return
         if self._columns is None:
-            self._columns = self._existing_columns() or list(row)
+            existing = self._existing_columns()
+            self._columns = existing or list(row)
+            new = [key for key in row if existing and key not in existing]
+            if new:  # a resume that logs more (--half fp16's scaler_skipped after a float32 start): widen the file
+                self._columns = existing + new
+                self._rewrite_with(self._columns)
             if not self.path.is_file() or self.path.stat().st_size == 0:
                 with open(self.path, "w", newline="") as handle:
                     csv.DictWriter(handle, self._columns).writeheader()
         with open(self.path, "a", newline="") as handle:
             csv.DictWriter(handle, self._columns, restval="", extrasaction="ignore").writerow(row)
+
+    def _rewrite_with(self, columns: list[str]) -> None:
+        """The file's rows under ``columns``, the new ones empty (read back as NaN), rewritten atomically."""
+        with open(self.path, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, columns, restval="")
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write(self.path, lambda handle: handle.write(text.getvalue().encode()))
 
     def _existing_columns(self) -> Optional[list[str]]:
         if not self.path.is_file():
