@@ -134,7 +134,12 @@ def test_the_visibility_tools_refuse_a_run_on_another_layout_by_name(tmp_path, t
     run.mkdir()
     save_hypes(hypes_of("dairv2x/point_pillar_intermediate_fusion"), run / "config.yaml")
     (run / "net_epoch1.pth").write_bytes(b"")  # never read: the refusal comes first
-    needle = "fusion.dataset is 'dairv2x'; this tool reads runs on OPV2V-layout data (OPV2V, V2XSet)"
+    needle = ("fusion.dataset is 'dairv2x'; this tool reads runs on OPV2V-layout data (fusion.dataset opv2v or "
+              "v2xset)")
     one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run), needle)
     one_error_line(in_process(REPO / "tools" / "analysis" / "attention_by_visibility.py", "--model_dir", run,
                               "--dataset_dir", toy_small / "test"), needle)
+    # V2XSet is read by the OPV2V source under its own name: taken (and then told its npy files are missing)
+    save_hypes(hypes_of("toy/point_pillar_intermediate_fusion", "fusion.dataset=v2xset"), run / "config.yaml")
+    one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run), "does not exist",
+                   "--save_npy")

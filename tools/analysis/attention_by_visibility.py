@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from opencood_ddp.data.ego_view import frame_clouds
+from opencood_ddp.data.ego_view import check_reads_opv2v_clouds, frame_clouds
 from opencood_ddp import checkpoint_files as ckpt
 from opencood_ddp.engine.evaluator import EvalRequest
 from opencood_ddp.engine.inference import load_run
@@ -67,10 +67,7 @@ def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
     if hypes["model"]["core_method"] != "point_pillar_intermediate":
         raise ConfigError(f"{model_dir}: model.core_method is {hypes['model']['core_method']!r}; this tool reads "
                           f"AttFuse (point_pillar_intermediate) runs")
-    layout = hypes.get("fusion", {}).get("dataset", "opv2v")
-    if layout != "opv2v":  # what the ego sees is read from OPV2V's per-CAV clouds (data/ego_view.py)
-        raise ConfigError(f"{model_dir}: fusion.dataset is {layout!r}; this tool reads runs on OPV2V-layout data "
-                          f"(OPV2V, V2XSet)")
+    check_reads_opv2v_clouds(hypes, model_dir)
     request = EvalRequest(dataset_dir=dataset_dir, task_options=DetectionEvalOptions(fusion_method="intermediate"))
     spec = build_eval(hypes, request)
     ckpt.load_weights(spec.model, run.checkpoint)

@@ -23,9 +23,9 @@ from typing import Dict, Optional, Sequence
 
 import numpy as np
 
-from opencood_ddp.data.ego_view import frame_clouds
+from opencood_ddp.data.ego_view import check_reads_opv2v_clouds, frame_clouds
 from opencood_ddp.data.opv2v import scan_split
-from opencood_ddp.errors import ConfigError, DataError, run_tool
+from opencood_ddp.errors import DataError, run_tool
 from opencood_ddp.hypes import load_hypes
 from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
 from opencood_ddp.postprocess import bev_iou_matrix
@@ -91,13 +91,11 @@ def check_split(runs: Sequence[Path], frames: int, dataset_dir: Path) -> None:
 
 def check_layout(runs: Sequence[Path]) -> None:
     """The split's clouds are read as OPV2V's (data/ego_view.py): a run of another layout is refused by name (its
-    frames failed as 'unsupported YAML tag', V2V4Real's numpy poses, or were not found, DAIR-V2X-C's)."""
+    frames failed as 'unsupported YAML tag', V2V4Real's numpy poses, or were not found, DAIR-V2X-C's). A folder
+    without config.yaml (npy files alone) is taken as it is."""
     for run in runs:
-        config = run / "config.yaml"
-        layout = (load_hypes(config).get("fusion") or {}).get("dataset", "opv2v") if config.is_file() else "opv2v"
-        if layout != "opv2v":
-            raise ConfigError(f"{run}: fusion.dataset is {layout!r}; this tool reads runs on OPV2V-layout data "
-                              f"(OPV2V, V2XSet)")
+        if (run / "config.yaml").is_file():
+            check_reads_opv2v_clouds(load_hypes(run / "config.yaml"), run)
 
 
 def recall_table(runs: Sequence[Path], dataset_dir: Path, iou: float, min_points: int) -> str:
