@@ -336,7 +336,7 @@ def frame_file_unwritable(w: World, world: int) -> Call:
     """A folder where --save_npy puts a frame's file (was an IsADirectoryError traceback on the rank that
     evaluated the frame and a peer's "Connection closed" traceback on 2 ranks). No npy/ is published."""
     run, frame = w.copy_run("fcooper"), 3  # the test split's last frame
-    blocked = run / "npy.partial" / f"{frame:04d}_pred.npy"
+    blocked = run / "npy.eval.partial" / f"{frame:04d}_pred.npy"
     blocked.mkdir(parents=True)
     return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--dataset_dir",
                             w.toy_root / "test", "--num_workers", "0", "--save_npy"],

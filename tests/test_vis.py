@@ -235,10 +235,12 @@ def test_pr_plot_rejects_bad_curves(tmp_path, curve, expected):
 
 
 def test_per_frame_files_are_staged_then_published_whole(tmp_path):
-    """The ranks write into npy.partial; the run's npy/ changes only at publish, which leaves exactly this
-    evaluation's frames and its manifest: frames of a longer split evaluated before, an interrupted run's
-    leftovers past this split and temporary files go, and a failing evaluation (no publish) leaves npy/ as it was."""
-    from opencood_ddp.vis.export import FrameExporter, read_manifest
+    """The ranks write into npy.eval.partial (named by the result file); the run's npy/ changes only at publish,
+    which leaves exactly this evaluation's frames and its manifest: frames of a longer split evaluated before, an
+    interrupted run's leftovers past this split and temporary files go, and a failing evaluation (no publish)
+    leaves npy/ as it was. A publish stopped between its renames (npy/ moved aside, the new one not in) is undone
+    by the next publish, of another evaluation too."""
+    from opencood_ddp.vis.export import FrameExporter, read_manifest, restore_replaced
 
     def exporter(split: str) -> FrameExporter:
         return FrameExporter(tmp_path, save_npy=True, save_vis=False, lidar_range=RANGE,
@@ -254,9 +256,9 @@ def test_per_frame_files_are_staged_then_published_whole(tmp_path):
     assert len(before) == 6 * 3 + 1 and read_manifest(tmp_path / "npy")["frames"] == 6
 
     shorter = exporter("test")
-    (tmp_path / "npy.partial").mkdir()
-    (tmp_path / "npy.partial" / "0009_pred.npy").write_bytes(b"stale")  # a stopped run's frame past this split
-    (tmp_path / "npy.partial" / ".0000_pcd.npy.x.tmp").write_bytes(b"")  # a write cut by SIGTERM
+    (tmp_path / "npy.eval.partial").mkdir()
+    (tmp_path / "npy.eval.partial" / "0009_pred.npy").write_bytes(b"stale")  # a stopped run's frame past this split
+    (tmp_path / "npy.eval.partial" / ".0000_pcd.npy.x.tmp").write_bytes(b"")  # a write cut by SIGTERM
     for index in range(4):
         shorter(index, points + 1, corners, np.ones(1), corners, None)
     assert sorted(p.name for p in (tmp_path / "npy").iterdir()) == before  # a failure now loses nothing
@@ -267,3 +269,13 @@ def test_per_frame_files_are_staged_then_published_whole(tmp_path):
                                                "frames": 4}
     assert np.load(tmp_path / "npy" / "0000_pcd.npy")[0, 0] == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]  # no staging or old folder left
+
+    (tmp_path / "npy").rename(tmp_path / "npy.eval.old")  # as a kill between publish's two renames leaves it
+    other = FrameExporter(tmp_path, save_npy=True, save_vis=False, lidar_range=RANGE, tag="eval_nofusion",
+                          about={"split": "test", "fusion_method": "nofusion", "eval_preset": "opencood"})
+    other(0, points, corners, np.ones(1), corners, None)
+    restore_replaced(tmp_path / "npy")  # what the next publish does first
+    assert read_manifest(tmp_path / "npy")["fusion_method"] == "late"
+    other.publish(1)
+    assert read_manifest(tmp_path / "npy")["fusion_method"] == "nofusion"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["npy"]

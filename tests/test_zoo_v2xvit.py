@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from launch import REPO, WORKERS, explain, torchrun
-from zoo import assert_forward_backward, assert_key_error, toy_batch
+from zoo import assert_forward_backward, assert_key_error, hypes_of, toy_batch
 
 from opencood_ddp.errors import DataError
 from opencood_ddp.models.modules.v2xvit_agents import INFRASTRUCTURE, VEHICLE, Agents
@@ -374,3 +374,27 @@ def test_a_delay_past_the_table_is_one_line_saying_how_short_it_must_be(ratio, l
     assert "\n" not in str(info.value)
     assert f"shorten the delay (wild_setting.async_overhead, or noise_sweep's --delays_ms) to under " \
            f"{longest_ms + 100} ms" in str(info.value)
+
+
+def test_a_wild_setting_delay_past_the_table_is_refused_when_the_run_is_built():
+    """The forward's refusal came on the ranks whose samples met the delay, while the others waited: the longest
+    delay the setting can draw is checked at build, on every rank (training, evaluation, each sweep level)."""
+    from opencood_ddp.errors import ConfigError
+    from opencood_ddp.tasks.opencood import check_delay_table
+
+    ratio = [f"model.args.transformer.encoder.{where}RTE_ratio=40" for where in ("", "cav_att_config.")]
+
+    def hypes(overhead_ms: float, mode: str = "sim") -> dict:
+        return hypes_of("toy/point_pillar_v2xvit", *ratio, wild_setting={
+            "async": True, "async_mode": mode, "async_overhead": overhead_ms, "seed": 25, "loc_err": False,
+            "data_size": 1.06, "transmission_speed": 27, "backbone_delay": 10})
+
+    check_delay_table(hypes(299))  # 2 frames x 40 = row 80
+    check_delay_table(hypes_of("toy/point_pillar_v2xvit", *ratio))  # no delay
+    with pytest.raises(ConfigError) as info:
+        check_delay_table(hypes(300))
+    assert "delay reaches 3 frames, past V2X-ViT's delay table (100 rows at RTE_ratio 40)" in str(info.value)
+    assert "to under 300 ms" in str(info.value)
+    with pytest.raises(ConfigError):  # real mode: up to the overhead, plus transmission (39 ms) and backbone (10)
+        check_delay_table(hypes(260, "real"))
+    check_delay_table(hypes(240, "real"))

@@ -342,6 +342,19 @@ def split_root(root_dir: PathLike, key: str = "root_dir", fix: Optional[str] = N
     return root
 
 
+def check_split_shape(root_dir: PathLike, key: str, fix: Optional[str] = None,
+                      not_frames: Tuple[str, ...] = NOT_FRAMES) -> Path:
+    """``split_root``, then the first scenario as the scan reads it, its ego alone: what tells a split from another
+    data set's root or from a scenario, at the cost of one scenario's listings (the dataset's scan, later, reads
+    the rest with the run's max_cav). Errors name ``key``."""
+    root = split_root(root_dir, key, fix)
+    first = _scan_scenario(root / _subdirectories(root)[0], 1, not_frames)
+    if not first.ego.timestamps:
+        raise DataError(f"{key} {root}: {first.ego.folder} holds no timestamp yaml; pass an OPV2V split folder "
+                        f"holding <scenario>/<cav_id>/<timestamp>.yaml")
+    return root
+
+
 def scan_split(root_dir: PathLike, max_cav: int = DEFAULT_MAX_CAV, comm_range: float = COMM_RANGE,
                key: str = "root_dir", not_frames: Tuple[str, ...] = NOT_FRAMES) -> Opv2vIndex:
     """Index an OPV2V split folder (file names only: no yaml is parsed). See the module docstring.

@@ -55,7 +55,8 @@ class Evaluator(Protocol):
         ``metrics/summary.DetectionMetric``; this module calls it itself, never through the task)."""
 
     def finish(self, records: List[Any]) -> None:
-        """Rank 0, once, before the metric: artefacts drawn from the records in dataset order (plots)."""
+        """Rank 0, once, after the metric: artefacts drawn from the records in dataset order (plots, the per-frame
+        files published), so that an evaluation whose metric fails leaves none."""
 
     def report(self, result: "EvalResult") -> str:
         """Rank 0: the text logged after evaluation (a metrics table)."""
@@ -145,9 +146,10 @@ def evaluate(spec: EvalSpec, env: DistEnv, batch_size: int = 1, num_workers: int
     if env.is_main:
         try:
             ordered = in_dataset_order(gathered, len(spec.dataset))
+            summary = spec.evaluator.metric(ordered)
             spec.evaluator.finish(ordered)
-            result = EvalResult(summary=spec.evaluator.metric(ordered), frames=len(ordered),
-                                seconds=time.perf_counter() - started, world_size=env.world_size)
+            result = EvalResult(summary=summary, frames=len(ordered), seconds=time.perf_counter() - started,
+                                world_size=env.world_size)
         except OSError as exc:  # rank 0's artefacts (the published frames, the plots) could not be written
             error = OutputError.of(exc, "the evaluation's files")
         except OpencoodDdpError as exc:

@@ -122,7 +122,7 @@ def init_training_worker(worker_id: int) -> None:
     ignore_interrupts_in_worker(worker_id)
 
 
-def worker_options(workers: int) -> dict:
+def worker_options(workers: int, seed: int = 0) -> dict:
     """DataLoader options of every loader a run keeps: `workers` processes that persist over the epochs, each on
     one BLAS thread, leaving Ctrl-C to the main process, and a generator of the loader's own.
 
@@ -130,16 +130,18 @@ def worker_options(workers: int) -> dict:
     from torch's global one when it has none. That draw moved the global stream the model's dropout reads, and a
     resumed run makes its iterators at other places than the uninterrupted run (mid-epoch; with persistent
     workers, at the first epoch of the resumed process), so a model with dropout did not resume bit for bit. Our
-    samples' draws are keyed by sample and epoch, never by the workers' seeds."""
+    samples' draws are keyed by sample and epoch, never by the workers' seeds; those follow the run's ``seed``
+    (an out-of-tree dataset drawing from a worker's global RNG gets other draws under another --seed)."""
     return {"num_workers": workers, "worker_init_fn": init_training_worker if workers else None,
-            "persistent_workers": workers > 0, "generator": torch.Generator()}
+            "persistent_workers": workers > 0, "generator": torch.Generator().manual_seed(seed)}
 
 
-def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: int, pin_memory: bool) -> DataLoader:
+def training_loader(dataset: Dataset, collate: Callable[[list], Any], workers: int, pin_memory: bool,
+                    seed: int = 0) -> DataLoader:
     """The trainer's training loader over `dataset`, with no batches yet: ``loader.batch_sampler.use(epoch,
     batches)`` sets each epoch's (gpu_check's loader check measures this same loader)."""
     return DataLoader(EpochKeyed(dataset), batch_sampler=EpochBatches(), collate_fn=InBandSmallTensors(collate),
-                      pin_memory=pin_memory, **worker_options(workers))
+                      pin_memory=pin_memory, **worker_options(workers, seed))
 
 
 __all__ = ["EpochKeyed", "EpochBatches", "MAX_GPU_WORKERS", "CPU_WORKERS", "cores_per_rank", "default_workers",

@@ -255,6 +255,8 @@ class Trainer:
         elif self._max_steps_reached():  # a resume of a run that --max_steps stopped, with the same or a lower one
             self.log.info(f"nothing to do: the run is at step {self.progress.global_step}, --max_steps "
                           f"{self.loop.max_steps}; pass a higher --max_steps (or none) to train on")
+            self.hooks.on_fit_end()  # no loader started, no epoch opened
+            return self.progress
         first_step = self.progress.global_step
         try:
             with comm.collective_guard(lambda: self.phase):
@@ -296,7 +298,7 @@ class Trainer:
         travels with its epoch, so that the persistent workers draw the epoch's augmentation."""
         if self._train_loader is None:
             self._train_loader = training_loader(self.task.train_set, self.task.collate_train,
-                                                 self.workers, self.device.type == "cuda")
+                                                 self.workers, self.device.type == "cuda", self.settings.seed)
         self._train_loader.batch_sampler.use(epoch, batches if batches is not None else self.epoch_batches(epoch))
         return self._train_loader
 
@@ -475,7 +477,7 @@ class Trainer:
             sampler = EvalShardSampler(len(self.task.val_set), self.env.world_size, self.env.rank)
             self._val_loader = DataLoader(self.task.val_set, batch_size=self.plan.per_rank, sampler=sampler,
                                           collate_fn=InBandSmallTensors(self.task.collate_val),
-                                          **worker_options(self.workers))
+                                          **worker_options(self.workers, self.settings.seed))
         loader = self._val_loader
         model = self.model_without_ddp  # DDP's forward would issue collectives that uneven shards cannot match
         model.eval()

@@ -14,6 +14,7 @@ This is where the perception stack meets the engine's ``Task`` protocol (``openc
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence
@@ -26,15 +27,17 @@ from opencood_ddp.data.datasets import NO_FUSION, SPLIT_KEYS, build_dataset, fus
 from opencood_ddp.data.device_points import prepare_batch
 from opencood_ddp.data.ground_truth import evaluation_gt_range
 from opencood_ddp.data.sources import check_split_path
+from opencood_ddp.data.wild import delay_frames, wild_setting_from_hypes
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.task import LossOutput, Task
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import hypes_source
+from opencood_ddp.hypes import get_key, hypes_source
 from opencood_ddp.loss import create_loss
 from opencood_ddp.metrics import FrameStats, frame_stats, pr_curve
 from opencood_ddp.metrics.communication import MeteredFrameStats
 from opencood_ddp.models import COMMON_OPTIONAL_KEYS as MODEL_COMMON_KEYS, create_model
+from opencood_ddp.models.modules.v2xvit_encoder import DELAY_TABLE_SIZE
 from opencood_ddp.models.parameter_use import take_parameter_use
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
@@ -97,8 +100,28 @@ def gpu_workers(dataset: Any) -> Optional[int]:
 TASK_KEYS = tuple((key, "str") for key in SPLIT_KEYS.values()) + tuple(MODEL_COMMON_KEYS)
 
 
+def check_delay_table(hypes: Mapping) -> None:
+    """V2X-ViT encodes each CAV's delay as a row of a 100-row table (delay frames x RTE_ratio): a wild_setting delay
+    past it failed in the forward, on the ranks whose samples met it, while the others waited. Refused at build,
+    on every rank, from the longest delay the setting can draw."""
+    encoder = get_key(hypes, "model.args.transformer.encoder.cav_att_config")
+    if not isinstance(encoder, Mapping) or not encoder.get("use_RTE"):
+        return
+    delay = wild_setting_from_hypes(hypes, hypes_source(hypes)).delay
+    if not delay.enabled:
+        return
+    longest = delay_frames(delay, ego=False, overhead_draw=math.nextafter(delay.overhead_ms, 0.0))
+    ratio = int(encoder["RTE_ratio"])
+    if longest * ratio >= DELAY_TABLE_SIZE:
+        raise ConfigError(f"{hypes_source(hypes)}: wild_setting's delay reaches {longest} frames, past V2X-ViT's "
+                          f"delay table ({DELAY_TABLE_SIZE} rows at RTE_ratio {ratio}); shorten the delay "
+                          f"(wild_setting.async_overhead, or noise_sweep's --delays_ms) to under "
+                          f"{-(-DELAY_TABLE_SIZE // ratio) * 100} ms")
+
+
 def build_task(hypes: dict, for_training: bool) -> Task:
     import_modules(hypes, hypes_source(hypes))  # every rank, before anything is built (a no-op once done)
+    check_delay_table(hypes)
     if for_training:  # a mistyped key of a new or resumed run; evaluation reads the run's own config.yaml
         check_known_keys(hypes, hypes_source(hypes), extra=TASK_KEYS)
     seed = int(hypes.get("train_params", {}).get("seed", 0))
@@ -294,17 +317,18 @@ def fusion_method_of(hypes: Mapping) -> str:
     return methods[0]
 
 
-def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str],
-                   fusion_method: str) -> Optional[FrameExporter]:
+def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str], fusion_method: str,
+                   result_name: str) -> Optional[FrameExporter]:
     if not (options.save_npy or options.save_vis):
         return None
     if run_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
     from opencood_ddp.vis.export import FrameExporter
 
-    about = {"split": str(hypes["validate_dir"]), "fusion_method": fusion_method, "eval_preset": options.eval_preset}
+    about = {"split": str(Path(hypes["validate_dir"]).resolve()), "fusion_method": fusion_method,
+             "eval_preset": options.eval_preset}
     return FrameExporter(Path(run_dir), options.save_npy, options.save_vis,
-                         evaluation_gt_range(hypes, hypes_source(hypes)), about)
+                         evaluation_gt_range(hypes, hypes_source(hypes)), about, tag=Path(result_name).stem)
 
 
 def eval_file_name(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "") -> str:
@@ -383,7 +407,7 @@ class DetectionEvaluator:
     pr_plot: Optional[PrPlot] = None
 
     def finish(self, frames: List[FrameStats]) -> None:
-        if self.evaluate_batch.exporter is not None:  # every rank's frames are written: they become the run's
+        if self.evaluate_batch.exporter is not None:  # every frame written, the metric computed: the run's now
             self.evaluate_batch.exporter.publish(len(frames))
         if self.pr_plot is not None:
             self.pr_plot(frames)
@@ -414,6 +438,7 @@ def warn_unknown_keys(hypes: Mapping) -> None:
 def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     import_modules(hypes, hypes_source(hypes))
     warn_unknown_keys(hypes)
+    check_delay_table(hypes)
     options = DetectionEvalOptions.of(request)
     fusion_method = options.fusion_method or fusion_method_of(hypes)
     hypes = eval_dataset_hypes(hypes, request, fusion_method)
@@ -421,14 +446,15 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     hypes = convention.eval_hypes(hypes)  # the preset's area reaches the dataset's GT and the post-processor
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
-    exporter = build_exporter(hypes, options, request.run_dir, fusion_method)
+    result_name = eval_file_name(options.global_sort, convention.preset, fusion_method)
+    exporter = build_exporter(hypes, options, request.run_dir, fusion_method, result_name)
     dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
                             visualize=exporter is not None)
     meter = CommunicationMeter.of(hypes, fusion_method)
     evaluator = DetectionEvaluator(
         evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
         metric=convention.metric(meter.summary if meter is not None else None),
-        result_name=eval_file_name(options.global_sort, convention.preset, fusion_method),
+        result_name=result_name,
         report=Report(options, request.run_dir, convention),
         pr_plot=build_pr_plot(options, request.run_dir, convention, fusion_method))
     return EvalSpec(dataset=dataset, collate=EvalCollate(dataset), model=create_model(hypes), move_to=prepare_batch,

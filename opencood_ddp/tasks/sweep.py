@@ -43,7 +43,7 @@ from opencood_ddp.metrics.conventions import AP_CONVENTIONS
 from opencood_ddp.schema import check_selected_entries
 from opencood_ddp.tasks import build_eval as build_task_eval
 from opencood_ddp.tasks.eval_presets import DEFAULT_PRESET, preset_global_sort, result_suffix
-from opencood_ddp.tasks.opencood import NO_FUSION, DetectionEvalOptions, fusion_suffix
+from opencood_ddp.tasks.opencood import NO_FUSION, DetectionEvalOptions, check_delay_table, fusion_suffix
 from opencood_ddp.vis.sweep_plot import SweepPanel, plot_sweep
 
 DEFAULT_STDS = (0.0, 0.2, 0.4, 0.6)  # HEAL's and CoAlign's inference_w_noise.py levels (m and degrees)
@@ -166,9 +166,12 @@ def check_levels(hypes: dict, levels: Sequence[Level], seed: int) -> None:
     """Every level's hypes through the checks its build runs, before the first level is evaluated: a level the run
     cannot take (a delay on DAIR-V2X-C's single frame pairs) is refused up front, naming the flag that asked for
     it, not after the levels before it were evaluated and lost."""
+    check_selected_entries(hypes, hypes_source(hypes))  # the run's own faults are not a level's
     for level in levels:
         try:
-            check_selected_entries(level_hypes(hypes, level, seed), hypes_source(hypes))
+            level_run = level_hypes(hypes, level, seed)
+            check_selected_entries(level_run, hypes_source(hypes))
+            check_delay_table(level_run)
         except ConfigError as error:
             raise ConfigError(f"{level_flags(level)}: the run cannot be evaluated at this level ({error}); leave "
                               f"the level out of the sweep") from None

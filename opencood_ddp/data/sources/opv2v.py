@@ -13,8 +13,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 from opencood_ddp.data.geometry import project_world_objects
-from opencood_ddp.data.opv2v import (NOT_FRAMES, CavFrame, FrameReader, Opv2vIndex, ScenarioFrames, ego_speed_of,
-                                     read_opv2v_frame, scan_split, split_root)
+from opencood_ddp.data.opv2v import (NOT_FRAMES, CavFrame, FrameReader, Opv2vIndex, ScenarioFrames, check_split_shape,
+                                     ego_speed_of, read_opv2v_frame, scan_split)
 from opencood_ddp.data.sources import Objects, SplitSource
 from opencood_ddp.errors import DataError
 from opencood_ddp.registry import SOURCES
@@ -42,11 +42,9 @@ class Opv2vSource(SplitSource):
 
     @classmethod
     def split_path(cls, path: Any, key: str, fix: Optional[str] = None) -> Path:
-        """The folder, then its scan (listings only), so that what is wrong inside it (another data set's root,
-        a scenario given for a split) is said under ``key``, not under the hypes key it then stands in for."""
-        root = split_root(path, key, fix)
-        scan_split(root, key=key, not_frames=cls.not_frames)
-        return root
+        """The folder and the shape of its first scenario, so that what is wrong inside it (another data set's
+        root, a scenario given for a split) is said under ``key``, not under the hypes key it stands in for."""
+        return check_split_shape(path, key, fix, cls.not_frames)
 
     # What reads one CAV's frame: the OPV2V yaml (V2V4Real replaces it).
     read_frame: FrameReader = staticmethod(read_opv2v_frame)
