@@ -1,7 +1,8 @@
 """OpenCOOD-schema hypes YAML: load, override (--set a.b=c), validate, save (yaml_parsers.py runs its yaml_parser).
 
 The loader reads floats written as `1e-3` (PyYAML's YAML 1.1 resolver would leave them strings), as upstream's
-loader does, and the numpy arrays upstream's own config.yaml holds (numpy_yaml.py), as plain lists. Validation reports every missing or ill-typed key of a run in one line naming the file.
+loader does, and the numpy arrays upstream's own config.yaml holds (numpy_yaml.py), as plain lists. Validation
+reports every missing or ill-typed key of a run in one line naming the file.
 """
 from __future__ import annotations
 
