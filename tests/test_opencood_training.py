@@ -92,8 +92,10 @@ def test_eval_yaml_and_npy_files_identical_on_1_2_3_ranks(toy_runs, toy_small, t
         copy = copy_run(run_dir, tmp_path / f"w{world}")
         results[world] = evaluate(copy, world, fusion, toy_small, "--save_npy")
         written[world] = {path.name: np.load(path) for path in sorted((copy / "npy").glob("*.npy"))}
-        assert read_manifest(copy / "npy") == {"split": str(toy_small / "test"), "fusion_method": fusion,
-                                               "eval_preset": "opencood", "frames": 4}
+        test = toy_small / "test"
+        assert read_manifest(copy / "npy") == {
+            "split": str(test.resolve()), "scenarios": sorted(p.name for p in test.iterdir() if p.is_dir()),
+            "fusion_method": fusion, "eval_preset": "opencood", "frames": 4}
         assert not list(copy.glob("npy.*"))  # published whole: no staging or replaced folder left
     run_keys = ("world_size", "seconds")
     metrics = {world: {k: v for k, v in r.items() if k not in run_keys} for world, r in results.items()}

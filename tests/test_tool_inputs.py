@@ -103,15 +103,18 @@ def test_recall_by_visibility_names_a_damaged_npy_file_and_a_run_of_another_spli
 def test_recall_by_visibility_refuses_npy_files_another_split_of_the_same_length_wrote(tmp_path, toy_small):
     """The split's frame count alone let a validate split's boxes be scored against the test split's clouds (the
     small world has 4 frames in each): exit 0 and a table of the wrong frames. The evaluation's manifest names
-    its split."""
-    from opencood_ddp.vis.export import FrameExporter
+    its split; the same split at another path (a run evaluated on a cluster, read on a workstation) is known by
+    its scenarios and frames."""
+    import shutil
+
+    from opencood_ddp.vis.export import FrameExporter, split_scenarios
 
     run = tmp_path / "run"
     corners = np.zeros((0, 8, 3), dtype=np.float32)
     for split in ("validate", "test"):
         exporter = FrameExporter(run, save_npy=True, save_vis=False, lidar_range=[-1, -1, -1, 1, 1, 1],
                                  about={"split": str(toy_small / split), "fusion_method": "late",
-                                        "eval_preset": "opencood"})
+                                        "scenarios": split_scenarios(toy_small / split), "eval_preset": "opencood"})
         for frame in range(4):
             exporter(frame, np.zeros((1, 4), dtype=np.float32), corners, np.zeros(0), corners, None)
         exporter.publish(4)
@@ -121,6 +124,10 @@ def test_recall_by_visibility_refuses_npy_files_another_split_of_the_same_length
                            "--save_npy --dataset_dir")
         else:
             assert result.returncode == 0 and "4 frames of" in result.stdout, explain(result)
+    moved = tmp_path / "elsewhere" / "test"
+    shutil.copytree(toy_small / "test", moved)
+    result = in_process(RECALL, "--dataset_dir", moved, "--runs", run)
+    assert result.returncode == 0 and "4 frames of" in result.stdout, explain(result)
 
 
 def test_the_visibility_tools_refuse_a_run_on_another_layout_by_name(tmp_path, toy_small):

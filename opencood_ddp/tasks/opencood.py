@@ -323,9 +323,10 @@ def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional
         return None
     if run_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
-    from opencood_ddp.vis.export import FrameExporter
+    from opencood_ddp.vis.export import FrameExporter, split_scenarios
 
-    about = {"split": str(Path(hypes["validate_dir"]).resolve()), "fusion_method": fusion_method,
+    split = Path(hypes["validate_dir"]).resolve()
+    about = {"split": str(split), "scenarios": split_scenarios(split), "fusion_method": fusion_method,
              "eval_preset": options.eval_preset}
     return FrameExporter(Path(run_dir), options.save_npy, options.save_vis,
                          evaluation_gt_range(hypes, hypes_source(hypes)), about, tag=Path(result_name).stem)

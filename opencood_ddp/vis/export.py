@@ -41,6 +41,22 @@ def vis_path(run_dir: Path, index: int, folder: str = VIS_FOLDER) -> Path:
     return Path(run_dir) / folder / f"bev_{index:05d}.png"
 
 
+def split_scenarios(split: Path) -> Optional[list]:
+    """A split folder's scenario names, sorted: what tells the same split at another path (a run evaluated on a
+    cluster, read on a workstation) from another split; None for a split that is not a folder (DAIR-V2X-C's)."""
+    split = Path(split)
+    return sorted(path.name for path in split.iterdir() if path.is_dir()) if split.is_dir() else None
+
+
+def same_split(manifest: Mapping, split: Path, frames: int) -> bool:
+    """Whether a manifest's evaluation read ``split`` (of ``frames`` frames): the same resolved path, or the same
+    scenarios and frame count at another path."""
+    if Path(manifest["split"]).resolve() == Path(split).resolve():
+        return True
+    scenarios = manifest.get("scenarios")
+    return scenarios is not None and scenarios == split_scenarios(split) and manifest.get("frames") == frames
+
+
 def read_manifest(folder: Path) -> Optional[dict]:
     """A published folder's evaluation.yaml ({split, fusion_method, eval_preset, frames}), None where it has none
     (an earlier version's, or upstream's)."""
@@ -137,4 +153,4 @@ class FrameExporter:
 
 
 __all__ = ["FrameExporter", "MANIFEST", "NPY_FOLDER", "VIS_FOLDER", "npy_paths", "vis_path", "save_npy",
-           "read_manifest", "publish"]
+           "read_manifest", "publish", "restore_replaced", "same_split", "split_scenarios"]

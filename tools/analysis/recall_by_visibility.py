@@ -29,7 +29,7 @@ from opencood_ddp.errors import DataError, run_tool
 from opencood_ddp.hypes import load_hypes
 from opencood_ddp.metrics.visibility import GROUPS, visibility_groups
 from opencood_ddp.postprocess import bev_iou_matrix
-from opencood_ddp.vis.export import NPY_FOLDER, npy_paths, read_manifest
+from opencood_ddp.vis.export import NPY_FOLDER, npy_paths, read_manifest, same_split
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -75,12 +75,12 @@ def load_corners(path: Path) -> np.ndarray:
 
 
 def check_split(runs: Sequence[Path], frames: int, dataset_dir: Path) -> None:
-    """Each run's npy files are of this split: its npy/evaluation.yaml names the split the evaluation read; a
-    folder without one (an earlier version's, upstream's) is of another split where it holds files past this
-    split's frames."""
+    """Each run's npy files are of this split: its npy/evaluation.yaml names the split the evaluation read (the
+    same path, or the same scenarios and frames at another); a folder without one (an earlier version's,
+    upstream's) is of another split where it holds files past this split's frames."""
     for run in runs:
         manifest = read_manifest(run / NPY_FOLDER)
-        if manifest is not None and Path(manifest["split"]).resolve() != Path(dataset_dir).resolve():
+        if manifest is not None and not same_split(manifest, dataset_dir, frames):
             raise DataError(f"{run / NPY_FOLDER} holds the evaluation of {manifest['split']}, not of {dataset_dir}; "
                             f"pass that split as --dataset_dir, or evaluate the run on this one with "
                             f"tools/inference_ddp.py --save_npy --dataset_dir {dataset_dir}")
