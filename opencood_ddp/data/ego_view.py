@@ -12,15 +12,14 @@ import numpy as np
 from opencood_ddp.data.geometry import mask_ego_points, transform_points, x1_to_x2
 from opencood_ddp.data.opv2v import Opv2vIndex, read_frame
 from opencood_ddp.data.pcd import read_pcd
+from opencood_ddp.data.sources import source_entry
+from opencood_ddp.data.sources.opv2v import Opv2vSource
 from opencood_ddp.errors import ConfigError
 
 
 def check_reads_opv2v_clouds(hypes: Mapping, run: object) -> None:
     """frame_clouds reads OPV2V's frames: a run whose data set another source reads (DAIR-V2X-C's, V2V4Real's
     numpy poses) is refused by name. Every registered name of the OPV2V source passes (opv2v, v2xset)."""
-    from opencood_ddp.data.sources import source_entry
-    from opencood_ddp.data.sources.opv2v import Opv2vSource
-
     if source_entry(hypes).obj is not Opv2vSource:
         layout = (hypes.get("fusion") or {}).get("dataset")
         raise ConfigError(f"{run}: fusion.dataset is {layout!r}; this tool reads runs on OPV2V-layout data "

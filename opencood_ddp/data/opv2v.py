@@ -310,12 +310,12 @@ def _scan_scenario(folder: Path, max_cav: int, not_frames: Tuple[str, ...]) -> S
     return Scenario(folder.name, folder, cavs)
 
 
-def _split_fix(key: str) -> str:
-    """How to point ``key`` (a hypes key such as root_dir, or a flag such as --dataset_dir) at another split: the
-    words before what the split must be."""
-    if key.startswith("--"):
-        return f"pass {key}"
-    return f"set {key} in the hypes (or --set {key}=PATH) to"
+def _split_fix(key: str, fix: Optional[str] = None) -> str:
+    """How to point ``key`` (a hypes key such as root_dir, or a flag such as --dataset_dir) at another split, up to
+    what the split must be; ``fix``: the caller's own words for the first part (an evaluation tool has no --set)."""
+    if fix is None:
+        fix = f"pass {key}" if key.startswith("--") else f"set {key} in the hypes (or --set {key}=PATH) to"
+    return f"{fix} an OPV2V split folder"
 
 
 # Folder names of a data set's splits: a folder holding them is the data set's root, not a split.
@@ -328,7 +328,7 @@ def split_root(root_dir: PathLike, key: str = "root_dir", fix: Optional[str] = N
     another split, in the words before "an OPV2V split folder"."""
     root = Path(root_dir)
     layout = "holding <scenario>/<cav_id>/<timestamp>.yaml"
-    how = f"{fix or _split_fix(key)} an OPV2V split folder"
+    how = _split_fix(key, fix)
     if not root.is_dir():
         problem = "is a file, not a split folder" if root.exists() else "split folder not found"
         raise DataError(f"{key} {root}: {problem}; {how} {layout}")
@@ -350,7 +350,7 @@ def check_split_shape(root_dir: PathLike, key: str, fix: Optional[str] = None,
     root = split_root(root_dir, key, fix)
     first = _scan_scenario(root / _subdirectories(root)[0], 1, not_frames)
     if not first.ego.timestamps:
-        raise DataError(f"{key} {root}: {first.ego.folder} holds no timestamp yaml; pass an OPV2V split folder "
+        raise DataError(f"{key} {root}: {first.ego.folder} holds no timestamp yaml; {_split_fix(key, fix)} "
                         f"holding <scenario>/<cav_id>/<timestamp>.yaml")
     return root
 

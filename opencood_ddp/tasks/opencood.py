@@ -37,7 +37,7 @@ from opencood_ddp.loss import create_loss
 from opencood_ddp.metrics import FrameStats, frame_stats, pr_curve
 from opencood_ddp.metrics.communication import MeteredFrameStats
 from opencood_ddp.models import COMMON_OPTIONAL_KEYS as MODEL_COMMON_KEYS, create_model
-from opencood_ddp.models.modules.v2xvit_encoder import DELAY_TABLE_SIZE
+from opencood_ddp.models.modules.v2xvit_encoder import DELAY_TABLE_SIZE, shorter_delay
 from opencood_ddp.models.parameter_use import take_parameter_use
 from opencood_ddp.postprocess import create_postprocessor
 from opencood_ddp.postprocess.voxel_postprocessor import VoxelPostprocessor
@@ -114,9 +114,7 @@ def check_delay_table(hypes: Mapping) -> None:
     ratio = int(encoder["RTE_ratio"])
     if longest * ratio >= DELAY_TABLE_SIZE:
         raise ConfigError(f"{hypes_source(hypes)}: wild_setting's delay reaches {longest} frames, past V2X-ViT's "
-                          f"delay table ({DELAY_TABLE_SIZE} rows at RTE_ratio {ratio}); shorten the delay "
-                          f"(wild_setting.async_overhead, or noise_sweep's --delays_ms) to under "
-                          f"{-(-DELAY_TABLE_SIZE // ratio) * 100} ms")
+                          f"delay table ({DELAY_TABLE_SIZE} rows at RTE_ratio {ratio}); {shorter_delay(ratio)}")
 
 
 def build_task(hypes: dict, for_training: bool) -> Task:

@@ -28,6 +28,12 @@ from opencood_ddp.models.modules.v2xvit_sttf import SpatialAligner
 from opencood_ddp.numerics.dropout import Dropout
 
 DELAY_TABLE_SIZE = 100  # upstream's max_len: rows of the sinusoid table (delay x RTE_ratio must stay below)
+
+
+def shorter_delay(ratio: int, rows: int = DELAY_TABLE_SIZE) -> str:
+    """The fix for a delay past the table: the first delay, in 100 ms frames, whose row is past it."""
+    return (f"shorten the delay (wild_setting.async_overhead, or noise_sweep's --delays_ms) to under "
+            f"{-(-rows // ratio) * 100} ms")
 PRIOR_CHANNELS = 3  # speed, delay, infrastructure flag
 
 
@@ -79,9 +85,7 @@ class DelayEmbedding(nn.Module):
         rows = self.emb.num_embeddings
         if any(not 0 <= d * self.ratio < rows for d in delays):  # a DataError: one line, on every rank
             raise DataError(f"time delay x RTE_ratio must be in 0..{rows - 1} (V2X-ViT's delay table), got delays "
-                            f"{list(delays)} (frames) with RTE_ratio {self.ratio}; shorten the delay "
-                            f"(wild_setting.async_overhead, or noise_sweep's --delays_ms) to under "
-                            f"{-(-rows // self.ratio) * 100} ms")
+                            f"{list(delays)} (frames) with RTE_ratio {self.ratio}; {shorter_delay(self.ratio, rows)}")
         return self.lin(self.emb(delay * self.ratio))
 
 
