@@ -38,12 +38,21 @@ def export(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, EXPORT, *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
 
+def reference(core_method: str, folder: Path = REFERENCE) -> list[tuple[str, list[int]]]:
+    """Upstream's state dict of the model: (name, shape) in its order."""
+    rows = (folder / f"{core_method}.tsv").read_text().splitlines()
+    return [(name, ast.literal_eval(shape)) for name, shape in (row.split("\t") for row in rows)]
+
+
 @pytest.mark.parametrize("core_method", sorted(export_upstream.FIXED_WIDTHS))
 def test_the_fixed_widths_are_upstreams_shapes(core_method):
-    shapes = dict((name, ast.literal_eval(shape)) for name, shape in
-                  (row.split("\t") for row in (REFERENCE / f"{core_method}.tsv").read_text().splitlines()))
+    shapes = dict(reference(core_method))
+    if (REFERENCE / "compression32" / f"{core_method}.tsv").is_file():  # the naive compressor's layers
+        shapes.update(reference(core_method, REFERENCE / "compression32"))
     for key, width in export_upstream.FIXED_WIDTHS[core_method].items():
-        assert shapes[key][1] == width, key
+        shape = shapes[key]
+        # spconv's 3-D convolutions keep their input channels last ([out, kz, ky, kx, in]), the others at dim 1.
+        assert shape[-1 if len(shape) == 5 else 1] == width, key
 
 
 def test_an_opv2v_run_exports_one_net_epoch_file_that_loads_strictly(tmp_path):
@@ -55,9 +64,7 @@ def test_an_opv2v_run_exports_one_net_epoch_file_that_loads_strictly(tmp_path):
     config = hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")  # as written: the loader would drop batch_plan
     assert "batch_plan" not in config and config["model"]["core_method"] == "point_pillar_intermediate"
     exported = torch.load(tmp_path / "up" / "net_epoch1.pth", weights_only=True)
-    reference = [(row.split("\t")[0], ast.literal_eval(row.split("\t")[1]))
-                 for row in (REFERENCE / "point_pillar_intermediate.tsv").read_text().splitlines()]
-    assert [(k, list(v.shape)) for k, v in exported.items()] == reference  # upstream's names, order, shapes
+    assert [(k, list(v.shape)) for k, v in exported.items()] == reference("point_pillar_intermediate")  # names, order
 
 
 def test_a_toy_run_is_refused_with_the_widths_upstream_fixes(tmp_path):
@@ -67,6 +74,70 @@ def test_a_toy_run_is_refused_with_the_widths_upstream_fixes(tmp_path):
     assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
     assert "backbone.blocks.0.1.weight takes 32 channels, upstream's code fixes 64" in result.stderr
     assert "cls_head.weight takes 192 channels, upstream's code fixes 384" in result.stderr
+
+
+# V2VNet, V2X-ViT, CoBEVT and SECOND: the hypes files of each (hypes_yaml/opv2v/ and toy/), and what upstream's code
+# fixes that the toy configs change, derived from upstream's classes (see export_upstream.FIXED_WIDTHS).
+SPLIT_ATTN = "fusion_net.encoder.layers.0.0.layers.0.1.fn.split_attn."
+BASELINES = {
+    "point_pillar_v2vnet": ("point_pillar_v2vnet.yaml", {
+        "backbone.blocks.0.1.weight": (32, 64), "cls_head.weight": (32, 256), "reg_head.weight": (32, 256)}),
+    "point_pillar_transformer": ("point_pillar_v2xvit.yaml", {
+        "backbone.blocks.0.1.weight": (32, 64), SPLIT_ATTN + "fc1.weight": (64, 256),
+        SPLIT_ATTN + "fc2.weight": (64, 256), "cls_head.weight": (64, 256), "reg_head.weight": (64, 256)}),
+    "point_pillar_cobevt": ("point_pillar_cobevt.yaml", {
+        "backbone.blocks.0.1.weight": (32, 64), "cls_head.weight": (64, 256), "reg_head.weight": (64, 256)}),
+    "second_intermediate": ("second_intermediate_fusion.yaml", {
+        "backbone_2d.blocks.0.1.weight": (128, 256), "cls_head.weight": (128, 512), "reg_head.weight": (128, 512)}),
+}
+
+
+@pytest.mark.parametrize("core_method", sorted(BASELINES))
+def test_an_opv2v_run_of_each_baseline_exports_upstreams_state_dict(tmp_path, core_method):
+    config = REPO / "hypes_yaml" / "opv2v" / BASELINES[core_method][0]
+    run = make_run(tmp_path / "run", config, "net_epoch2.pth")
+    result = export("--model_dir", run, "--out", tmp_path / "up")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "up").iterdir()) == ["config.yaml", "net_epoch2.pth"]
+    assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["core_method"] == core_method
+    exported = torch.load(tmp_path / "up" / "net_epoch2.pth", weights_only=True)
+    assert [(k, list(v.shape)) for k, v in exported.items()] == reference(core_method)
+
+
+@pytest.mark.parametrize("core_method", sorted(BASELINES))
+def test_a_toy_run_of_each_baseline_is_refused_with_the_widths_upstream_fixes(tmp_path, core_method):
+    run = make_run(tmp_path / "run", REPO / "hypes_yaml" / "toy" / BASELINES[core_method][0], "net_epoch1.pth")
+    result = export("--model_dir", run, "--out", tmp_path / "up")
+    assert result.returncode == 2 and not (tmp_path / "up").exists()
+    assert result.stderr.strip().startswith("error:") and len(result.stderr.strip().splitlines()) == 1
+    said = result.stderr.split(": ", 2)[2].split("; export a run")[0].split("; ")
+    assert said == [f"{key} takes {ours} channels, upstream's code fixes {theirs}"
+                    for key, (ours, theirs) in BASELINES[core_method][1].items()]
+
+
+@pytest.mark.parametrize("core_method", [m for m in sorted(BASELINES) if m != "second_intermediate"])
+def test_the_naive_compressor_takes_upstreams_256_channels(core_method):
+    """model.args.compression adds NaiveCompressor(256, ratio) upstream: the full-size config's compressor passes and
+    its state dict is upstream's compressed one; the toy's compressor (on 32 or 64 channels) is named."""
+    stem = BASELINES[core_method][0][:-len(".yaml")]
+    full = create_model(hypes_of(f"opv2v/{stem}", "model.args.compression=32")).state_dict()
+    assert export_upstream.width_problems(core_method, full) == []
+    assert [(k, list(v.shape)) for k, v in full.items()] == reference(core_method, REFERENCE / "compression32")
+    toy = create_model(hypes_of(f"toy/{stem}", "model.args.compression=32")).state_dict()
+    ours = toy["naive_compressor.encoder.0.weight"].shape[1]
+    assert (f"naive_compressor.encoder.0.weight takes {ours} channels, upstream's code fixes 256"
+            in export_upstream.width_problems(core_method, toy))
+
+
+def test_a_layer_the_config_leaves_out_is_not_asked_for_but_a_fixed_one_is():
+    """No compressor under compression 0: upstream builds none either. A head, which upstream's class always builds,
+    is named when missing."""
+    state = create_model(hypes_of("opv2v/point_pillar_cobevt")).state_dict()
+    assert "naive_compressor.encoder.0.weight" not in state
+    assert export_upstream.width_problems("point_pillar_cobevt", state) == []
+    state.pop("cls_head.weight")
+    assert export_upstream.width_problems("point_pillar_cobevt", state) == [
+        "cls_head.weight is missing, upstream's code builds it with 256 input channels"]
 
 
 def test_a_run_of_step_checkpoints_only_is_said(tmp_path):

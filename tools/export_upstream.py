@@ -8,9 +8,13 @@ the number after 'epoch' in every *.pth name, so `net_epoch_bestval_at{N}.pth` c
 of `net_step{K}.pth` only as empty. The export copies config.yaml (without the keys only our runs carry) and the
 chosen weights, verified against the model the config builds, under the one name upstream reads.
 
-Upstream's model classes fix some widths in code whatever the config says: the 2-D backbone takes 64 pillar
-features, and the detection heads take the backbone's fixed output width. A config with other widths (our toy
-configs: 32 pillar features, 192-channel heads) builds a model upstream cannot, and is refused with the reason.
+Upstream's model classes fix some widths in code whatever the config says (`FIXED_WIDTHS`): the pillar models'
+2-D backbone takes 64 pillar features, the naive compressor (model.args.compression) and V2X-ViT's split attention
+256 channels, the heads 384 (point_pillar, AttFuse), 256 (F-Cooper, V2VNet, V2X-ViT, CoBEVT; Where2comm's read the
+config) or 512 (SECOND), and SECOND's sparse 3-D backbone has fixed widths and feeds a 2-D backbone that takes 256.
+A config with other widths (our toy configs: 32 pillar features, 32- to 192-channel heads) builds a model upstream
+cannot, and is refused with the reason. So is a core_method without an entry: the V2V4Real fork's point_pillar_opv2v,
+which upstream OpenCOOD lacks, or a model of your own.
 """
 from __future__ import annotations
 
@@ -29,14 +33,50 @@ from opencood_ddp.errors import ConfigError, run_tool
 from opencood_ddp.models import create_model
 from opencood_ddp.schema import OWN_KEYS
 
-# Per upstream core_method, the input widths its code fixes: {state_dict key: in-channels (dim 1)}. They equal
-# upstream's parameter shapes (tests/test_export_upstream.py checks them against the reference lists).
+# Upstream's literals (its opencood/models/*.py and sub_modules/): the pillar models' BaseBEVBackbone(..., 64), the
+# NaiveCompressor(256, ratio) of model.args.compression, V2X-ViT's SplitAttn(256), the heads' nn.Conv2d(128 * 3 |
+# 128 * 2 | 256 * 2, ...), SECOND's VoxelBackBone8x (4 point features in; 16, 32, 64, 64 channels; conv_out takes
+# 64) and AttBEVBackbone(..., 256). Our models take most of these widths from the config, so the config decides
+# whether upstream can build the model; the sparse backbone's widths are fixed here too, and listed so that they
+# stay checked should ours ever read them from the config.
+_PILLARS_IN = {"backbone.blocks.0.1.weight": 64}
+_COMPRESSOR_IN = {"naive_compressor.encoder.0.weight": 256, "naive_compressor.decoder.3.weight": 256}
+_SPLIT_ATTN = "fusion_net.encoder.layers.0.0.layers.0.1.fn.split_attn."
+_SPARSE_3D_IN = {f"backbone_3d.{layer}.weight": width for layer, width in (
+    ("conv_input.0", 4), ("conv1.0.0", 16), ("conv2.0.0", 16), ("conv2.1.0", 32), ("conv2.2.0", 32),
+    ("conv3.0.0", 32), ("conv3.1.0", 64), ("conv3.2.0", 64), ("conv4.0.0", 64), ("conv4.1.0", 64),
+    ("conv4.2.0", 64), ("conv_out.0", 64))}
+
+
+def _heads(width: int) -> dict:
+    return {"cls_head.weight": width, "reg_head.weight": width}
+
+
+# Per upstream core_method, the input widths its code fixes: {state_dict key: input channels, see `in_channels`}.
+# They equal upstream's parameter shapes (tests/test_export_upstream.py checks them against the reference lists).
 FIXED_WIDTHS = {
-    "point_pillar": {"backbone.blocks.0.1.weight": 64, "cls_head.weight": 384, "reg_head.weight": 384},
-    "point_pillar_intermediate": {"backbone.blocks.0.1.weight": 64, "cls_head.weight": 384, "reg_head.weight": 384},
-    "point_pillar_fcooper": {"backbone.blocks.0.1.weight": 64, "cls_head.weight": 256, "reg_head.weight": 256},
-    "point_pillar_where2comm": {"backbone.blocks.0.1.weight": 64, "cls_head.weight": 256, "reg_head.weight": 256},
+    "point_pillar": {**_PILLARS_IN, **_heads(384)},
+    "point_pillar_intermediate": {**_PILLARS_IN, **_heads(384)},
+    "point_pillar_fcooper": {**_PILLARS_IN, **_COMPRESSOR_IN, **_heads(256)},
+    # Where2comm's heads read model.args.head_dim: a width of the config, not of upstream's code.
+    "point_pillar_where2comm": {**_PILLARS_IN, **_COMPRESSOR_IN},
+    "point_pillar_v2vnet": {**_PILLARS_IN, **_COMPRESSOR_IN, **_heads(256)},
+    # Every block's split attention has the one width (ours: cav_att_config.dim), so the first block stands for all.
+    "point_pillar_transformer": {**_PILLARS_IN, **_COMPRESSOR_IN, _SPLIT_ATTN + "fc1.weight": 256,
+                                 _SPLIT_ATTN + "fc2.weight": 256, **_heads(256)},
+    "point_pillar_cobevt": {**_PILLARS_IN, **_COMPRESSOR_IN, **_heads(256)},
+    "second_intermediate": {**_SPARSE_3D_IN, "backbone_2d.blocks.0.1.weight": 256, **_heads(512)},
 }
+# Layers a config may leave out (model.args.compression 0, V2X-ViT's fusion_method naive): upstream's model then
+# lacks them too (ours carry upstream's names), so their widths are checked only where the model has them.
+OPTIONAL_LAYERS = ("naive_compressor.", ".split_attn.")
+
+
+def in_channels(shape: Sequence[int]) -> int:
+    """A weight's input channels: dim 1 of nn.Conv2d's and nn.Linear's ([out, in, ...]); spconv's 3-D convolutions,
+    the only 5-D weights listed, keep them last ([out, kz, ky, kx, in]). No transposed convolution ([in, out, ...])
+    is listed: upstream's code takes their widths from the config."""
+    return shape[-1] if len(shape) == 5 else shape[1]
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -57,7 +97,11 @@ def width_problems(core_method: str, state: dict) -> list[str]:
                 f"(known: {', '.join(sorted(FIXED_WIDTHS))})"]
     problems = []
     for key, width in FIXED_WIDTHS[core_method].items():
-        ours = state[key].shape[1] if key in state else None
+        if key not in state:
+            if not any(part in key for part in OPTIONAL_LAYERS):
+                problems.append(f"{key} is missing, upstream's code builds it with {width} input channels")
+            continue
+        ours = in_channels(state[key].shape)
         if ours != width:
             problems.append(f"{key} takes {ours} channels, upstream's code fixes {width}")
     return problems
