@@ -101,6 +101,9 @@ def test_eval_yaml_and_npy_files_identical_on_1_2_3_ranks(toy_runs, toy_small, t
     metrics = {world: {k: v for k, v in r.items() if k not in run_keys} for world, r in results.items()}
     assert metrics[0] == metrics[2] == metrics[3]
     assert metrics[0]["frames"] == 4
+    # What was evaluated comes first: the split resolved (--dataset_dir here) and the fusion method.
+    assert list(metrics[0])[:2] == ["dataset_dir", "fusion_method"]
+    assert (metrics[0]["dataset_dir"], metrics[0]["fusion_method"]) == (str((toy_small / "test").resolve()), fusion)
     assert [results[w]["world_size"] for w in (0, 2, 3)] == [1, 2, 3]
     for key in ("ap30", "ap_50", "ap_70", "mpre_50", "mrec_50", "mpre_70", "mrec_70"):
         assert key in metrics[0]
@@ -135,6 +138,8 @@ def test_eval_after_training_evaluates_the_last_checkpoint_on_the_test_split(toy
     result = yaml.safe_load((run_dir / "eval.yaml").read_text())
     assert result["checkpoint"] == f"net_epoch{EPOCHS}.pth"
     assert result["frames"] == 4 and result["world_size"] == 1  # the 4 frames of test_dir, not validate_dir
+    hypes = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert result["dataset_dir"] == str(Path(hypes["test_dir"]).resolve())
     assert all(key in result for key in ("ap30", "ap_50", "ap_70"))
 
 

@@ -1,15 +1,16 @@
 """The metric of a detection evaluation: every frame's record, in dataset order -> eval.yaml's content.
 
 The engine's evaluator (``engine/evaluator.py``) calls it itself, once, on rank 0, with the records gathered from
-every rank; a task only builds it (``tasks/eval_presets.EvalConvention.metric``). The content, in this order: the
-convention that made the numbers (``eval_preset``, ``ap_convention``, ``eval_range``, ...: a number is never
-written without its rules), upstream's AP keys (``ap.eval_summary``), the convention's distance-band APs
-(``conventions.band_summary``) and, where the fusion is metered, the communication figures
-(``communication.CommunicationSummary``).
+every rank; a task only builds it (``tasks/eval_presets.EvalConvention.metric``). The content, in this order: what
+was evaluated (``dataset_dir``, the split resolved, and ``fusion_method``: the evaluations of two splits of one
+length would otherwise differ only in their numbers), the convention that made the numbers (``eval_preset``,
+``ap_convention``, ``eval_range``, ...: a number is never written without its rules), upstream's AP keys
+(``ap.eval_summary``), the convention's distance-band APs (``conventions.band_summary``) and, where the fusion is
+metered, the communication figures (``communication.CommunicationSummary``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from opencood_ddp.metrics.ap import eval_summary
@@ -24,9 +25,11 @@ class DetectionMetric:
     global_sort: bool = False
     bands: Tuple[DistanceBand, ...] = ()
     communication: Optional[CommunicationSummary] = None  # None: the fusion is not metered
+    evaluated: Mapping[str, Any] = field(default_factory=dict)  # the split and fusion method, written first
 
     def __call__(self, frames: Sequence[FrameStats]) -> dict:
-        summary = dict(self.convention_record)
+        summary = dict(self.evaluated)
+        summary.update(self.convention_record)
         summary.update(eval_summary(frames, global_sort=self.global_sort))
         if self.bands:
             summary.update(band_summary(frames, self.bands, self.global_sort))

@@ -94,9 +94,11 @@ class EvalConvention:
             record["distance_bands"] = [[float(low), float(high)] for low, high in self.bands]
         return record
 
-    def metric(self, communication: Optional[CommunicationSummary] = None) -> DetectionMetric:
-        """The metric the engine's evaluator calls on rank 0: eval.yaml's content in this convention."""
-        return DetectionMetric(self.record(), self.global_sort, self.bands, communication)
+    def metric(self, communication: Optional[CommunicationSummary] = None,
+               evaluated: Optional[Mapping[str, Any]] = None) -> DetectionMetric:
+        """The metric the engine's evaluator calls on rank 0: eval.yaml's content in this convention, after
+        ``evaluated`` (what was evaluated: the split and the fusion method)."""
+        return DetectionMetric(self.record(), self.global_sort, self.bands, communication, dict(evaluated or {}))
 
     def describe(self) -> str:
         area = ", ".join(f"{v:g}" for v in self.eval_range)

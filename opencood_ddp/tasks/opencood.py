@@ -434,6 +434,12 @@ def warn_unknown_keys(hypes: Mapping) -> None:
                              f"config.yaml if a key is misspelt)")
 
 
+def evaluated_split(hypes: Mapping, fusion_method: str) -> dict:
+    """eval.yaml's first keys: the split the numbers are of (resolved: `--dataset_dir` or the run's validate_dir)
+    and the fusion method, named as the noise sweep's table names them."""
+    return {"dataset_dir": str(Path(hypes["validate_dir"]).resolve()), "fusion_method": fusion_method}
+
+
 def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     import_modules(hypes, hypes_source(hypes))
     warn_unknown_keys(hypes)
@@ -452,7 +458,7 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     meter = CommunicationMeter.of(hypes, fusion_method)
     evaluator = DetectionEvaluator(
         evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
-        metric=convention.metric(meter.summary if meter is not None else None),
+        metric=convention.metric(meter.summary if meter is not None else None, evaluated_split(hypes, fusion_method)),
         result_name=result_name,
         report=Report(options, request.run_dir, convention),
         pr_plot=build_pr_plot(options, request.run_dir, convention, fusion_method))
