@@ -231,7 +231,7 @@ def test_start_plan_names_what_the_issue_lists(synthetic_runs):
     log = (synthetic_runs(2) / "logs" / "rank0.log").read_text()
     for words in ("world size 2", "backend gloo", "devices:", "2 process(es) x 4 per rank",
                   "effective batch 8", "lr 0.05", "train 80 samples, validate 37", "optimizer steps per epoch",
-                  "run folder:", "samples/s", "data wait"):
+                  "run folder:", "samples/s", "data wait", "step: eager; float32"):
         assert words in log, words
 
 

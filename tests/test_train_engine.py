@@ -213,6 +213,9 @@ def test_the_step_log_records_the_fp16_scalers_skips(synthetic_runs, world):
     assert scaler["_growth_tracker"] == len(rows) - 1 - last_skip
     log = next((run_dir / "logs").iterdir()).read_text()
     assert f"{sum(skips[:10])} of 10 step(s) skipped by the fp16 GradScaler (overflow)" in log, log
+    # The plan says float16 on the CPU before the first step: its kernels are far slower there than float32's.
+    assert ("float16 autocast with a GradScaler (on the CPU, whose float16 kernels are far slower than float32's: "
+            "--half bf16 is the CPU's half precision)") in (run_dir / "logs" / "rank0.log").read_text()
 
 
 def test_a_step_log_without_a_scaler_has_no_scaler_column(synthetic_runs):
@@ -225,6 +228,7 @@ def test_half_precision_trains_through_sync_bn(synthetic_runs):
     state = torch.load(run_dir / "training_state_epoch2.pt", weights_only=False)
     first, last = state["history"][0]["val"]["loss"], state["history"][1]["val"]["loss"]
     assert last < first
+    assert "; bfloat16 autocast\n" in (run_dir / "logs" / "rank0.log").read_text()  # the plan's step line
     baseline = epoch_losses(synthetic_runs(1))["val"]["loss"]
     assert last == pytest.approx(baseline, rel=0.5)  # bf16 rounding, not a different model
     assert state["scaler"] is None  # no GradScaler without CUDA

@@ -34,6 +34,7 @@ from opencood_ddp.engine.logs import attach_log_file, get_logger
 from opencood_ddp.engine.options import BatchOptions, LoopOptions, TrainOptions, parse_train_options
 from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import claim_run, decide_run, release_run_dir, remove_if_nothing_saved
+from opencood_ddp.engine.step import Precision
 from opencood_ddp.engine.task import TaskBuilder
 from opencood_ddp.engine.trainer import Trainer
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
@@ -149,9 +150,25 @@ def describe_start(env: DistEnv, trainer: Trainer, devices: Sequence[tuple[str, 
         trainer.plan.describe(),
         f"datasets: {sizes}; {steps}; {describe_workers(trainer.workers, trainer.options.process.num_workers)}",
         f"sync batch norm: {trainer.sync_bn_kind or 'off'}",
-        f"step: {describe_capture(trainer.loop.capture, env.device)}",
+        f"step: {describe_capture(trainer.loop.capture, env.device)}; {describe_precision(trainer.precision)}",
         f"run folder: {setup.run_dir}{' (resuming)' if setup.resume else ''}",
     ])
+
+
+def describe_precision(precision: Precision) -> str:
+    """--half's part of the plan's step line. float16 on the CPU is said: torch's CPU float16 kernels run the toy
+    AttFuse step about 50x slower than float32 (docs/benchmarks.md, "Half precision on the CPU"), where bfloat16
+    is faster, so a run that meant the GPU's half precision learns it before its first epoch, not after."""
+    dtype = precision.autocast_dtype
+    if dtype is None:
+        return "float32"
+    if dtype == torch.bfloat16:
+        return "bfloat16 autocast"
+    line = "float16 autocast with a GradScaler"
+    if precision.device.type == "cpu":
+        line += (" (on the CPU, whose float16 kernels are far slower than float32's: --half bf16 is the CPU's "
+                 "half precision)")
+    return line
 
 
 def describe_capture(mode: Optional[str], device: str) -> str:
