@@ -263,6 +263,24 @@ def test_nonfinite_loss_on_one_rank_stops_every_rank_and_skip_resumes_past_it(tm
     assert state["skipped_steps"] == [4] and math.isfinite(state["history"][0]["train"]["loss"])
 
 
+def test_an_epoch_resumed_mid_way_counts_the_skips_of_its_first_part(tmp_path):
+    """The epoch line's non-finite count is the whole epoch's: the run's list of skipped steps survives a resume,
+    where the steps this process ran do not hold step 2. The fp16 GradScaler's count is over the steps this
+    process ran (its skips are not saved), and the line says so."""
+    sample = _nan_sample_at(rank=0, step=2, world=1, per_rank=8)
+    run_dir = tmp_path / "run"
+    flags = ("--num_workers", "0", "--on_nonfinite", "skip", "--half", "fp16")
+    first = train(0, "--hypes_yaml", SYNTHETIC, "--model_dir", run_dir, *flags, "--max_steps", "3",
+                  "--set", f"synthetic.nonfinite_samples=[{sample}]", "--set", "train_params.epoches=1")
+    assert first.returncode == 0, explain(first)
+    resumed = train(0, "--model_dir", run_dir, *flags)
+    assert resumed.returncode == 0, explain(resumed)
+    epoch_line = next(line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines()
+                      if "epoch 1/1" in line and "samples/s" in line)
+    assert "1 step(s) skipped (non-finite)" in epoch_line, epoch_line
+    assert re.search(r", \d of 7 step\(s\) since the resume skipped by the fp16 GradScaler", epoch_line), epoch_line
+
+
 def test_skip_keeps_batchnorm_statistics_finite_across_ranks(tmp_path):
     sample = _nan_sample_at(rank=0, step=2)
     run_dir = tmp_path / "run"

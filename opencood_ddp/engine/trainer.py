@@ -457,13 +457,16 @@ class Trainer:
         self._save(epoch + 1, val_means)
 
     def _skips_line(self, records: list[StepRecord]) -> str:
-        """The epoch line's account of the steps not taken: non-finite ones, and the fp16 GradScaler's (with the
-        scale it ends the epoch at, one device read an epoch)."""
-        skipped = sum(1 for record in records if record.skipped)
+        """The epoch line's account of the steps not taken: non-finite ones over the whole epoch (the run's list of
+        them survives a resume), and the fp16 GradScaler's over the steps this process ran, said as such when a
+        resume began it mid-epoch (with the scale it ends the epoch at, one device read an epoch)."""
+        epoch_start = self.progress.global_step - self.steps_per_epoch
+        skipped = sum(1 for step in self.progress.skipped_steps if step > epoch_start)
         line = f", {skipped} step(s) skipped (non-finite)" if skipped else ""
         if self.scaler is not None:
             by_scaler = sum(1 for record in records if record.scaler_skipped)
-            line += (f", {by_scaler} of {len(records)} step(s) skipped by the fp16 GradScaler (overflow), "
+            since = " since the resume" if len(records) < self.steps_per_epoch else ""
+            line += (f", {by_scaler} of {len(records)} step(s){since} skipped by the fp16 GradScaler (overflow), "
                      f"scale now {self.scaler.get_scale():g}")
         return line
 
