@@ -41,6 +41,20 @@ def attfuse(toy_small):
     return task, (task.collate_train([samples[2]]), task.collate_train(samples[:2]))
 
 
+@pytest.fixture(scope="module")
+def coarse_attfuse(toy_small):
+    """(task, batch): AttFuse's toy task on a grid of 0.6 m cells (160 x 80 pillars, 4/9 of the toy's) and
+    one sample of 2 CAVs. For float16 on the CPU, whose convolutions' backward is torch's slow reference kernel
+    (5 s a step at the toy's grid, 98 % of it): what is checked there does not depend on the grid."""
+    from opencood_ddp.tasks import build_task
+
+    torch.manual_seed(0)
+    coarse = "[0.6, 0.6, 4]"
+    task = build_task(hypes_of(ATTFUSE, f"preprocess.args.voxel_size={coarse}", f"model.args.voxel_size={coarse}",
+                               toy_root=toy_small), for_training=True)
+    return task, task.collate_train([task.train_set[2]])
+
+
 def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None, device=CPU,
                 accumulate=1, copy_between=True):
     """(losses, model) after one SGD step per `accumulate` batches, eager or through a CaptureModule made by
@@ -228,17 +242,20 @@ def test_cudagraphs_capture_on_cuda_without_the_copy_loses_the_first_micro_batch
 
 
 @pytest.mark.parametrize("half", ["auto", "fp16"])
-def test_aot_eager_capture_under_half_is_the_eager_step(attfuse, half):
+def test_aot_eager_capture_under_half_is_the_eager_step(request, half):
     """--capture with --half: on the CPU a bare --half is bfloat16 autocast (three steps of layout A); fp16 is
-    float16 autocast with the GradScaler (two steps, float16's slow CPU kernels), whose first scale (2^40)
-    overflows float16 so that the first step is skipped, as eager skips it, and whose backoff leaves 2^10 for the
-    step taken. Every loss and every weight equal the eager step's under the same autocast bit for bit, the
+    float16 autocast with the GradScaler (two steps on the coarse grid, float16's slow CPU kernels), whose first
+    scale (2^40) overflows float16 so that the first step is skipped, as eager skips it, and whose backoff leaves
+    2^10 for the step taken. Every loss and every weight equal the eager step's under the same autocast bit for bit, the
     compiled graphs hold the autocast (the class head's convolution gives the 16-bit type inside them, the loss is
     not float32's) and one compile serves the steps (the autocast state and the changing scale trace nothing
     new)."""
     from torch._dynamo.utils import counters
 
-    task, (a, _) = attfuse
+    if half == "fp16":
+        task, a = request.getfixturevalue("coarse_attfuse")
+    else:
+        task, (a, _) = request.getfixturevalue("attfuse")
     dtype = Precision(half, CPU).autocast_dtype
     batches, modules, graphs, scales, head_dtypes = [a] * (2 if half == "fp16" else 3), [], [], [], []
     # the hook overwrites a key: a list it appended to would change length, which dynamo guards on (a recompile a step)
