@@ -159,7 +159,8 @@ def built_in(registry: R.Registry) -> list[str]:
 def test_the_built_in_entries_carry_upstreams_names():
     assert built_in(R.MODELS) == ["point_pillar", "point_pillar_cobevt", "point_pillar_fcooper",
                                   "point_pillar_intermediate", "point_pillar_opv2v", "point_pillar_transformer",
-                                  "point_pillar_v2vnet", "point_pillar_where2comm", "second_intermediate"]
+                                  "point_pillar_v2vnet", "point_pillar_where2comm", "second",
+                                  "second_intermediate"]
     assert fusion_methods() == {"early": "EarlyFusionDataset", "late": "LateFusionDataset",
                                 "nofusion": "LateFusionDataset", "intermediate": "IntermediateFusionDataset"}
     assert R.SOURCES.names() == ["dairv2x", "opv2v", "v2v4real", "v2xset"]  # HEAL's fusion.dataset names

@@ -4,6 +4,8 @@ contracts run in tests/test_zoo_contracts.py).
 What is specific to this model: spconv's sparse convolutions (imported only when the model is built, their CPU
 backward made to work by ``modules/spconv_compat.py``, a batch without voxels still a full graph), the height
 that must survive the backbone's strided layers, and attention fusion per sample after a shared 3-D backbone.
+`second` (early and late fusion, models/second.py) is this detector without the fusion: the sparse backbone, the
+spconv fixes and the hypes rules tested here are its too; its own tests are tests/test_zoo_second_single.py.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
 from opencood_ddp.models.modules.sparse_backbone import VoxelBackBone8x, dense_of, output_shape, sparse_shape
 from opencood_ddp.models.modules.spconv_compat import NO_STREAM, cpu_safe_stream, load_spconv
-from opencood_ddp.models.second_intermediate import min_grid_z
+from opencood_ddp.models.second import min_grid_z
 
 CORE = "second_intermediate"
 OPV2V = REPO / "hypes_yaml" / "opv2v" / "second_intermediate_fusion.yaml"

@@ -143,7 +143,7 @@ class VoxelBackBone8x(nn.Module):
 
     def __init__(self, cfg: Union[Mapping, Sequence], input_channels: int, grid_size: Sequence[int]):
         super().__init__()
-        spconv = load_spconv("model second_intermediate")
+        spconv = load_spconv("SECOND (model second, second_intermediate)")
         self.sparse_shape = sparse_shape(grid_size)
         c1, c2, c3, c4 = STAGE_WIDTHS
 
