@@ -65,6 +65,8 @@ FIXED_WIDTHS = {
     "point_pillar_transformer": {**_PILLARS_IN, **_COMPRESSOR_IN, _SPLIT_ATTN + "fc1.weight": 256,
                                  _SPLIT_ATTN + "fc2.weight": 256, **_heads(256)},
     "point_pillar_cobevt": {**_PILLARS_IN, **_COMPRESSOR_IN, **_heads(256)},
+    # Early and late fusion's SECOND: the same detector without the fusion (which has no parameters).
+    "second": {**_SPARSE_3D_IN, "backbone_2d.blocks.0.1.weight": 256, **_heads(512)},
     "second_intermediate": {**_SPARSE_3D_IN, "backbone_2d.blocks.0.1.weight": 256, **_heads(512)},
 }
 # Layers a config may leave out (model.args.compression 0, V2X-ViT's fusion_method naive): upstream's model then
