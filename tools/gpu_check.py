@@ -92,7 +92,7 @@ REPO = Path(__file__).resolve().parents[1]
 TOY_CONFIGS = [f"toy/{name}" for name in (
     "point_pillar_early_fusion", "point_pillar_late_fusion", "point_pillar_intermediate_fusion",
     "point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_v2xvit", "point_pillar_cobevt",
-    "point_pillar_where2comm", "second_intermediate_fusion")]
+    "point_pillar_where2comm", "second_early_fusion", "second_late_fusion", "second_intermediate_fusion")]
 FULL_SIZE = "opv2v/point_pillar_intermediate_fusion"
 PRECISIONS = {"fp32": [], "fp16": ["--half", "fp16"], "bf16": ["--half", "bf16"]}
 LOADER_WORKERS = (0, 1, 2, 4, 8, 12)  # the worker counts the loader check tries, up to the process's cores
