@@ -124,8 +124,6 @@ POINT_PILLAR = {  # our `point_pillar` has no shrink header: the heads read the 
 DEPARTURES = {
     "point_pillar_early_fusion": POINT_PILLAR,
     "point_pillar_late_fusion": POINT_PILLAR,
-    # ours refuses false (the ConvGRU it builds would get no gradient) and has no residual update
-    "point_pillar_v2vnet": {"model.args.v2vfusion.gru_flag": (False, True)},
 }
 OURS = {"test_dir": "v2xset/test"}  # our keys: a held-out split
 # Written by the yaml_parser (load_point_pillar_params), in upstream's run folders too.

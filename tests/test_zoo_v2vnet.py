@@ -88,7 +88,6 @@ def test_opv2v_parameter_count():
     ("model.args.v2vfusion.in_channels=x", "model.args.v2vfusion.in_channels"),
     ("model.args.v2vfusion.num_iteration=0", "model.args.v2vfusion.num_iteration"),
     ("model.args.v2vfusion.agg_operator=sum", "model.args.v2vfusion.agg_operator"),
-    ("model.args.v2vfusion.gru_flag=false", "model.args.v2vfusion.gru_flag"),
     ("model.args.v2vfusion.gru_flag=1", "model.args.v2vfusion.gru_flag"),
     ("model.args.v2vfusion.conv_gru.num_layers=0", "model.args.v2vfusion.conv_gru.num_layers"),
     ("model.args.v2vfusion.conv_gru.kernel_size=[[2,2]]", "model.args.v2vfusion.conv_gru.kernel_size"),
@@ -156,7 +155,8 @@ def seen_by(fusion: V2VNetFusion, pairwise: torch.Tensor, cav_counts) -> Geometr
 def plain_fusion(fusion: V2VNetFusion, x: torch.Tensor, record_len: torch.Tensor,
                  pairwise: torch.Tensor) -> torch.Tensor:
     """The message passing as the docstring states it: every pair's [warped j, own i] through msg_cnn, masked by
-    j's coverage (a warped map of ones), averaged or max-ed over j, and the full ConvGRU cell from a zero state."""
+    j's coverage (a warped map of ones), averaged or max-ed over j, and the full ConvGRU cell from a zero state;
+    without the ConvGRU (gru_flag false) i's map plus the aggregate."""
     h, w = x.shape[-2:]
     thetas = pairwise_affines(pairwise, fusion.lidar_range)
     egos = []
@@ -169,6 +169,9 @@ def plain_fusion(fusion: V2VNetFusion, x: torch.Tensor, record_len: torch.Tensor
             pairs = torch.cat([warped, nodes.unsqueeze(1).expand(n, n, c, h, w)], dim=2)
             messages = fusion.msg_cnn(pairs.reshape(n * n, 2 * c, h, w)).view(n, n, c, h, w) * mask
             aggregate = messages.mean(dim=1) if fusion.aggregation == "avg" else messages.max(dim=1).values
+            if not fusion.gru:
+                nodes = nodes + aggregate
+                continue
             state = torch.cat([nodes, aggregate], dim=1)
             for cell in fusion.conv_gru.cell_list:
                 state = cell(state, state.new_zeros(n, cell.hidden_dim, h, w))
@@ -191,13 +194,15 @@ def turned(count: int, angles, shifts) -> torch.Tensor:
                         for i in range(count)]).unsqueeze(0)
 
 
+@pytest.mark.parametrize("gru", [True, False], ids=["gru", "residual"])
 @pytest.mark.parametrize("aggregation", ["avg", "max"])
 @pytest.mark.parametrize("transforms", ["identity", "turned", "mixed"])
-def test_fusion_equals_the_plain_message_passing_in_float64(aggregation, transforms):
+def test_fusion_equals_the_plain_message_passing_in_float64(aggregation, transforms, gru):
     """Outputs, the input's gradient and every parameter's gradient equal the plain form's to float64 rounding,
-    on the identity path (proj_first), the warped path, and a batch holding one of each."""
+    on the identity path (proj_first), the warped path, and a batch holding one of each; with the ConvGRU and with
+    upstream's residual update (gru_flag false), where the ConvGRU is frozen and gets no gradient."""
     torch.manual_seed(0)
-    fusion = V2VNetFusion(4, 2, aggregation, [[3, 3], [1, 3]], [-8, -4, -3, 8, 4, 1]).double()
+    fusion = V2VNetFusion(4, 2, aggregation, [[3, 3], [1, 3]], [-8, -4, -3, 8, 4, 1], gru=gru).double()
     eye = torch.eye(4, dtype=torch.float64).repeat(1, 3, 3, 1, 1)
     rotated = turned(3, [0.0, 0.3, -0.5], [0.0, 2.5, -1.0])
     pairwise = {"identity": torch.cat([eye, eye]), "turned": torch.cat([rotated, rotated]),
@@ -213,14 +218,35 @@ def test_fusion_equals_the_plain_message_passing_in_float64(aggregation, transfo
         inputs = x.clone().requires_grad_()
         out = forward(inputs, record_len, pairwise)
         out.pow(2).sum().backward()
-        results.append((out.detach(), inputs.grad, {k: p.grad.clone() for k, p in fusion.named_parameters()}))
+        assert all(p.grad is None for p in fusion.conv_gru.parameters()) is not gru
+        results.append((out.detach(), inputs.grad, {k: p.grad.clone() for k, p in fusion.named_parameters()
+                                                    if p.requires_grad}))
     (out, grad, params), (plain_out, plain_grad, plain_params) = results
+    assert all(p.requires_grad for p in fusion.conv_gru.parameters()) is gru and len(params) == len(plain_params)
     assert torch.allclose(out, plain_out, rtol=0, atol=1e-12)
     assert torch.allclose(grad, plain_grad, rtol=0, atol=1e-12)
     for name, value in plain_params.items():
         assert torch.allclose(params[name], value, rtol=0, atol=1e-12), name
     if transforms != "identity":
         assert not torch.allclose(out[1], plain_fusion(fusion, x, record_len, torch.cat([eye, eye]))[1])
+
+
+def test_gru_flag_false_keeps_upstreams_state_dict_and_trains_every_other_parameter(toy_small):
+    """Upstream's gru_flag false still builds the ConvGRU (so its checkpoints hold it): the same names and shapes as
+    with true, the ConvGRU frozen, a training step giving every other parameter a gradient, and another output."""
+    on = create_model(hypes_of(TOY))
+    off = create_model(hypes_of(TOY, "model.args.v2vfusion.gru_flag=false"))
+    assert [(k, v.shape) for k, v in off.state_dict().items()] == [(k, v.shape) for k, v in on.state_dict().items()]
+    frozen = {name for name, p in off.named_parameters() if not p.requires_grad}
+    assert frozen == {name for name, _ in off.named_parameters() if name.startswith("fusion_net.conv_gru.")}
+    batch, _, task = toy_batch(TOY, toy_small)
+    off.load_state_dict(on.state_dict())
+    on.train(), off.train()
+    task.step(off, batch).total.backward()
+    assert all((p.grad is None) is (name in frozen) for name, p in off.named_parameters())
+    on.eval(), off.eval()
+    with torch.no_grad():
+        assert not torch.equal(on(batch["ego"])["psm"], off(batch["ego"])["psm"])
 
 
 def test_the_gru_weights_that_meet_the_zero_state_get_an_exact_zero_gradient():

@@ -7,8 +7,9 @@ strictly.
 
 Every key of upstream's ``v2vfusion`` block is declared. ``conv_gru.H``/``W``, ``voxel_size`` and
 ``downsample_rate`` are checked but not needed: the hidden state takes the map's size and the warp is
-normalised by ``lidar_range`` (docs/compatibility.md). ``gru_flag: false`` (a residual update instead of the
-ConvGRU) is refused: upstream still builds the ConvGRU, whose parameters would then never get a gradient.
+normalised by ``lidar_range`` (docs/compatibility.md). ``gru_flag: false`` is upstream's residual update instead
+of the ConvGRU (the V2X-ViT repository's V2XSet file sets it): the ConvGRU is still built, as upstream's, and
+frozen, since it never runs.
 
 ``v2vfusion.use_temporal_encoding: true`` is the V2V4Real fork's temporal encoding: before the message passing,
 a 3x3 convolution ``fusion_net.cnn`` maps each CAV's [map, its delay in 100 ms frames] back to the map's
@@ -50,9 +51,6 @@ def _check_fusion(hypes: Mapping, source: str, args: Mapping) -> None:
     if block["agg_operator"] not in AGGREGATORS:
         refuse(source, f"model.args.v2vfusion.agg_operator {block['agg_operator']!r} must be one of "
                        f"{', '.join(AGGREGATORS)}")
-    if not block["gru_flag"]:
-        refuse(source, "model.args.v2vfusion.gru_flag false is not supported (upstream still builds the ConvGRU, "
-                       "whose parameters would get no gradient); set it to true")
     gru = block["conv_gru"]
     kernels = gru["kernel_size"]
     if len(kernels) not in (1, gru["num_layers"]) or not all(
@@ -94,7 +92,8 @@ class PointPillarV2VNet(ShrinkNeck, PointPillar):
         block = args["v2vfusion"]
         self.fusion_net = V2VNetFusion(int(block["in_channels"]), int(block["num_iteration"]),
                                        block["agg_operator"], kernel_sizes(block["conv_gru"]), args["lidar_range"],
-                                       temporal=bool(block.get("use_temporal_encoding", False)))
+                                       temporal=bool(block.get("use_temporal_encoding", False)),
+                                       gru=bool(block["gru_flag"]))
 
     def layout(self, data_dict: Mapping) -> dict:
         """The pillar layout, how the CAVs see each other (`v2vnet.geometry`, from the pairwise transforms, where

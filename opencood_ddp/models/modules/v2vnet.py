@@ -4,8 +4,8 @@ Each sample's CAVs are the nodes of a complete graph. A round of message passing
 ``num_iteration`` times: every receiver i warps each CAV j's map into its own frame, a 3x3 convolution of
 [warped j, i's own map] is the message j -> i (zeroed outside j's warped field of view), the messages are
 averaged (or max-ed) over j (i itself included, as upstream), and a ConvGRU of [i's map, aggregate] with a
-zero hidden state gives i's new map. After the last round the ego's map (node 0) of each sample goes
-through a per-cell linear layer.
+zero hidden state gives i's new map (with ``gru_flag: false``, upstream's residual update: i's map plus the
+aggregate). After the last round the ego's map (node 0) of each sample goes through a per-cell linear layer.
 
 State-dict names as upstream: ``msg_cnn``, ``conv_gru.cell_list.{k}.conv_gates|conv_can``, ``mlp``; with the
 V2V4Real fork's temporal encoding, ``cnn`` before them (a 3x3 convolution of [map, delay] back to the map's width).
@@ -22,6 +22,9 @@ Departures from upstream (docs/compatibility.md):
   the identity and the sender's half is convolved once per CAV. The ConvGRU starts from a zero hidden state, so
   the hidden half of each convolution's input and the reset gate multiply zeros and are left out; their
   weights still get their (zero) gradient, as upstream's do.
+- With ``gru_flag: false`` upstream still builds the ConvGRU and never calls it, so its parameters never get a
+  gradient; here it is built (the same state dict: upstream's checkpoints load) and frozen, so that DDP needs no
+  ``find_unused_parameters``.
 """
 from __future__ import annotations
 
@@ -166,7 +169,8 @@ class V2VNetFusion(nn.Module):
     """Message passing among each sample's CAVs; returns the ego's updated map per sample."""
 
     def __init__(self, channels: int, num_iteration: int, aggregation: str,
-                 kernel_sizes: Sequence[Sequence[int]], lidar_range: Sequence[float], temporal: bool = False):
+                 kernel_sizes: Sequence[Sequence[int]], lidar_range: Sequence[float], temporal: bool = False,
+                 gru: bool = True):
         super().__init__()
         if aggregation not in AGGREGATORS:
             raise ValueError(f"agg_operator {aggregation!r} is not one of {AGGREGATORS}")
@@ -177,6 +181,9 @@ class V2VNetFusion(nn.Module):
         self.cnn = nn.Conv2d(channels + 1, channels, kernel_size=3, padding=1) if temporal else None
         self.msg_cnn = nn.Conv2d(2 * channels, channels, kernel_size=3, padding=1)
         self.conv_gru = ConvGRU(2 * channels, channels, kernel_sizes)
+        self.gru = gru
+        if not gru:  # upstream's gru_flag false: built, never called (see the module docstring)
+            self.conv_gru.requires_grad_(False)
         self.mlp = nn.Linear(channels, channels)
 
     def update(self, nodes: torch.Tensor, theta: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -198,6 +205,8 @@ class V2VNetFusion(nn.Module):
             sent = conv_part(self.msg_cnn, warped, sender_weight).view(n, n, c, h, w)
             messages = (sent + own.unsqueeze(1)) * mask.to(nodes.dtype)
             aggregate = messages.mean(dim=1) if self.aggregation == "avg" else messages.max(dim=1).values
+        if not self.gru:  # upstream's gru_flag false: the residual update
+            return nodes + aggregate
         return self.conv_gru(torch.cat([nodes, aggregate], dim=1))
 
     def encode_delays(self, x: torch.Tensor, delays: torch.Tensor) -> torch.Tensor:
