@@ -117,14 +117,8 @@ UPSTREAM = {stem: _merge(SHARED, values) for stem, values in {
 }.items()}
 
 ABSENT = object()
-# Where a file departs from the repository, the header says why: {dotted key: (the repository's, ours)}.
-POINT_PILLAR = {  # our `point_pillar` has no shrink header: the heads read the backbone's stride-2 map
-    **{f"model.args.shrink_header.{key}": (value, ABSENT) for key, value in SHRINK.items()},
-    "model.args.cls_head_dim": (256, ABSENT), "postprocess.anchor_args.feature_stride": (4, 2)}
-DEPARTURES = {
-    "point_pillar_early_fusion": POINT_PILLAR,
-    "point_pillar_late_fusion": POINT_PILLAR,
-}
+# Where a file departs from the repository, the header says why: {stem: {dotted key: (the repository's, ours)}}.
+DEPARTURES: dict = {}
 OURS = {"test_dir": "v2xset/test"}  # our keys: a held-out split
 # Written by the yaml_parser (load_point_pillar_params), in upstream's run folders too.
 PARSED = ("model.args.point_pillar_scatter.grid_size", *(f"postprocess.anchor_args.{key}"
@@ -209,17 +203,7 @@ def test_full_size_state_dict_is_the_repositorys_class(stem):
     hypes = hypes_of(FOLDER / f"{stem}.yaml")
     check_known_keys(hypes, stem, extra=TASK_KEYS)
     ours = [(name, list(tensor.shape)) for name, tensor in create_model(hypes).state_dict().items()]
-    theirs = v2x_vit_state_dict(stem)
-    if stem in ("point_pillar_early_fusion", "point_pillar_late_fusion"):
-        # The departure, exactly: no shrink_conv, and heads on the backbone's 3 x 128 channels. This is OpenCOOD's
-        # point_pillar, so OpenCOOD's checkpoints load and the repository's do not.
-        assert ours == reference_shapes("point_pillar")
-        assert [row for row in theirs if row not in ours] == SHRINK_ROWS + [
-            ("cls_head.weight", [2, 256, 1, 1]), ("reg_head.weight", [14, 256, 1, 1])]
-        assert [row for row in ours if row not in theirs] == [("cls_head.weight", [2, 384, 1, 1]),
-                                                              ("reg_head.weight", [14, 384, 1, 1])]
-    else:
-        assert ours == theirs  # names, order and shapes
+    assert ours == v2x_vit_state_dict(stem)  # names, order and shapes
 
 
 # ------------------------------------------------------------------ the Noisy setting its header gives

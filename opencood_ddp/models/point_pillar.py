@@ -41,8 +41,8 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backbone_compression_steps,
                                         check_anchor_stride, check_backbone_compression, check_grid_agreement,
-                                        check_shrink_neck, head_stride, level_map_sizes, positive_ints, refuse,
-                                        refuse_compression)
+                                        check_shrink_header, check_shrink_neck, head_stride, level_map_sizes,
+                                        positive_ints, refuse, refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp
@@ -71,6 +71,9 @@ PILLAR_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = tuple((_ARGS + key, kind) fo
     # Written by the yaml_parser; its absence gets its own hint in check_pillar_args.
     ("point_pillar_scatter.grid_size", "list")))
 FCOOPER_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + ((_ARGS + "shrink_header", "dict"),)
+# Early and late fusion's: the V2X-ViT repository's and the V2V4Real fork's point_pillar add a shrink header before
+# heads of cls_head_dim channels.
+POINT_PILLAR_OPTIONAL_KEYS = FCOOPER_OPTIONAL_KEYS + ((_ARGS + "cls_head_dim", "positive_int"),)
 # What upstream's backbone_fix() freezes, by attribute name (the same list in every model that has the method):
 # everything but the fusion. Absent modules (no shrink header, no compressor) are skipped.
 BACKBONE_FIX = ("pillar_vfe", "scatter", "backbone", "naive_compressor", "shrink_conv", "cls_head", "reg_head",
@@ -108,10 +111,15 @@ def check_heads_fit_the_anchors(hypes: Mapping, source: str) -> None:
 
 
 def check_point_pillar_args(hypes: Mapping, source: str) -> None:
-    """Early and late fusion exchange points or boxes, no feature map: neither compression applies."""
+    """Early and late fusion exchange points or boxes, no feature map: neither compression applies. A shrink header
+    takes the backbone's output, and cls_head_dim (the forks' width of the heads) is the channels they see."""
     check_pillar_args(hypes, source)
-    check_heads_fit_the_anchors(hypes, source)
     args = hypes["model"]["args"]
+    channels = check_shrink_header(args, source)
+    if args.get("cls_head_dim", channels) != channels:
+        refuse(source, f"{_ARGS}cls_head_dim ({args['cls_head_dim']}) must equal the channels the heads see "
+                       f"({channels}: {_ARGS}shrink_header.dim[-1], else the backbone's output)")
+    check_heads_fit_the_anchors(hypes, source)
     for key in (COMPRESSION, BACKBONE_COMPRESSION):
         refuse_compression(args, source, key, "early and late fusion send no feature map")
 
@@ -120,10 +128,9 @@ def anchor_number(args: Mapping) -> int:
     return int(args["anchor_number"])
 
 
-@MODELS.register("point_pillar", fusion="none", required=PILLAR_KEYS, optional=PILLAR_OPTIONAL_KEYS,
-                 check=check_point_pillar_args)
 class PointPillar(nn.Module):
-    """Pillars -> BEV -> backbone -> 1x1 heads; also the shared encoder of the fusion variants."""
+    """Pillars -> BEV -> backbone -> 1x1 heads: the shared encoder of the pillar models (early and late fusion's
+    is `SinglePointPillar`, the fusion variants below and in their own modules)."""
 
     fusion_factory = None
     backbone_compresses = False  # AttFuse: base_bev_backbone.compression builds per-level auto-encoders
@@ -235,6 +242,25 @@ class PointPillar(nn.Module):
 
     def forward(self, data_dict: Mapping) -> dict:
         return self.dense(self.front(data_dict), self.layout(data_dict))
+
+
+@MODELS.register("point_pillar", fusion="none", required=PILLAR_KEYS, optional=POINT_PILLAR_OPTIONAL_KEYS,
+                 check=check_point_pillar_args)
+class SinglePointPillar(ShrinkNeck, PointPillar):
+    """Early and late fusion's detector, one point cloud per map (upstream's ``point_pillar``): OpenCOOD's heads on
+    the backbone's output; with ``model.args.shrink_header``, the V2X-ViT repository's and the V2V4Real fork's, a
+    shrink header before heads of ``cls_head_dim`` channels (``shrink_conv``, upstream's name and order)."""
+
+    def build_neck(self, args: Mapping) -> None:
+        self.build_shrink_neck(args)  # no compressor: check_point_pillar_args refuses compression
+
+    def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
+        return self.shrink(features)
+
+    @classmethod
+    def sent_maps(cls, args: Mapping) -> Optional[List[Map]]:
+        """None: early fusion sends points and late fusion boxes, no feature map (models/communication.py)."""
+        return None
 
 
 def _grid_rows_cols(args: Mapping) -> Tuple[int, int]:
