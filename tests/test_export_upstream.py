@@ -109,6 +109,37 @@ def test_an_opv2v_run_of_each_baseline_exports_upstreams_state_dict(tmp_path, co
     assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["core_method"] == core_method
     exported = torch.load(tmp_path / "up" / "net_epoch2.pth", weights_only=True)
     assert [(k, list(v.shape)) for k, v in exported.items()] == reference(REFERENCE_LIST.get(core_method, core_method))
+    if core_method == "second":  # upstream's Second makes batch_size maps; its inference.py feeds one sample a call
+        assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["args"]["batch_size"] == 1
+
+
+# The forks' layers upstream OpenCOOD's classes lack, in the configs that build them: (config, the key named).
+FORKS = {"v2xset/point_pillar_v2vnet": "model.args.v2vfusion.use_temporal_encoding",
+         "v2v4real/point_pillar_v2vnet": "model.args.v2vfusion.use_temporal_encoding",
+         "v2v4real/point_pillar_early_fusion": "model.args.shrink_header",
+         "v2xset/point_pillar_late_fusion": "model.args.shrink_header",
+         "dairv2x/point_pillar_intermediate_fusion": "model.args.dir_args"}
+
+
+@pytest.mark.parametrize("config", sorted(FORKS))
+def test_the_forks_layers_are_named(config):
+    """Upstream's load_saved_model loads with strict=False: a layer its class lacks would be dropped without a word,
+    and upstream would run another model than the one trained. OpenCOOD's own configs have none."""
+    hypes = hypes_of(config)
+    said = export_upstream.fork_layers(hypes["model"]["core_method"], create_model(hypes).state_dict())
+    assert len(said) == 1 and said[0].startswith(FORKS[config] + " ("), said
+    opv2v = hypes_of(f"opv2v/{config.split('/')[1]}")
+    assert export_upstream.fork_layers(opv2v["model"]["core_method"], create_model(opv2v).state_dict()) == []
+
+
+def test_a_run_with_a_forks_layer_is_refused_before_its_widths(tmp_path):
+    config = REPO / "hypes_yaml" / "v2xset" / "point_pillar_early_fusion.yaml"
+    run = make_run(tmp_path / "run", config, "net_epoch1.pth")
+    result = export("--model_dir", run, "--out", tmp_path / "up")
+    assert result.returncode == 2 and not (tmp_path / "up").exists()
+    lines = result.stderr.strip().splitlines()
+    said = "builds layers upstream OpenCOOD's point_pillar does not have: model.args.shrink_header"
+    assert len(lines) == 1 and said in lines[0] and "takes 256 channels" not in lines[0], lines
 
 
 @pytest.mark.parametrize("core_method", sorted(BASELINES))

@@ -14,7 +14,10 @@ Upstream's model classes fix some widths in code whatever the config says (`FIXE
 config) or 512 (SECOND), and SECOND's sparse 3-D backbone has fixed widths and feeds a 2-D backbone that takes 256.
 A config with other widths (our toy configs: 32 pillar features, 32- to 192-channel heads) builds a model upstream
 cannot, and is refused with the reason. So is a core_method without an entry: the V2V4Real fork's point_pillar_opv2v,
-which upstream OpenCOOD lacks, or a model of your own.
+which upstream OpenCOOD lacks, or a model of your own; and a model with layers only the forks build (`FORK_LAYERS`:
+the forks' shrink header on point_pillar, V2VNet's temporal encoding, the direction classifier), which upstream's
+strict=False loading would drop without a word. SECOND early and late fusion's config is written with
+model.args.batch_size 1, the maps a call of upstream's inference gives its Second.
 """
 from __future__ import annotations
 
@@ -72,6 +75,27 @@ FIXED_WIDTHS = {
 # Layers a config may leave out (model.args.compression 0, V2X-ViT's fusion_method naive): upstream's model then
 # lacks them too (ours carry upstream's names), so their widths are checked only where the model has them.
 OPTIONAL_LAYERS = ("naive_compressor.", ".split_attn.")
+
+
+# Layers the forks build that upstream OpenCOOD's classes do not have: {state-dict prefix: the hypes key that builds
+# it, and whose it is}. Upstream's load_saved_model loads with strict=False, so their weights would be dropped
+# without a word and upstream would run another model than the one trained.
+FORK_LAYERS = {"dir_head.": "model.args.dir_args (HEAL's and CoAlign's direction classifier)"}
+FORK_LAYERS_OF = {
+    "point_pillar": {"shrink_conv.": "model.args.shrink_header (the V2V4Real fork's and the V2X-ViT repository's "
+                                     "point_pillar)"},
+    "point_pillar_v2vnet": {"fusion_net.cnn.": "model.args.v2vfusion.use_temporal_encoding (the V2V4Real fork's and "
+                                               "the V2X-ViT repository's temporal encoding)"},
+}
+# Upstream's Second hands model.args.batch_size to spconv as the number of maps, and its inference feeds one sample
+# a call (docs/compatibility.md): the exported config says 1, so that upstream's inference.py runs.
+ONE_MAP_A_CALL = ("second",)
+
+
+def fork_layers(core_method: str, state: dict) -> list[str]:
+    """The hypes keys of the layers in `state` that upstream OpenCOOD's class of `core_method` lacks."""
+    layers = {**FORK_LAYERS, **FORK_LAYERS_OF.get(core_method, {})}
+    return [key for prefix, key in layers.items() if any(name.startswith(prefix) for name in state)]
 
 
 def in_channels(shape: Sequence[int]) -> int:
@@ -138,6 +162,11 @@ def export(args: argparse.Namespace) -> str:
     hypes = run.hypes
     model = create_model(hypes)
     core_method = hypes["model"]["core_method"]
+    forks = fork_layers(core_method, model.state_dict())
+    if forks:
+        raise ConfigError(f"{run_dir / CONFIG_NAME} builds layers upstream OpenCOOD's {core_method} does not have: "
+                          f"{'; '.join(forks)}; upstream would load the weights without them (strict=False) and run "
+                          f"another model: evaluate the run here, or in the repository the config comes from")
     problems = width_problems(core_method, model.state_dict())
     if problems:
         raise ConfigError(f"{run_dir / CONFIG_NAME} builds a model upstream's code cannot: {'; '.join(problems)}; "
@@ -147,6 +176,8 @@ def export(args: argparse.Namespace) -> str:
     out.mkdir(parents=True, exist_ok=True)
     for key in OWN_KEYS:  # what only this project reads; upstream's loader has no use for them
         hypes.pop(key, None)
+    if core_method in ONE_MAP_A_CALL and "batch_size" in hypes["model"]["args"]:
+        hypes["model"]["args"]["batch_size"] = 1
     hypes_lib.save_hypes(hypes, out / CONFIG_NAME)
     target = out / ckpt.weights_name(epoch)
     ckpt.atomic_save(model.state_dict(), target)
