@@ -268,6 +268,7 @@ def test_sweep_is_the_same_on_1_and_2_ranks_and_starts_at_inferences_ap(toy_run,
     assert (clean["mode"], noisy["mode"], delayed["delay_frames"]) == ("none", "per_sample", 1)
     plain_ap = yaml.safe_load(eval_yaml)
     assert [clean[key] for key in ("ap30", "ap_50", "ap_70")] == [plain_ap[key] for key in ("ap30", "ap_50", "ap_70")]
+    assert tables[1]["dataset_dir"] == plain_ap["dataset_dir"] == str((toy_small / "test").resolve())  # one name
     assert clean["frames"] == plain_ap["frames"] == 4 and clean["detections"] > 0
     # Noise and delay reach the model's inputs: the detections differ from the clean level's.
     assert noisy["score_digest"] != clean["score_digest"] != delayed["score_digest"]

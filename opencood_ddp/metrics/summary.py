@@ -21,7 +21,7 @@ from opencood_ddp.metrics.detection import FrameStats
 
 @dataclass(frozen=True)
 class DetectionMetric:
-    convention_record: Mapping[str, Any]  # eval.yaml's description of the AP convention, written first
+    convention_record: Mapping[str, Any]  # eval.yaml's description of the AP convention, before the numbers
     global_sort: bool = False
     bands: Tuple[DistanceBand, ...] = ()
     communication: Optional[CommunicationSummary] = None  # None: the fusion is not metered

@@ -252,7 +252,7 @@ class SweepRun:
     levels: List[Level]
     results: List[Optional[EvalResult]]
     checkpoint: Path
-    split: Optional[str]  # the evaluated split: --dataset_dir, else the run's validate_dir
+    split: Optional[str]  # the evaluated split, resolved as eval.yaml names it: --dataset_dir, else validate_dir
     seed: int
 
 
@@ -281,7 +281,10 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
                 warned = True
             workers = workers_per_rank(options.eval.process.num_workers, env, task_workers=spec.gpu_workers)
             results.append(inference.evaluate_checkpoint(spec, request, checkpoint, env, workers))
-    split = options.eval.dataset_dir or hypes.get("validate_dir")
+    # The split as each level's eval.yaml names it (resolved), where the task's metric writes it.
+    named = [result.summary["dataset_dir"] for result in results
+             if result is not None and "dataset_dir" in result.summary]
+    split = named[0] if named else options.eval.dataset_dir or hypes.get("validate_dir")
     return SweepRun(levels, results, checkpoint, split, seed)
 
 

@@ -1,6 +1,8 @@
 """The neck of the pillar models that fuse a shrunk map (F-Cooper, point_pillar_opv2v, V2X-ViT, CoBEVT, V2VNet,
 Where2comm): between the backbone and the fusion, upstream's optional shrink header (``DownsampleConv``: fewer
 channels and, with a stride, a smaller map) and then its optional naive compressor (``model.args.compression``).
+Early and late fusion's ``point_pillar`` (``SinglePointPillar``) takes it too, for the forks' shrink header before
+its heads; it fuses nothing, sends no map and refuses compression.
 
 ``ShrinkNeck`` is a mixin of the model class, not a submodule: the two layers are the model's own attributes
 ``shrink_conv`` and ``naive_compressor``, upstream's names, so the state dict keys stay upstream's
@@ -24,8 +26,9 @@ from opencood_ddp.models.modules.downsample_conv import DownsampleConv
 
 
 class ShrinkNeck:
-    """Mixin for a ``PointPillar`` model whose fusion takes the shrunk, compressed map; listed before
-    ``PointPillar`` in the bases, so that its ``head_channels`` and ``sent_maps`` are the ones used.
+    """Mixin for a ``PointPillar`` model whose fusion (or, in ``SinglePointPillar``, whose heads) takes the shrunk,
+    compressed map; listed before ``PointPillar`` in the bases, so that its ``head_channels`` and ``sent_maps`` are
+    the ones used (``SinglePointPillar`` overrides ``sent_maps``: it sends none).
 
     The model's ``build_neck`` calls ``build_shrink_neck(args)`` before it builds its fusion (upstream's order:
     the parameters, and the initial weights drawn from a seed, come in that order), and its forward pass runs
