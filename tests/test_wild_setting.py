@@ -407,6 +407,43 @@ def test_per_sample_noise_reaches_early_fusion(world):
     assert_gt_is_now(ego)
 
 
+# --------------------------------------------------------------- loc_err_mode v2xvit: the V2X-ViT repository's
+
+
+def test_early_fusion_in_v2xvit_mode_projects_every_non_ego_cloud_with_upstreams_offset(world):
+    """The V2X-ViT repository's early dataset reads reform_param's transformation_matrix: the CAV's delayed pose
+    with upstream's one reseeded offset (its Noisy column); the ego's cloud and the ground truth stay true."""
+    ego = dataset(world, "early", wild_setting=dict(NOISY, loc_err_mode="v2xvit"))[2]["ego"]
+    ego_now = POSES[EGO][2]
+    np.testing.assert_allclose(cloud_of(ego["origin_lidar"], EGO, 2),
+                               expected_cloud(EGO, 2, x1_to_x2(ego_now, ego_now)), atol=2e-5)
+    for cav in (CAV, RSU):
+        noisy = x1_to_x2(moved(POSES[cav][1], *upstream_offset()), ego_now)
+        np.testing.assert_allclose(cloud_of(ego["origin_lidar"], cav, 1), expected_cloud(cav, 1, noisy), atol=2e-5)
+    assert_gt_is_now(ego)
+
+
+def test_late_fusion_in_v2xvit_mode_moves_the_gt_with_the_noisy_current_pose(world):
+    """The V2X-ViT repository's late dataset: detections go to the ego by the noisy delayed pose, and each CAV's
+    ground truth, placed in its delayed true frame, by gt_transformation_matrix, x1_to_x2(its noisy *current*
+    pose, the ego's), which the post-processor reads (as transformation_matrix_clean, HEAL's name)."""
+    data = dataset(world, "late", wild_setting=dict(NOISY, loc_err_mode="v2xvit"))
+    entry, offset = data[2][CAV], upstream_offset()
+    np.testing.assert_allclose(entry["transformation_matrix"],
+                               x1_to_x2(moved(POSES[CAV][1], *offset), POSES[EGO][2]), atol=1e-9)
+    gt_matrix = x1_to_x2(moved(POSES[CAV][2], *offset), POSES[EGO][2])
+    np.testing.assert_allclose(entry["transformation_matrix_clean"], gt_matrix, atol=1e-9)
+    box = boxes_by_id(entry)[9]  # the current frame's box in the CAV's delayed true frame, as in upstream mode
+    upstream_mode = dataset(world, "late", wild_setting=NOISY)[2][CAV]
+    np.testing.assert_array_equal(box, boxes_by_id(upstream_mode)[9])
+    post = VoxelPostprocessor(hypes_for(world, "late")["postprocess"], train=False)
+    gt = post.generate_gt_bbx(data.collate_batch_test([data[2]]))
+    moved_centre = apply(gt_matrix, box[None, :3].astype(np.float64))[0]
+    assert np.abs(moved_centre - GT_NOW[9][:3]).max() > 0.1  # the repository's ground truth is not where the car is
+    centres = gt.mean(dim=1).numpy()  # each box's corner mean: its centre
+    assert np.abs(centres - moved_centre).sum(axis=1).min() < 1e-4, (centres, moved_centre)
+
+
 # ------------------------------------------------------------------------------------------- noise_setting
 
 

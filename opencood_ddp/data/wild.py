@@ -7,7 +7,8 @@ Two hypes blocks describe them (docs/robustness.md; upstream's semantics in docs
   + backbone_delay)`` ms), floor-divided by the 100 ms between OPV2V/V2XSet frames; and ``loc_err`` with
   ``xyz_std`` (m) on x, y, z and ``ryp_std`` (degrees) on the yaw of every non-ego CAV. ``loc_err_mode`` (ours)
   says how the error is drawn: ``upstream`` replays upstream's ``np.random.seed(seed)`` before each draw, so
-  every non-ego CAV of every frame gets the same offset; ``per_sample`` draws independently per CAV and frame.
+  every non-ego CAV of every frame gets the same offset; ``per_sample`` draws independently per CAV and frame;
+  ``v2xvit`` is ``upstream``'s offset applied as the V2X-ViT repository's early and late datasets apply it too.
 - HEAL/CoAlign's ``noise_setting``: ``add_noise`` with ``args.pos_std``/``pos_mean`` (m, x and y) and
   ``rot_std``/``rot_mean`` (degrees, yaw), Gaussian or (``args.laplace``) Laplace, the ego included. It is the
   ``per_sample`` mode with those parameters.
@@ -33,7 +34,10 @@ from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key
 
 FRAME_INTERVAL_MS = 100  # OPV2V and V2XSet are recorded at 10 Hz (upstream's "// 100")
 ASYNC_MODES = ("sim", "real")
-LOC_ERR_MODES = ("upstream", "per_sample")
+LOC_ERR_MODES = ("upstream", "per_sample", "v2xvit")
+# The modes that replay upstream's reseeded draw: OpenCOOD's (only its intermediate dataset applies the offset) and
+# the V2X-ViT repository's (every dataset does; its late fusion also moves the ground truth with the noisy pose).
+REPLAYED_MODES = ("upstream", "v2xvit")
 DEFAULT_LOC_ERR_MODE = "upstream"  # so that upstream's hypes files give upstream's inputs
 # Upstream's values for keys its wild_setting block may leave out (basedataset.py).
 DEFAULT_TRANSMISSION_SPEED_MBPS = 27.0
@@ -70,8 +74,9 @@ class DelaySetting:
 class NoiseSetting:
     """A localisation error: per-axis spreads (m for x, y, z; degrees for yaw) and who receives it.
 
-    ``mode`` ``upstream`` means the one offset ``upstream_loc_noise(seed, ...)`` for every perturbed pose;
-    ``per_sample`` an independent draw per CAV and frame. ``laplace`` reads the spreads as Laplace scales b."""
+    ``mode`` ``upstream`` (and ``v2xvit``) means the one offset ``upstream_loc_noise(seed, ...)`` for every
+    perturbed pose; ``per_sample`` an independent draw per CAV and frame. ``laplace`` reads the spreads as Laplace
+    scales b."""
 
     mode: str
     xy_std: float
@@ -93,8 +98,8 @@ class WildSetting:
 
     @property
     def replays_upstream(self) -> bool:
-        """Whether upstream's reseed of numpy's global RNG is replayed (loc_err in ``upstream`` mode)."""
-        return self.noise is not None and self.noise.mode == "upstream"
+        """Whether upstream's reseed of numpy's global RNG is replayed (loc_err in ``upstream`` or ``v2xvit`` mode)."""
+        return self.noise is not None and self.noise.mode in REPLAYED_MODES
 
     @cached_property
     def upstream_offset(self) -> np.ndarray:
@@ -214,7 +219,7 @@ def pose_offset(wild: WildSetting, slot: int, lag: int, key: SampleKey) -> Optio
     noise = wild.noise
     if noise is None or (slot == 0 and not noise.include_ego):
         return None
-    if noise.mode == "upstream":
+    if noise.mode in REPLAYED_MODES:
         return wild.upstream_offset
     return draw_pose_noise(wild_rng(key, wild.seed, slot, NOISE_DRAWS, lag), noise)
 
@@ -324,7 +329,7 @@ def _wild_noise(hypes: Mapping, source: str) -> Optional[NoiseSetting]:
         return None
     for key, example in (("xyz_std", "0.2 (m)"), ("ryp_std", "0.2 (degrees)")):
         _required_when(hypes, f"wild_setting.{key}", "wild_setting.loc_err", example, source)
-    if mode == "upstream":  # upstream reseeds numpy with it; it has no default there
+    if mode in REPLAYED_MODES:  # upstream reseeds numpy with it; it has no default there
         _required_when(hypes, "wild_setting.seed", "wild_setting.loc_err", "25, V2X-ViT's", source)
     return NoiseSetting(mode, xy_std=xyz, z_std=xyz, yaw_std=ryp)
 
@@ -342,8 +347,7 @@ def _heal_noise(hypes: Mapping, source: str) -> Optional[NoiseSetting]:
                         laplace=bool(get_key(hypes, "noise_setting.args.laplace", False)), include_ego=True)
 
 
-__all__ = ["FRAME_INTERVAL_MS", "ASYNC_MODES", "LOC_ERR_MODES", "DelaySetting", "NoiseSetting", "WildSetting",
-           "SampleKey", "delay_ms", "delay_frames", "clamp_delay", "UpstreamGlobalRng", "upstream_loc_noise",
-           "wild_rng", "sample_delays", "draw_pose_noise", "pose_offset", "perturb", "perturb_pose",
-           "perturb_matrix",
-           "wild_setting_from_hypes"]
+__all__ = ["FRAME_INTERVAL_MS", "ASYNC_MODES", "LOC_ERR_MODES", "REPLAYED_MODES", "DelaySetting", "NoiseSetting",
+           "WildSetting", "SampleKey", "delay_ms", "delay_frames", "clamp_delay", "UpstreamGlobalRng",
+           "upstream_loc_noise", "wild_rng", "sample_delays", "draw_pose_noise", "pose_offset", "perturb",
+           "perturb_pose", "perturb_matrix", "wild_setting_from_hypes"]

@@ -124,8 +124,10 @@ class ReceivedCav:
     ``fusion.args.cur_ego_pose_flag: false`` (intermediate fusion) the ego's pose at the CAV's delayed frame,
     corrected by ``spatial_correction``. ``wild_setting.loc_err_mode: upstream`` (the default) reproduces
     upstream's inputs, quirks included: one fixed offset for every non-ego pose, which only upstream's
-    intermediate dataset applies (``reads_upstream_loc_err``). ``per_sample`` and ``noise_setting`` draw per CAV
-    and frame from generators keyed by (seed, epoch, index, CAV slot, frame), in every dataset. Without either
+    intermediate dataset applies (``reads_upstream_loc_err``); ``v2xvit`` the V2X-ViT repository's: the same
+    offset in every dataset, and late fusion's ground truth moved by the noisy current pose (``to_ego_gt``).
+    ``per_sample`` and ``noise_setting`` draw per CAV and frame from generators keyed by (seed, epoch, index, CAV
+    slot, frame), in every dataset. Without either
     block every CAV is read at the ego's timestamp with its true pose. Road-side units (negative folder ids) are
     read, delayed and perturbed like CAVs and are never the ego."""
 
@@ -137,6 +139,9 @@ class ReceivedCav:
     to_ego_clean: np.ndarray         # (4, 4) the same from the true poses onto the ego's current pose
     spatial_correction: np.ndarray   # (4, 4) the ego pose it was projected onto -> the ego's current pose
     noisy: bool                      # whether this dataset applies a localisation error to its projections
+    # (4, 4) what late fusion moves its ground truth by: to_ego_clean, but in loc_err_mode v2xvit the V2X-ViT
+    # repository's gt_transformation_matrix, x1_to_x2(its noisy current pose, the ego's current pose)
+    to_ego_gt: np.ndarray
 
     @property
     def cav_id(self) -> str:
@@ -270,13 +275,16 @@ class OpencoodDataset(Dataset):
         noisy = self.wild.noise is not None and (self.wild.noise.mode != "upstream" or self.reads_upstream_loc_err)
         reference_lag = lag if self.projects_to_delayed_ego else 0
         if not noisy and reference_lag == 0:  # the plain case: bit for bit the sample without wild settings
-            return ReceivedCav(slot, sent, frames.frame(slot), lag, clean, clean, np.identity(4), False)
+            return ReceivedCav(slot, sent, frames.frame(slot), lag, clean, clean, np.identity(4), False, clean)
         ego_now_pose = self.believed_pose(frames, 0, 0, key, noisy)
         reference = self.believed_pose(frames, 0, reference_lag, key, noisy)
         to_ego = x1_to_x2(self.believed_pose(frames, slot, lag, key, noisy), reference)
         # Upstream's x1_to_x2(pose, pose) for a CAV read at the current frame; exactly the identity here.
         correction = np.identity(4) if reference_lag == 0 else x1_to_x2(reference, ego_now_pose)
-        return ReceivedCav(slot, sent, frames.frame(slot), lag, to_ego, clean, correction, noisy)
+        to_ego_gt = clean
+        if noisy and self.wild.noise is not None and self.wild.noise.mode == "v2xvit":
+            to_ego_gt = x1_to_x2(self.believed_pose(frames, slot, 0, key, noisy), ego_now_pose)
+        return ReceivedCav(slot, sent, frames.frame(slot), lag, to_ego, clean, correction, noisy, to_ego_gt)
 
     def believed_pose(self, frames: SampleFrames, slot: int, lag: int, key: SampleKey, noisy: bool) -> np.ndarray:
         """CAV ``slot``'s pose ``lag`` frames back, with its localisation error when ``noisy``."""

@@ -6,7 +6,8 @@ Upstream counterpart: ``opencood/data_utils/datasets/early_fusion_dataset.py``. 
    cloud and pose from its delayed frame, its GT from the current one); per CAV: GT boxes in the ego's current
    true frame (GT range, see ``base``), its cloud shuffled, the car's own hits removed, then projected with
    ``x1_to_x2(sent pose, ego's current pose)``. As upstream's early dataset, ``loc_err_mode: upstream`` leaves
-   the poses true; ``per_sample`` and ``noise_setting`` perturb them;
+   the poses true; ``per_sample``, ``noise_setting`` and ``v2xvit`` (the V2X-ViT repository's early dataset,
+   with upstream's one offset) perturb them;
 2. boxes de-duplicated by object id and padded to ``max_num``; clouds stacked;
 3. in training, the ``data_augment`` transform applied to the stacked cloud and the valid boxes;
 4. points cropped to ``preprocess.cav_lidar_range``; boxes re-filtered to that range (all 8 corners inside),

@@ -17,8 +17,10 @@ are the current frame's objects placed in its delayed (true) LiDAR frame, so tha
 (delayed pose -> the ego's current pose) puts them where they are now. ``loc_err_mode: upstream`` leaves the
 poses true, as upstream's late dataset does. With ``per_sample`` or ``noise_setting`` the test-time
 ``transformation_matrix`` uses the believed poses and each entry also carries ``transformation_matrix_clean``
-(the true poses), which the post-processor uses for the ground truth, as HEAL/CoAlign do. Training is unaffected
-by pose errors: a CAV detects in its own frame.
+(the true poses), which the post-processor uses for the ground truth, as HEAL/CoAlign do. ``v2xvit`` is the V2X-ViT
+repository's late dataset: ``upstream``'s one offset in ``transformation_matrix``, and the ground truth moved by its
+``gt_transformation_matrix`` (the CAV's noisy current pose onto the ego's; carried as ``transformation_matrix_clean``).
+Training is unaffected by pose errors: a CAV detects in its own frame.
 
 ``collate_batch_train`` (also used for the validation loss) takes each sample's ``'ego'`` entry;
 ``collate_batch_test`` takes one sample and keeps one entry per CAV, as upstream.
@@ -52,7 +54,7 @@ class LateFusionDataset(OpencoodDataset):
             processed = self.process_cav(cav.sent, cav.current, cav.slot, rng, index)
             processed["transformation_matrix"] = cav.to_ego
             if cav.noisy:
-                processed["transformation_matrix_clean"] = cav.to_ego_clean
+                processed["transformation_matrix_clean"] = cav.to_ego_gt  # HEAL's name for the GT's matrix
             sample["ego" if cav.ego else cav.cav_id] = processed
         if self.source.gt_by_sample:
             sample["ego"].update(self.sample_ground_truth(index, cavs))
