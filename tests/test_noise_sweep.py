@@ -148,6 +148,8 @@ def test_upstream_noise_is_known_to_miss_early_and_late_datasets():
     assert sweep.ignores_the_noise(spec(LateFusionDataset), upstream)
     assert not sweep.ignores_the_noise(spec(IntermediateFusionDataset), upstream)
     assert not sweep.ignores_the_noise(spec(LateFusionDataset), per_sample)
+    assert not sweep.ignores_the_noise(spec(LateFusionDataset), sweep.Level(0.2, 0.2, 0.0, "v2xvit"))  # applied
+    assert "one offset for every CAV and frame" in sweep.noise_axes("v2xvit")
     assert not sweep.ignores_the_noise(spec(LateFusionDataset), sweep.Level(0.0, 0.0, 100.0, "upstream"))
 
 

@@ -11,10 +11,11 @@ position spread on x, y and z, ``ryp_std`` = its rotation spread on the yaw, eve
 ego and the ground truth left alone. ``loc_err_mode`` is ``--noise_mode``: ``per_sample`` draws each CAV's
 error of each frame independently (from generators keyed by the sample, so the same on every world size);
 ``upstream`` replays upstream's reseed, one fixed offset for every non-ego pose (which upstream's early and late
-datasets never apply). HEAL's ``noise_setting`` (x and y only, the ego included) is not what the sweep sets; a
-run's own ``noise_setting`` is switched off at every level, and a level without noise is the clean input, bit for
-bit. A delay is ``wild_setting.async`` in ``sim`` mode with ``async_overhead`` = the delay: whole 100 ms frames
-(floor), the ego never delayed.
+datasets never apply); ``v2xvit`` is that offset applied by every dataset, as the V2X-ViT repository's. HEAL's
+``noise_setting`` (x and y only, the ego included) is not what the sweep sets; a run's own ``noise_setting`` is
+switched off at every level, and a level without noise is the clean input, bit for bit. A delay is
+``wild_setting.async`` in ``sim`` mode with ``async_overhead`` = the delay: whole 100 ms frames (floor), the ego
+never delayed.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import numpy as np
 import yaml
 
 from opencood_ddp.atomic import atomic_write
-from opencood_ddp.data.wild import DelaySetting, delay_frames
+from opencood_ddp.data.wild import REPLAYED_MODES, DelaySetting, delay_frames
 from opencood_ddp.engine import inference
 from opencood_ddp.engine.entry import run_distributed
 from opencood_ddp.engine.evaluator import EvalRequest, EvalResult, EvalSpec
@@ -47,7 +48,7 @@ from opencood_ddp.tasks.opencood import NO_FUSION, DetectionEvalOptions, check_d
 from opencood_ddp.vis.sweep_plot import SweepPanel, plot_sweep
 
 DEFAULT_STDS = (0.0, 0.2, 0.4, 0.6)  # HEAL's and CoAlign's inference_w_noise.py levels (m and degrees)
-NOISE_MODES = ("per_sample", "upstream")
+NOISE_MODES = ("per_sample", "upstream", "v2xvit")  # wild_setting.loc_err_mode's (data/wild.py LOC_ERR_MODES)
 DEFAULT_NOISE_MODE = "per_sample"
 DEFAULT_NOISE_SEED = 25  # V2X-ViT's wild_setting.seed, for runs whose config has none
 CLEAN = "none"  # a level's mode when its poses are the true ones
@@ -84,7 +85,8 @@ class SweepOptions:
         parser.add_argument("--noise_mode", choices=NOISE_MODES, default=DEFAULT_NOISE_MODE,
                             help="per_sample: an independent error per CAV and frame (default); upstream: "
                                  "upstream's reseed quirk, one offset for every CAV and frame, applied by the "
-                                 "intermediate dataset only")
+                                 "intermediate dataset only; v2xvit: that offset in every dataset, as the V2X-ViT "
+                                 "repository's")
         parser.add_argument("--noise_seed", type=int,
                             help=f"wild_setting.seed of every level (default: the run's, else "
                                  f"{DEFAULT_NOISE_SEED})")
@@ -312,7 +314,7 @@ def ap_convention(global_sort: bool) -> str:
 
 def noise_axes(mode: str) -> str:
     """What a level's spreads perturb, for the table's header."""
-    draw = "one offset for every CAV and frame (upstream's reseed)" if mode == "upstream" \
+    draw = "one offset for every CAV and frame (upstream's reseed)" if mode in REPLAYED_MODES \
         else "drawn per CAV and frame"
     return f"pos_std on x, y, z (m) and rot_std on yaw (degrees) of every non-ego CAV, {draw}"
 
