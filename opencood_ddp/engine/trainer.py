@@ -130,6 +130,11 @@ class Trainer:
         self.phase = "start"  # where this rank is, published for peers that must explain a failed collective
         self._epoch_carry: Optional[dict] = None  # loss sums of the epoch a mid-epoch checkpoint interrupted
         self._epoch_sums = LossSums()  # this rank's loss sums of the epoch in progress
+        # The fp16 GradScaler's skips of the epoch in progress (the same on every rank: it reads the all-reduced
+        # gradients), carried over a mid-epoch checkpoint as its loss sums are; None where a resumed epoch's first
+        # part is not known (a checkpoint written before the count was saved).
+        self._epoch_scaler_skips: Optional[int] = 0
+        self._scaler_skips_carry: Optional[int] = 0
         # Made on first use and kept: their workers are forked once and persist over the epochs (engine/loaders.py)
         self._train_loader: Optional[DataLoader] = None
         self._val_loader: Optional[DataLoader] = None
@@ -226,6 +231,8 @@ class Trainer:
                                  history=list(state.get("history", [])),
                                  skipped_steps=list(state.get("skipped_steps", [])))
         self._epoch_carry = None if fine_tune else state.get("epoch_sums")
+        mid_epoch = not fine_tune and state.get("step_in_epoch", 0) > 0
+        self._scaler_skips_carry = state.get("epoch_scaler_skips") if mid_epoch else 0
 
     def _restore_schedule(self, saved_state: Optional[dict], saved: ckpt.SavedCheckpoint) -> None:
         """The lr schedule where an uninterrupted run is at the restored progress: the checkpoint's scheduler
@@ -284,6 +291,7 @@ class Trainer:
         """The epoch's loss sums (a resumed epoch's carried over on rank 0), and the hooks told."""
         sums = LossSums.carried(self._epoch_carry, holder=self.env.is_main)
         self._epoch_carry = None
+        self._epoch_scaler_skips, self._scaler_skips_carry = self._scaler_skips_carry, 0
         self._epoch_sums = sums
         self.hooks.on_epoch_start(epoch, self.settings.epochs, self.progress.step_in_epoch, self.steps_per_epoch)
         return sums
@@ -332,6 +340,8 @@ class Trainer:
             if self.schedule is not None:
                 # Also after a skipped step: the lr is a function of the step's place in the run, as upstream's.
                 self.schedule.after_optimizer_step()
+            if outcome.scaler_skipped and self._epoch_scaler_skips is not None:
+                self._epoch_scaler_skips += 1
             if into is not None and not outcome.skipped:
                 # A step the GradScaler skipped still counts: its loss is finite, and upstream's loop counts it.
                 into.merge(outcome.sums)
@@ -457,16 +467,18 @@ class Trainer:
         self._save(epoch + 1, val_means)
 
     def _skips_line(self, records: list[StepRecord]) -> str:
-        """The epoch line's account of the steps not taken: non-finite ones over the whole epoch (the run's list of
-        them survives a resume), and the fp16 GradScaler's over the steps this process ran, said as such when a
-        resume began it mid-epoch (with the scale it ends the epoch at, one device read an epoch)."""
+        """The epoch line's account of the steps not taken over the whole epoch, a resumed one's first part included:
+        non-finite ones (the run's list of them survives a resume) and the fp16 GradScaler's (its count is carried
+        by the mid-epoch checkpoint), with the scale it ends the epoch at (one device read an epoch)."""
         epoch_start = self.progress.global_step - self.steps_per_epoch
         skipped = sum(1 for step in self.progress.skipped_steps if step > epoch_start)
         line = f", {skipped} step(s) skipped (non-finite)" if skipped else ""
         if self.scaler is not None:
-            by_scaler = sum(1 for record in records if record.scaler_skipped)
-            since = " since the resume" if len(records) < self.steps_per_epoch else ""
-            line += (f", {by_scaler} of {len(records)} step(s){since} skipped by the fp16 GradScaler (overflow), "
+            by_scaler, of = self._epoch_scaler_skips, f"{self.steps_per_epoch} step(s)"
+            if by_scaler is None:  # resumed from a checkpoint without the count: the steps this process ran
+                by_scaler, of = sum(1 for record in records if record.scaler_skipped), f"{len(records)} step(s) " \
+                    "since the resume"
+            line += (f", {by_scaler} of {of} skipped by the fp16 GradScaler (overflow), "
                      f"scale now {self.scaler.get_scale():g}")
         return line
 
@@ -555,8 +567,10 @@ class Trainer:
         weights, training state, every rank's RNG and the loss sums of the unfinished epoch."""
         self._mark(f"global step {self.progress.global_step}: mid-epoch checkpoint")
         epoch_sums = self._epoch_sums.reduced_totals() if self.progress.step_in_epoch else None
+        skips = self._epoch_scaler_skips if self.progress.step_in_epoch else None
         return self.checkpointer.save_mid_epoch(self.model_without_ddp,
-                                                lambda: dict(self.training_state(), epoch_sums=epoch_sums),
+                                                lambda: dict(self.training_state(), epoch_sums=epoch_sums,
+                                                             epoch_scaler_skips=skips),
                                                 self.progress.global_step, self.progress.epoch,
                                                 self.progress.step_in_epoch)
 
