@@ -27,6 +27,7 @@ from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import BACKBONE_COMPRESSION, check_grid_agreement, refuse_compression
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
+from opencood_ddp.models.modules.cav_layout import maps_of_coords
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
 from opencood_ddp.models.modules.sparse_backbone import (HeightCompression, VoxelBackBone8x, num_features_out,
                                                          output_shape)
@@ -195,13 +196,10 @@ class Second(nn.Module):
     @staticmethod
     def num_images(data_dict: Mapping) -> int:
         """How many maps the sparse tensor holds: every CAV where record_len groups them, else every sample (a
-        trailing one without voxels included). Without either, the last voxel's map tells, as the pillar
-        scatter's fallback does."""
+        trailing one without voxels included). Without either, the last voxel's map tells (``maps_of_coords``,
+        the pillar scatter's fallback too)."""
         images = PointPillar.num_images(data_dict)
-        if images is not None:
-            return images
-        coords = data_dict["processed_lidar"]["voxel_coords"]
-        return int(coords[:, 0].max().item()) + 1 if len(coords) else 1
+        return images if images is not None else maps_of_coords(data_dict["processed_lidar"]["voxel_coords"])
 
     # The pillar models' seam (models/point_pillar.py; engine/capture.py's --capture): `front` is everything whose
     # shapes follow the voxels (the mean VFE and spconv's sparse backbone, which no compiler traces) up to the

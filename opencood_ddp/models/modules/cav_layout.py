@@ -22,6 +22,12 @@ def counts(record_len: torch.Tensor) -> Tuple[int, ...]:
     return tuple(int(n) for n in record_len.tolist())
 
 
+def maps_of_coords(coords: torch.Tensor) -> int:
+    """How many maps a batch's voxel coordinates ([map, ...] rows) fill when neither ``record_len`` nor the labels
+    say: the last map's index + 1, 1 without a voxel. One device read: the fallback of a batch that keeps neither."""
+    return int(coords[:, 0].max().item()) + 1 if len(coords) else 1
+
+
 def sample_and_slot(record_len: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """(sum(record_len),) long each, on record_len's device: row r is CAV ``slot[r]`` of sample ``sample[r]``
     (slot 0 is the sample's ego)."""
@@ -46,4 +52,4 @@ def device_constant(values, like: torch.Tensor) -> torch.Tensor:
     return to_device(torch.tensor(values, dtype=like.dtype), like.device)
 
 
-__all__ = ["counts", "device_constant", "sample_and_slot", "to_device"]
+__all__ = ["counts", "device_constant", "maps_of_coords", "sample_and_slot", "to_device"]

@@ -20,6 +20,7 @@ from typing import Mapping, Optional
 import torch
 from torch import nn
 
+from opencood_ddp.models.modules.cav_layout import maps_of_coords
 from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
 
 
@@ -34,7 +35,7 @@ class PointPillarScatter(nn.Module):
     def forward(self, batch_dict: dict, num_images: Optional[int] = None) -> dict:
         pillars, coords = batch_dict["pillar_features"], batch_dict["voxel_coords"].long()
         if num_images is None:
-            num_images = int(coords[:, 0].max().item()) + 1 if len(coords) else 1
+            num_images = maps_of_coords(coords)
         cell = coords[:, 1] * self.ny * self.nx + coords[:, 2] * self.nx + coords[:, 3]
         if pillars.device.type == "cpu" and cpu_kernels_enabled():
             image = self._channels_last(pillars, coords[:, 0], cell, num_images)
