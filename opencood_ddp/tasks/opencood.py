@@ -315,16 +315,18 @@ def fusion_method_of(hypes: Mapping) -> str:
     return methods[0]
 
 
-def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str], fusion_method: str,
+def build_exporter(hypes: dict, options: DetectionEvalOptions, run_dir: Optional[str], evaluated: Mapping,
                    result_name: str) -> Optional[FrameExporter]:
+    """The --save_npy / --save_vis writer; ``evaluated`` is eval.yaml's (`evaluated_split`), which its folders'
+    manifest repeats with the split's scenarios."""
     if not (options.save_npy or options.save_vis):
         return None
     if run_dir is None:
         raise ConfigError("--save_npy / --save_vis need an output folder (the run's --model_dir)")
     from opencood_ddp.vis.export import FrameExporter, split_scenarios
 
-    split = Path(hypes["validate_dir"]).resolve()
-    about = {"split": str(split), "scenarios": split_scenarios(split), "fusion_method": fusion_method,
+    split = evaluated["dataset_dir"]
+    about = {"split": split, "scenarios": split_scenarios(Path(split)), "fusion_method": evaluated["fusion_method"],
              "eval_preset": options.eval_preset}
     return FrameExporter(Path(run_dir), options.save_npy, options.save_vis,
                          evaluation_gt_range(hypes, hypes_source(hypes)), about, tag=Path(result_name).stem)
@@ -452,13 +454,14 @@ def build_eval(hypes: dict, request: EvalRequest) -> EvalSpec:
     seed = int(hypes.get("train_params", {}).get("seed", 0))
     post = create_postprocessor(hypes, train=False)
     result_name = eval_file_name(options.global_sort, convention.preset, fusion_method)
-    exporter = build_exporter(hypes, options, request.run_dir, fusion_method, result_name)
+    evaluated = evaluated_split(hypes, fusion_method)
+    exporter = build_exporter(hypes, options, request.run_dir, evaluated, result_name)
     dataset = build_dataset(hypes, "validate", train=False, seed=seed, post_processor=post,
                             visualize=exporter is not None)
     meter = CommunicationMeter.of(hypes, fusion_method)
     evaluator = DetectionEvaluator(
         evaluate_batch=FrameEvaluator(post, fusion_method, exporter, meter, convention),
-        metric=convention.metric(meter.summary if meter is not None else None, evaluated_split(hypes, fusion_method)),
+        metric=convention.metric(meter.summary if meter is not None else None, evaluated),
         result_name=result_name,
         report=Report(options, request.run_dir, convention),
         pr_plot=build_pr_plot(options, request.run_dir, convention, fusion_method))
