@@ -55,6 +55,10 @@ def _heads(width: int) -> dict:
     return {"cls_head.weight": width, "reg_head.weight": width}
 
 
+# SECOND with and without AttFuse (early and late fusion): one detector, the fusion has no parameters.
+_SECOND = {**_SPARSE_3D_IN, "backbone_2d.blocks.0.1.weight": 256, **_heads(512)}
+
+
 # Per upstream core_method, the input widths its code fixes: {state_dict key: input channels, see `in_channels`}.
 # They equal upstream's parameter shapes (tests/test_export_upstream.py checks them against the reference lists).
 FIXED_WIDTHS = {
@@ -68,9 +72,8 @@ FIXED_WIDTHS = {
     "point_pillar_transformer": {**_PILLARS_IN, **_COMPRESSOR_IN, _SPLIT_ATTN + "fc1.weight": 256,
                                  _SPLIT_ATTN + "fc2.weight": 256, **_heads(256)},
     "point_pillar_cobevt": {**_PILLARS_IN, **_COMPRESSOR_IN, **_heads(256)},
-    # Early and late fusion's SECOND: the same detector without the fusion (which has no parameters).
-    "second": {**_SPARSE_3D_IN, "backbone_2d.blocks.0.1.weight": 256, **_heads(512)},
-    "second_intermediate": {**_SPARSE_3D_IN, "backbone_2d.blocks.0.1.weight": 256, **_heads(512)},
+    "second": _SECOND,
+    "second_intermediate": _SECOND,
 }
 # Layers a config may leave out (model.args.compression 0, V2X-ViT's fusion_method naive): upstream's model then
 # lacks them too (ours carry upstream's names), so their widths are checked only where the model has them.
