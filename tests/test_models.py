@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from zoo import (assert_reference_state_dict, assert_upstream_checkpoint_loads,
-                 assert_zero_gradients_are_the_unused_groups, hypes_of, reference_shapes)
+                 assert_zero_gradients_are_the_unused_groups, fork_point_pillar_shapes, hypes_of, reference_shapes)
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.models import create_model
@@ -245,24 +245,12 @@ def test_every_model_with_a_shrink_header_refuses_it_alike(config, override, fra
     assert_toy_model_refused(config, override, fragment)
 
 
-# The V2X-ViT repository's and the V2V4Real fork's point_pillar (read from their models/point_pillar.py): OpenCOOD's
-# layers, then DownsampleConv(shrink_header) as shrink_conv, then heads of cls_head_dim channels.
-FORK_SHRINK_ROWS = [("shrink_conv.layers.0.double_conv.0.weight", [256, 384, 3, 3]),
-                    ("shrink_conv.layers.0.double_conv.0.bias", [256]),
-                    ("shrink_conv.layers.0.double_conv.2.weight", [256, 256, 3, 3]),
-                    ("shrink_conv.layers.0.double_conv.2.bias", [256])]
-
-
 @pytest.mark.parametrize("fusion", ["early", "late"])
 def test_the_forks_point_pillar_is_opencoods_with_a_shrink_header_before_narrower_heads(fusion):
     """V2V4Real's early and late configs (the fork's values: shrink_header, cls_head_dim 256, anchors at stride 4)
     build the fork's state dict, derived from OpenCOOD's list; OpenCOOD's configs keep OpenCOOD's."""
     fork = create_model(hypes_of(ROOT / "hypes_yaml" / "v2v4real" / f"point_pillar_{fusion}_fusion.yaml"))
-    rows = [(name, list(t.shape)) for name, t in fork.state_dict().items()]
-    opencood = [(name, [2 if name == "cls_head.weight" else 14, 256, 1, 1] if name in ("cls_head.weight",
-                 "reg_head.weight") else shape) for name, shape in reference_shapes("point_pillar")]
-    at = [name for name, _ in opencood].index("cls_head.weight")
-    assert rows == opencood[:at] + FORK_SHRINK_ROWS + opencood[at:]
+    assert [(name, list(t.shape)) for name, t in fork.state_dict().items()] == fork_point_pillar_shapes()
     plain = create_model(hypes_of(ROOT / "hypes_yaml" / "opv2v" / f"point_pillar_{fusion}_fusion.yaml"))
     assert [(name, list(t.shape)) for name, t in plain.state_dict().items()] == reference_shapes("point_pillar")
     assert fork.sent_maps({}) is None  # early and late fusion send no feature map, shrunk or not

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from launch import REPO
-from zoo import hypes_of, reference_shapes
+from zoo import fork_point_pillar_shapes, hypes_of, reference_shapes
 from opencood_ddp.models import create_model
 from opencood_ddp.schema import check_known_keys, unknown_keys
 from opencood_ddp.tasks.opencood import TASK_KEYS, build_task
@@ -170,20 +170,11 @@ def _insert_before(rows: Shapes, name: str, new: Shapes) -> Shapes:
     return rows[:at] + new + rows[at:]
 
 
-SHRINK_ROWS = [("shrink_conv.layers.0.double_conv.0.weight", [256, 384, 3, 3]),
-               ("shrink_conv.layers.0.double_conv.0.bias", [256]),
-               ("shrink_conv.layers.0.double_conv.2.weight", [256, 256, 3, 3]),
-               ("shrink_conv.layers.0.double_conv.2.bias", [256])]
-
-
 def v2x_vit_state_dict(stem: str) -> Shapes:
     """The state dict the repository's class builds from its file, derived from OpenCOOD's lists: the classes are
     OpenCOOD's but where said (read from v2xvit/models/ at f0e6c13)."""
     if stem in ("point_pillar_early_fusion", "point_pillar_late_fusion"):
-        # PointPillar: OpenCOOD's, plus DownsampleConv(shrink_header) as shrink_conv before heads of cls_head_dim
-        rows = _with(reference_shapes("point_pillar"), **{"cls_head.weight": [2, 256, 1, 1],
-                                                         "reg_head.weight": [14, 256, 1, 1]})
-        return _insert_before(rows, "cls_head.weight", SHRINK_ROWS)
+        return fork_point_pillar_shapes()  # OpenCOOD's, plus shrink_conv before heads of cls_head_dim
     # F-Cooper's list with OpenCOOD's file's 1x1 shrink kernel: the V2X-ViT files' is 3x3
     fcooper = _with(reference_shapes("point_pillar_fcooper"),
                     **{"shrink_conv.layers.0.double_conv.0.weight": [256, 384, 3, 3]})

@@ -68,6 +68,23 @@ def reference_shapes(core_method: str) -> list[tuple[str, list[int]]]:
     return [(name, ast.literal_eval(shape)) for name, shape in (row.split("\t") for row in rows)]
 
 
+# The V2X-ViT repository's and the V2V4Real fork's point_pillar (read from their models/point_pillar.py): OpenCOOD's
+# layers, then DownsampleConv(shrink_header) as shrink_conv (3x3 stride 2, 384 -> 256), then heads of cls_head_dim
+# 256 channels.
+FORK_SHRINK_ROWS = [("shrink_conv.layers.0.double_conv.0.weight", [256, 384, 3, 3]),
+                    ("shrink_conv.layers.0.double_conv.0.bias", [256]),
+                    ("shrink_conv.layers.0.double_conv.2.weight", [256, 256, 3, 3]),
+                    ("shrink_conv.layers.0.double_conv.2.bias", [256])]
+
+
+def fork_point_pillar_shapes() -> list[tuple[str, list[int]]]:
+    """The forks' point_pillar state dict (names, order, shapes), derived from OpenCOOD's list."""
+    heads = {"cls_head.weight": [2, 256, 1, 1], "reg_head.weight": [14, 256, 1, 1]}
+    rows = [(name, heads.get(name, shape)) for name, shape in reference_shapes("point_pillar")]
+    at = [name for name, _ in rows].index("cls_head.weight")
+    return rows[:at] + FORK_SHRINK_ROWS + rows[at:]
+
+
 def assert_reference_state_dict(config: Path, core_method: str) -> None:
     from opencood_ddp.models import create_model
 
