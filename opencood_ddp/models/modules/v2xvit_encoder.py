@@ -28,13 +28,13 @@ from opencood_ddp.models.modules.v2xvit_sttf import SpatialAligner
 from opencood_ddp.numerics.dropout import Dropout
 
 DELAY_TABLE_SIZE = 100  # upstream's max_len: rows of the sinusoid table (delay x RTE_ratio must stay below)
+PRIOR_CHANNELS = 3  # speed, delay, infrastructure flag
 
 
 def shorter_delay(ratio: int, rows: int = DELAY_TABLE_SIZE) -> str:
     """The fix for a delay past the table: the first delay, in 100 ms frames, whose row is past it."""
     return (f"shorten the delay (wild_setting.async_overhead, or noise_sweep's --delays_ms) to under "
             f"{-(-rows // ratio) * 100} ms")
-PRIOR_CHANNELS = 3  # speed, delay, infrastructure flag
 
 
 class PreNorm(nn.Module):
