@@ -101,6 +101,12 @@ class WildSetting:
         """Whether upstream's reseed of numpy's global RNG is replayed (loc_err in ``upstream`` or ``v2xvit`` mode)."""
         return self.noise is not None and self.noise.mode in REPLAYED_MODES
 
+    @property
+    def noisy_ground_truth(self) -> bool:
+        """Whether late fusion's ground truth is moved by the noisy current pose (``v2xvit``: the V2X-ViT
+        repository's gt_transformation_matrix); elsewhere it is placed with the true poses."""
+        return self.noise is not None and self.noise.mode == "v2xvit"
+
     @cached_property
     def upstream_offset(self) -> np.ndarray:
         """The one offset upstream gives every non-ego pose (``upstream`` mode), computed once per dataset."""

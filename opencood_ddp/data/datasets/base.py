@@ -282,7 +282,7 @@ class OpencoodDataset(Dataset):
         # Upstream's x1_to_x2(pose, pose) for a CAV read at the current frame; exactly the identity here.
         correction = np.identity(4) if reference_lag == 0 else x1_to_x2(reference, ego_now_pose)
         to_ego_gt = clean
-        if noisy and self.wild.noise is not None and self.wild.noise.mode == "v2xvit":
+        if noisy and self.wild.noisy_ground_truth:
             to_ego_gt = x1_to_x2(self.believed_pose(frames, slot, 0, key, noisy), ego_now_pose)
         return ReceivedCav(slot, sent, frames.frame(slot), lag, to_ego, clean, correction, noisy, to_ego_gt)
 
