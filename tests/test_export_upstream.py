@@ -2,7 +2,6 @@
 cannot build."""
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from launch import REPO
-from zoo import hypes_of
+from zoo import hypes_of, reference_shapes
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.models import create_model
 
@@ -38,12 +37,6 @@ def export(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, EXPORT, *map(str, args)], capture_output=True, text=True, cwd=REPO)
 
 
-def reference(core_method: str, folder: Path = REFERENCE) -> list[tuple[str, list[int]]]:
-    """Upstream's state dict of the model: (name, shape) in its order."""
-    rows = (folder / f"{core_method}.tsv").read_text().splitlines()
-    return [(name, ast.literal_eval(shape)) for name, shape in (row.split("\t") for row in rows)]
-
-
 # Upstream's `second` has second_intermediate's parameters for upstream's configs (derived in
 # tests/test_zoo_second_single.py), and no list of its own in the references.
 REFERENCE_LIST = {"second": "second_intermediate"}
@@ -51,9 +44,9 @@ REFERENCE_LIST = {"second": "second_intermediate"}
 
 @pytest.mark.parametrize("core_method", sorted(export_upstream.FIXED_WIDTHS))
 def test_the_fixed_widths_are_upstreams_shapes(core_method):
-    shapes = dict(reference(REFERENCE_LIST.get(core_method, core_method)))
+    shapes = dict(reference_shapes(REFERENCE_LIST.get(core_method, core_method)))
     if (REFERENCE / "compression32" / f"{core_method}.tsv").is_file():  # the naive compressor's layers
-        shapes.update(reference(core_method, REFERENCE / "compression32"))
+        shapes.update(reference_shapes(f"compression32/{core_method}"))
     for key, width in export_upstream.FIXED_WIDTHS[core_method].items():
         shape = shapes[key]
         # spconv's 3-D convolutions keep their input channels last ([out, kz, ky, kx, in]), the others at dim 1.
@@ -69,7 +62,8 @@ def test_an_opv2v_run_exports_one_net_epoch_file_that_loads_strictly(tmp_path):
     config = hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")  # as written: the loader would drop batch_plan
     assert "batch_plan" not in config and config["model"]["core_method"] == "point_pillar_intermediate"
     exported = torch.load(tmp_path / "up" / "net_epoch1.pth", weights_only=True)
-    assert [(k, list(v.shape)) for k, v in exported.items()] == reference("point_pillar_intermediate")  # names, order
+    # upstream's names, order and shapes
+    assert [(k, list(v.shape)) for k, v in exported.items()] == reference_shapes("point_pillar_intermediate")
 
 
 def test_a_toy_run_is_refused_with_the_widths_upstream_fixes(tmp_path):
@@ -108,7 +102,8 @@ def test_an_opv2v_run_of_each_baseline_exports_upstreams_state_dict(tmp_path, co
     assert sorted(p.name for p in (tmp_path / "up").iterdir()) == ["config.yaml", "net_epoch2.pth"]
     assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["core_method"] == core_method
     exported = torch.load(tmp_path / "up" / "net_epoch2.pth", weights_only=True)
-    assert [(k, list(v.shape)) for k, v in exported.items()] == reference(REFERENCE_LIST.get(core_method, core_method))
+    expected = reference_shapes(REFERENCE_LIST.get(core_method, core_method))
+    assert [(k, list(v.shape)) for k, v in exported.items()] == expected
     if core_method == "second":  # upstream's Second makes batch_size maps; its inference.py feeds one sample a call
         assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["args"]["batch_size"] == 1
 
@@ -160,7 +155,7 @@ def test_the_naive_compressor_takes_upstreams_256_channels(core_method):
     stem = BASELINES[core_method][0][:-len(".yaml")]
     full = create_model(hypes_of(f"opv2v/{stem}", "model.args.compression=32")).state_dict()
     assert export_upstream.width_problems(core_method, full) == []
-    assert [(k, list(v.shape)) for k, v in full.items()] == reference(core_method, REFERENCE / "compression32")
+    assert [(k, list(v.shape)) for k, v in full.items()] == reference_shapes(f"compression32/{core_method}")
     toy = create_model(hypes_of(f"toy/{stem}", "model.args.compression=32")).state_dict()
     ours = toy["naive_compressor.encoder.0.weight"].shape[1]
     assert (f"naive_compressor.encoder.0.weight takes {ours} channels, upstream's code fixes 256"
