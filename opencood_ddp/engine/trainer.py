@@ -476,8 +476,8 @@ class Trainer:
         if self.scaler is not None:
             by_scaler, of = self._epoch_scaler_skips, f"{self.steps_per_epoch} step(s)"
             if by_scaler is None:  # resumed from a checkpoint without the count: the steps this process ran
-                by_scaler, of = sum(1 for record in records if record.scaler_skipped), f"{len(records)} step(s) " \
-                    "since the resume"
+                by_scaler = sum(1 for record in records if record.scaler_skipped)
+                of = f"{len(records)} step(s) since the resume"
             line += (f", {by_scaler} of {of} skipped by the fp16 GradScaler (overflow), "
                      f"scale now {self.scaler.get_scale():g}")
         return line
