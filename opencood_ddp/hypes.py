@@ -12,9 +12,10 @@ import json
 import math
 import os
 import re
+from contextlib import contextmanager
 from numbers import Real
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import yaml
 
@@ -186,6 +187,20 @@ ENGINE_OPTIONAL_KEYS: Sequence[tuple[str, str]] = (
 def hypes_source(hypes: Mapping) -> str:
     """How error messages name hypes whose file is not known at that point: by the run's name."""
     return f"hypes {hypes.get('name', '')}".strip()
+
+
+@contextmanager
+def naming_file(hypes: Mapping, path: str | os.PathLike) -> Iterator[None]:
+    """A refusal of ``hypes`` raised inside names ``path``, the file to fix, before the run's name: the checks
+    that build models, losses and datasets are handed the hypes, not their file (`hypes_source`)."""
+    source = hypes_source(hypes)
+    try:
+        yield
+    except ConfigError as error:
+        text = str(error)
+        if not text.startswith(f"{source}: "):
+            raise
+        raise ConfigError(f"{path} ({source}){text[len(source):]}") from None
 
 
 def validate(hypes: Mapping, required: Iterable[tuple[str, str]], source: str,

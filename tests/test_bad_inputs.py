@@ -194,8 +194,9 @@ def python_tag_in_hypes(w: World, world: int) -> Call:
 
 def unknown_name(key: str, value: str) -> Callable[[World, int], Call]:
     def setup(w: World, world: int) -> Call:
-        return Call(TRAIN, w.toy_args("--set", f"{key}={value}"), [key, repr(value), "one of", "fix the hypes"],
-                    not_created=w.tmp / "new_run")
+        return Call(TRAIN, w.toy_args("--set", f"{key}={value}"),
+                    [f"{FCOOPER} with --set (hypes point_pillar_fcooper_toy): {key}", repr(value), "one of",
+                     "fix the hypes"], not_created=w.tmp / "new_run")
     return setup
 
 
@@ -212,7 +213,8 @@ def mistyped_key_in_file(w: World, world: int) -> Call:
     path = w.tmp / "mistyped.yaml"
     path.write_text(yaml.safe_dump(hypes, sort_keys=False))
     return Call(TRAIN, ["--hypes_yaml", path, *w.toy_args()[2:]],
-                ["model.args.pillar_vfe.use_nrom", "did you mean model.args.pillar_vfe.use_norm?"],
+                [f"{path} with --set (hypes point_pillar_fcooper_toy): unknown key model.args.pillar_vfe.use_nrom",
+                 "did you mean model.args.pillar_vfe.use_norm?"],
                 not_created=w.tmp / "new_run")
 
 
@@ -312,6 +314,19 @@ def moved_run_inference(w: World, world: int) -> Call:
     return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--num_workers", "0"],
                 [f"validate_dir {missing}", "not found", "pass --dataset_dir (or edit validate_dir in the run's "
                  "config.yaml"], existing_run=run)
+
+
+def missing_key_inference(w: World, world: int) -> Call:
+    """A run whose config.yaml lacks a key the model needs (edited by hand, or written by upstream's training,
+    which checks less): the line names that config.yaml, not the run's name alone."""
+    run = w.copy_run("fcooper")
+    config = run / "config.yaml"
+    hypes = yaml.safe_load(config.read_text())
+    del hypes["model"]["args"]["anchor_number"]
+    config.write_text(yaml.safe_dump(hypes, sort_keys=False))
+    return Call(INFERENCE, ["--model_dir", run, "--fusion_method", "intermediate", "--num_workers", "0"],
+                [f"{config} (hypes point_pillar_fcooper_toy): missing key model.args.anchor_number"],
+                existing_run=run)
 
 
 def empty_split(w: World, world: int) -> Call:
@@ -525,6 +540,7 @@ ROWS = [
     ("missing-data-folder", missing_data_folder_train, (0,), {}),
     ("missing-data-folder-inference", missing_data_folder_inference, (0,), {}),
     ("moved-run-inference", moved_run_inference, (0,), {}),
+    ("missing-key-inference", missing_key_inference, (0,), {}),
     ("empty-split", empty_split, (0,), {}),
     ("corrupt-pcd", corrupt_pcd(workers=0), (0, 2), {}),
     ("corrupt-pcd-inference", corrupt_pcd_inference, (0, 2), {}),

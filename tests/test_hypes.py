@@ -386,3 +386,14 @@ def test_save_permission_follows_umask(tmp_path, umask, mode):
 def test_save_into_missing_folder_raises(tmp_path):
     with pytest.raises(FileNotFoundError):
         H.save_hypes({"a": 1}, tmp_path / "missing" / "config.yaml")
+
+
+def test_naming_file_puts_the_file_before_the_runs_name_and_leaves_other_refusals():
+    hypes = {"name": "run_x", "model": {"args": {}}}
+    with pytest.raises(ConfigError) as caught:
+        with H.naming_file(hypes, "logs/run_x/config.yaml"):
+            H.validate(hypes, [("model.args.depth", "positive_int")], H.hypes_source(hypes))
+    assert str(caught.value).startswith("logs/run_x/config.yaml (hypes run_x): missing key model.args.depth")
+    with pytest.raises(ConfigError, match=r"^--epoch 3: no such checkpoint$"):  # not a refusal of the hypes
+        with H.naming_file(hypes, "logs/run_x/config.yaml"):
+            raise ConfigError("--epoch 3: no such checkpoint")

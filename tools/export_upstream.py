@@ -163,7 +163,8 @@ def export(args: argparse.Namespace) -> str:
     run = load_run(run_dir, args.epoch, args.bestval, args.step, step_flag="--step")
     check_out(out)
     hypes = run.hypes
-    model = create_model(hypes)
+    with hypes_lib.naming_file(hypes, run.config):
+        model = create_model(hypes)
     core_method = hypes["model"]["core_method"]
     forks = fork_layers(core_method, model.state_dict())
     if forks:

@@ -45,6 +45,7 @@ class LoadedRun:
 
     hypes: dict
     checkpoint: Path
+    config: Path  # the file the hypes came from: what a refusal of them names (hypes.naming_file)
 
 
 def load_run(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
@@ -54,7 +55,7 @@ def load_run(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
     config = run_dir / CONFIG_NAME
     if not config.is_file():
         raise ConfigError(f"{config} does not exist; pass --model_dir of a training run (it holds config.yaml)")
-    return LoadedRun(load_parsed_hypes(config), choose_checkpoint(run_dir, epoch, bestval, step, step_flag))
+    return LoadedRun(load_parsed_hypes(config), choose_checkpoint(run_dir, epoch, bestval, step, step_flag), config)
 
 
 def choose_checkpoint(run_dir: Path, epoch: Optional[int] = None, bestval: bool = False,
@@ -144,7 +145,8 @@ def run_eval(options: EvalOptions, env: DistEnv, build_eval: EvalBuilder) -> Opt
     run = run_to_evaluate(options)
     request = EvalRequest(dataset_dir=options.dataset_dir, batch_size=options.batch_size, run_dir=options.model_dir,
                           task_options=options.task)
-    spec = build_eval(run.hypes, request)
+    with hypes_lib.naming_file(run.hypes, run.config):
+        spec = build_eval(run.hypes, request)
     workers = workers_per_rank(options.process.num_workers, env, task_workers=spec.gpu_workers)
     return evaluate_checkpoint(spec, request, run.checkpoint, env, workers)
 

@@ -39,7 +39,7 @@ from opencood_ddp.engine.loaders import workers_per_rank
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.options import EvalOptions, ProcessOptions, eval_parser, from_flags
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key, hypes_source
+from opencood_ddp.hypes import RANDOM_STATE_SEEDS, get_key, hypes_source, naming_file
 from opencood_ddp.metrics.conventions import AP_CONVENTIONS
 from opencood_ddp.schema import check_selected_entries
 from opencood_ddp.tasks import build_eval as build_task_eval
@@ -265,7 +265,8 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
     run = inference.run_to_evaluate(options.eval)
     hypes, checkpoint = run.hypes, run.checkpoint
     seed = noise_seed(options, hypes)
-    check_levels(hypes, levels, seed)
+    with naming_file(hypes, run.config):
+        check_levels(hypes, levels, seed)
     if options.eval.task.fusion_method == NO_FUSION:
         warn_ego_alone(levels)
     log, warned, results = get_logger(), False, []
@@ -276,7 +277,8 @@ def evaluate_levels(options: SweepOptions, env: Any, build_eval: inference.EvalB
             log.info(f"noise sweep level {number}/{len(levels)}: {level.describe()}")
             request = EvalRequest(dataset_dir=options.eval.dataset_dir, batch_size=options.eval.batch_size,
                                   run_dir=scratch, task_options=options.eval.task)
-            spec = build_eval(level_hypes(hypes, level, seed), request)
+            with naming_file(hypes, run.config):
+                spec = build_eval(level_hypes(hypes, level, seed), request)
             spec.evaluator.metric = WithScoreDigest(spec.evaluator.metric)  # this level's own evaluator
             if not warned and ignores_the_noise(spec, level):
                 warn_noise_ignored(spec)

@@ -20,6 +20,7 @@ import torch
 
 from opencood_ddp.data.ego_view import check_reads_opv2v_clouds, frame_clouds
 from opencood_ddp import checkpoint_files as ckpt
+from opencood_ddp.hypes import naming_file
 from opencood_ddp.engine.evaluator import EvalRequest
 from opencood_ddp.engine.inference import load_run
 from opencood_ddp.errors import ConfigError, run_tool
@@ -69,7 +70,8 @@ def attention_table(model_dir: Path, dataset_dir: str, min_points: int) -> str:
                           f"AttFuse (point_pillar_intermediate) runs")
     check_reads_opv2v_clouds(hypes, model_dir)
     request = EvalRequest(dataset_dir=dataset_dir, task_options=DetectionEvalOptions(fusion_method="intermediate"))
-    spec = build_eval(hypes, request)
+    with naming_file(hypes, run.config):
+        spec = build_eval(hypes, request)
     ckpt.load_weights(spec.model, run.checkpoint)
     spec.model.eval()
     hook = FirstLevelWeights()
