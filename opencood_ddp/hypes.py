@@ -21,7 +21,7 @@ import yaml
 
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.numpy_yaml import add_numpy_constructors, plain
+from opencood_ddp.numpy_yaml import TUPLE_TAG, add_numpy_constructors, construct_tuple, plain
 
 _FLOAT_RE = re.compile(r"""^(?:
      [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -44,6 +44,7 @@ class HypesDumper(yaml.SafeDumper):
 for _cls in (HypesLoader, HypesDumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
 add_numpy_constructors(HypesLoader)
+HypesLoader.add_constructor(TUPLE_TAG, construct_tuple)
 HYPES_READS = ("only plain YAML, !!python/tuple and numpy's number arrays, scalars and dtypes (as yaml.dump writes "
                "them) are read")
 

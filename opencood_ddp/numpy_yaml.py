@@ -28,6 +28,7 @@ import yaml
 # name, and only for plain number dtypes: an object dtype's data is a pickle, which runs code when loaded.
 _TAG = "tag:yaml.org,2002:"
 _DTYPE_TAG = _TAG + "python/object/apply:numpy.dtype"
+TUPLE_TAG = _TAG + "python/tuple"
 _NDARRAY_NAME_TAG = _TAG + "python/name:numpy.ndarray"
 _MULTIARRAY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")  # written under numpy 1 and numpy 2
 _NUMBER_KINDS = "biufc"  # bool, int, uint, float, complex
@@ -179,9 +180,9 @@ def construct_tuple(loader: yaml.BaseLoader, node: yaml.SequenceNode) -> tuple:
 
 
 def add_numpy_constructors(loader_cls: type) -> None:
-    """Register the numpy objects' constructors and ``!!python/tuple`` on ``loader_cls`` (a subclass: PyYAML copies
-    the constructor table on a class's first add, so yaml's own loaders stay untouched)."""
-    loader_cls.add_constructor(_TAG + "python/tuple", construct_tuple)
+    """Register the numpy objects' constructors on ``loader_cls`` (a subclass: PyYAML copies the constructor table
+    on a class's first add, so yaml's own loaders stay untouched). ``!!python/tuple`` is each loader's own
+    `construct_tuple`: a subclass of OPV2V's frame loader has it already."""
     loader_cls.add_constructor(_DTYPE_TAG, _construct_dtype)
     for module in _MULTIARRAY_MODULES:
         loader_cls.add_constructor(f"{_TAG}python/object/apply:{module}._reconstruct", _construct_ndarray)

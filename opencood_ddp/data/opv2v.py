@@ -45,7 +45,7 @@ import yaml
 from opencood_ddp.data import fast_yaml
 from opencood_ddp.data.geometry import xy_distance
 from opencood_ddp.errors import ConfigError, DataError
-from opencood_ddp.numpy_yaml import construct_tuple
+from opencood_ddp.numpy_yaml import TUPLE_TAG, construct_tuple
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -81,7 +81,7 @@ class Opv2vYamlLoader(_SafeBase):  # type: ignore[misc, valid-type]
 
 # Registered on the subclass only: add_implicit_resolver copies the table, so yaml's loaders are untouched.
 Opv2vYamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_PATTERN, list("-+0123456789."))
-Opv2vYamlLoader.add_constructor("tag:yaml.org,2002:python/tuple", construct_tuple)
+Opv2vYamlLoader.add_constructor(TUPLE_TAG, construct_tuple)
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
