@@ -1,6 +1,10 @@
 """Worker: one real DDP training step of every zoo model in one torchrun launch, against the 1-process step.
 
-Usage: torchrun --nproc_per_node=2 zoo_ddp_step_worker.py --toy ROOT --out DIR CONFIG [CONFIG ...]
+Usage: torchrun --nproc_per_node=2 zoo_ddp_step_worker.py --toy ROOT --out DIR [--variant NAME CONFIG KEY=VALUE]
+                 CONFIG [CONFIG ...]
+
+A ``--variant`` is a config with one ``--set`` more (a model's option no toy config takes, such as V2VNet's
+``gru_flag: false``, whose frozen ConvGRU DDP must leave alone); its result is DIR/<NAME>.json.
 
 For each toy config, every rank builds the same model (same seed), converts its BatchNorm as the trainer does (gloo
 SyncBatchNorm), wraps it in DistributedDataParallel as the trainer does (distributed/ddp.wrap_ddp: no
@@ -18,7 +22,8 @@ in float64. It writes DIR/<config stem>.json with:
 - ``buffers_equal``: whether every rank holds the same buffers after the step, bit for bit, with DDP's broadcast of
   rank 0's buffers off as the trainer turns it off (distributed/ddp.buffer_sync): SyncBatchNorm's running
   statistics are the global batch's on every rank;
-- ``none_grads``: the parameters left without a gradient on rank 0.
+- ``none_grads``: the parameters left without a gradient on rank 0;
+- ``frozen``: the parameters that take no gradient (``requires_grad`` false).
 """
 from __future__ import annotations
 
@@ -72,8 +77,8 @@ def relative_error(got: dict, exact: dict) -> float:
     return float(torch.cat([got[n].flatten() for n in names]).sub(want).norm() / want.norm())
 
 
-def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
-    hypes = load_parsed_hypes(config, split_overrides(toy))
+def step_config(config: Path, toy: Path, env: DistEnv, extra: tuple[str, ...] = ()) -> dict:
+    hypes = load_parsed_hypes(config, [*split_overrides(toy), *extra])
     seed_everything(0)
     task = build_task(hypes, for_training=True)
     samples = [task.train_set[i] for i in range(env.world_size)]
@@ -92,7 +97,8 @@ def step_config(config: Path, toy: Path, env: DistEnv) -> dict:
     gathered = comm.gather_objects(flat)
     buffers = comm.gather_objects({name: b.detach().clone() for name, b in model.named_buffers()})
     result = {"none_grads": sorted(name for name, p in model.named_parameters()
-                                   if p.requires_grad and p.grad is None)}
+                                   if p.requires_grad and p.grad is None),
+              "frozen": sorted(name for name, p in model.named_parameters() if not p.requires_grad)}
     if env.is_main:
         result["replicas_equal"] = all(torch.equal(other, gathered[0]) for other in gathered)
         result["buffers_equal"] = all(other.keys() == buffers[0].keys() and
@@ -109,15 +115,18 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--toy", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--variant", nargs=3, action="append", default=[], metavar=("NAME", "CONFIG", "KEY=VALUE"))
     parser.add_argument("configs", type=Path, nargs="+")
     args = parser.parse_args()
+    runs = [(config.stem, config, ()) for config in args.configs]
+    runs += [(name, Path(config), (override,)) for name, config, override in args.variant]
     env = detect_from_process()
     setup_logging(env.rank)
     with distributed_session(env):
-        for config in args.configs:
-            result = step_config(config, args.toy, env)
+        for name, config, extra in runs:
+            result = step_config(config, args.toy, env, extra)
             if env.is_main:
-                (args.out / f"{config.stem}.json").write_text(json.dumps(result))
+                (args.out / f"{name}.json").write_text(json.dumps(result))
         comm.barrier()
 
 
