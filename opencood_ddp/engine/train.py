@@ -206,8 +206,8 @@ def prepare_trainer(options: TrainOptions, env: DistEnv, build_task: TaskBuilder
                             choose_per_gpu_batch(options, setup.hypes, env, build_task))
         seed_everything(seed)  # after the 'auto' measurement, whose models draw random numbers
         task = build_task(setup.hypes, for_training=True)
-    hooks = default_hooks(setup.run_dir, env.is_main) if with_hooks else None
-    return Trainer(task, plan, env, options, setup, hooks, StopSignal())
+        hooks = default_hooks(setup.run_dir, env.is_main) if with_hooks else None
+        return Trainer(task, plan, env, options, setup, hooks, StopSignal())  # the optimizer's, the scheduler's
 
 
 def plan_final_evaluation(options: TrainOptions, hypes: dict,
