@@ -246,8 +246,9 @@ def usable_share(free: float, total: float, processes: int, headroom: float) -> 
 
 
 def ddp_bytes(model: MemoryModel, world: int) -> float:
-    """What DDP adds on several ranks that a 1-process probe does not hold: its gradient buckets, one more copy
-    of the trainable parameters (torch's default, gradient_as_bucket_view=False)."""
+    """What DDP adds on several ranks that a 1-process probe does not hold: its gradient buckets, one copy of the
+    trainable parameters, alive through the forward, where the probe's gradients are None (the trainer sets them
+    so after each step). The gradients are views into the buckets (distributed/ddp.py), not a second copy."""
     if world <= 1:
         return 0.0
     return float(max((p.parameter_bytes for p in model.probes), default=0))
