@@ -108,6 +108,22 @@ def test_an_opv2v_run_of_each_baseline_exports_upstreams_state_dict(tmp_path, co
         assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["args"]["batch_size"] == 1
 
 
+def test_a_run_of_v2v4reals_point_pillar_fax_exports_as_upstreams_cobevt(tmp_path):
+    """The fork's name for upstream's CoBEVT class is written as upstream's name, with upstream's parameter names
+    (the shapes are the fork's config's: its window of 4 makes a smaller relative-position table than OpenCOOD's 8)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    hypes = hypes_of(REPO / "hypes_yaml/v2v4real/point_pillar_cobevt.yaml", "model.core_method=point_pillar_fax")
+    hypes_lib.save_hypes(hypes, run / "config.yaml")
+    torch.save(create_model(hypes).state_dict(), run / "net_epoch1.pth")
+    result = export("--model_dir", run, "--out", tmp_path / "up")
+    assert result.returncode == 0, result.stderr
+    assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["core_method"] == "point_pillar_cobevt"
+    exported = torch.load(tmp_path / "up" / "net_epoch1.pth", weights_only=True)
+    assert list(exported) == [name for name, _ in reference_shapes("point_pillar_cobevt")]
+    assert all(torch.equal(exported[k], v) for k, v in torch.load(run / "net_epoch1.pth", weights_only=True).items())
+
+
 # The forks' layers upstream OpenCOOD's classes lack, in the configs that build them: (config, the key named).
 FORKS = {"v2xset/point_pillar_v2vnet": "model.args.v2vfusion.use_temporal_encoding",
          "v2v4real/point_pillar_v2vnet": "model.args.v2vfusion.use_temporal_encoding",

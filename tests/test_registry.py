@@ -157,7 +157,8 @@ def built_in(registry: R.Registry) -> list[str]:
 
 
 def test_the_built_in_entries_carry_upstreams_names():
-    assert built_in(R.MODELS) == ["point_pillar", "point_pillar_cobevt", "point_pillar_fcooper",
+    # point_pillar_fax: the V2V4Real fork's name for upstream's CoBEVT class
+    assert built_in(R.MODELS) == ["point_pillar", "point_pillar_cobevt", "point_pillar_fax", "point_pillar_fcooper",
                                   "point_pillar_intermediate", "point_pillar_opv2v", "point_pillar_transformer",
                                   "point_pillar_v2vnet", "point_pillar_where2comm", "second",
                                   "second_intermediate"]

@@ -276,3 +276,14 @@ def test_single_cav_samples_work(toy):
 ])
 def test_wrong_values_name_their_key(override, key):
     zoo.assert_key_error(TOY, override, key)
+
+
+def test_v2v4reals_point_pillar_fax_is_this_model_under_the_forks_name():
+    """The V2V4Real fork's point_pillar_fax.py is upstream's CoBEVT class renamed: its hypes files and its runs'
+    config.yaml name it so. The name builds the same class and state dict, so the fork's checkpoints load strictly."""
+    config = REPO / "hypes_yaml" / "v2v4real" / "point_pillar_cobevt.yaml"
+    ours = create_model(zoo.hypes_of(config))
+    forks = create_model(zoo.hypes_of(config, "model.core_method=point_pillar_fax"))
+    assert type(forks) is type(ours)
+    assert [(k, v.shape) for k, v in forks.state_dict().items()] == [(k, v.shape) for k, v in ours.state_dict().items()]
+    forks.load_state_dict(ours.state_dict(), strict=True)

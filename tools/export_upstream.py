@@ -17,7 +17,8 @@ cannot, and is refused with the reason. So is a core_method without an entry: th
 which upstream OpenCOOD lacks, or a model of your own; and a model with layers only the forks build (`FORK_LAYERS`:
 the forks' shrink header on point_pillar, V2VNet's temporal encoding, the direction classifier), which upstream's
 strict=False loading would drop without a word. SECOND early and late fusion's config is written with
-model.args.batch_size 1, the maps a call of upstream's inference gives its Second.
+model.args.batch_size 1, the maps a call of upstream's inference gives its Second. A name the forks give one of
+upstream's models (`OPENCOOD_NAMES`: V2V4Real's point_pillar_fax, upstream's CoBEVT) is written as upstream's.
 """
 from __future__ import annotations
 
@@ -90,6 +91,9 @@ FORK_LAYERS_OF = {
     "point_pillar_v2vnet": {"fusion_net.cnn.": "model.args.v2vfusion.use_temporal_encoding (the V2V4Real fork's and "
                                                "the V2X-ViT repository's temporal encoding)"},
 }
+# The forks' names for upstream's own classes: {the fork's core_method: upstream OpenCOOD's}. The layers, names and
+# forward are upstream's (models/point_pillar_cobevt.py), so the export checks and writes upstream's name.
+OPENCOOD_NAMES = {"point_pillar_fax": "point_pillar_cobevt"}
 # Upstream's Second hands model.args.batch_size to spconv as the number of maps, and its inference feeds one sample
 # a call (docs/compatibility.md): the exported config says 1, so that upstream's inference.py runs.
 ONE_MAP_A_CALL = ("second",)
@@ -165,7 +169,8 @@ def export(args: argparse.Namespace) -> str:
     hypes = run.hypes
     with hypes_lib.naming_file(hypes, run.config):
         model = create_model(hypes)
-    core_method = hypes["model"]["core_method"]
+    core_method = OPENCOOD_NAMES.get(hypes["model"]["core_method"], hypes["model"]["core_method"])
+    hypes["model"]["core_method"] = core_method
     forks = fork_layers(core_method, model.state_dict())
     if forks:
         raise ConfigError(f"{run_dir / CONFIG_NAME} builds layers upstream OpenCOOD's {core_method} does not have: "

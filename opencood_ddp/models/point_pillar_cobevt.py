@@ -11,6 +11,10 @@ Departures from upstream (docs/compatibility.md):
 - OpenCOOD does not warp (it relies on proj_first); here every non-ego map is resampled in the ego's frame
   from ``pairwise_t_matrix``, normalised by ``lidar_range`` (the identity with proj_first: true).
 - The heads read ``fax_fusion.input_dim`` channels, where upstream hard-codes 256.
+
+``point_pillar_fax`` names the same model: the V2V4Real fork's ``point_pillar_fax.py`` is upstream's class under
+another name (the same layers, parameter names and forward), and its hypes files and its runs' config.yaml say
+``point_pillar_fax``.
 """
 from __future__ import annotations
 
@@ -145,3 +149,8 @@ class PointPillarCoBEVT(ShrinkNeck, PointPillar):
     def neck(self, features: torch.Tensor, layout: Mapping) -> torch.Tensor:
         features = to_ego_frame(self.shrink_and_compress(features), layout["ego_warp"])
         return self.fusion_net(*place_in_slots(features, layout["slots"]))
+
+
+# V2V4Real's name for this model (module docstring): the fork's files and checkpoints are read as they are.
+MODELS.register("point_pillar_fax", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
+                optional=COBEVT_OPTIONAL_KEYS, check=check_cobevt_args)(PointPillarCoBEVT)
