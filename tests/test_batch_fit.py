@@ -4,6 +4,7 @@ benchmark's business, docs/benchmarks.md)."""
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
@@ -70,6 +71,35 @@ def test_measure_on_the_synthetic_task_grows_with_the_batch():
     probes = batch_fit.measure(hypes, build_task, [2, 32], torch.device("cpu"))  # BatchNorm1d: 2 or more
     assert [p.per_rank for p in probes] == [2, 32]
     assert probes[1].peak_bytes > probes[0].peak_bytes > 0
+
+
+def test_a_probe_under_capture_steps_the_captured_module_and_leaves_no_graph_behind(toy_small):
+    """--capture's graphs hold memory of their own (CUDA graphs' pools, static inputs): the probe takes the step
+    the run will take. Afterwards dynamo holds no graph of the dense step, so the run's own shapes start from the
+    whole recompile limit (engine/capture.py's MAX_SHAPES) and its compile log says what it does."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from opencood_ddp.engine.capture import dense_step
+    from opencood_ddp.tasks import build_task
+    from zoo import hypes_of
+
+    hypes = hypes_of(TOY, toy_root=toy_small)
+    graphs = counters["stats"]["unique_graphs"]
+    probes = batch_fit.measure(hypes, build_task, [1], torch.device("cpu"), capture="aot_eager")
+    assert counters["stats"]["unique_graphs"] > graphs  # the probe compiled the dense step
+    assert probes[0].per_rank == 1 and probes[0].peak_bytes > 0
+    assert _debug_get_cache_entry_list(dense_step.__code__) == []
+
+
+def test_plan_batch_passes_capture_on_to_the_plans_command():
+    sys.path.insert(0, str(REPO / "tools"))
+    import plan_batch
+
+    args = plan_batch.build_parser().parse_args(["--hypes_yaml", str(TOY), "--gpus", "2", "--gpu_mem_gib", "8",
+                                                 "--capture", "cudagraphs"])
+    flags = plan_batch.plan_flags(args, PlanOption(world=2, per_rank=1, accumulation=2, predicted_bytes=GIB, fits=True))
+    assert flags[flags.index("--capture") + 1] == "cudagraphs" and "--per_gpu_batch" in flags
 
 
 def _plan(toy_small, *args: str):

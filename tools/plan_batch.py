@@ -2,7 +2,7 @@
 """How to train a baseline's batch on your GPUs: measure, fit, and print the plan that reproduces batch_size exactly.
 
     python tools/plan_batch.py --hypes_yaml hypes_yaml/opv2v/point_pillar_intermediate_fusion.yaml \
-        --gpus 4 --gpu_mem_gib 11 [--half] [--set root_dir=...]
+        --gpus 4 --gpu_mem_gib 11 [--half] [--capture MODE] [--set root_dir=...]
 
 It measures one training step's peak memory at per-GPU batch 1, 2, 4 (up to what one GPU can get) on this
 machine's device (CUDA: `torch.cuda.max_memory_allocated`; CPU: the growth of the resident set's peak), fits
@@ -33,7 +33,7 @@ from opencood_ddp.yaml_parsers import load_parsed_hypes
 def build_parser() -> argparse.ArgumentParser:
     # The training flags the measured step depends on, as tools/train_ddp.py reads them; the plan's command
     # passes them on.
-    parents = [training_flags("hypes_yaml", "overrides", "half", required=("hypes_yaml",))]
+    parents = [training_flags("hypes_yaml", "overrides", "half", "capture", required=("hypes_yaml",))]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], parents=parents)
     parser.add_argument("--gpus", type=int, required=True, help="how many GPUs (processes) will train")
     parser.add_argument("--gpu_mem_gib", type=float, required=True, help="memory of one GPU, GiB")
@@ -90,9 +90,10 @@ def plan(args: argparse.Namespace) -> int:
     capacity = args.gpu_mem_gib * batch_fit.GIB * (1 - args.headroom)
     device = torch.device(args.device)
     sizes = batch_fit.probe_sizes(batch_size, args.gpus, args.largest_probe)
-    print(f"measuring {args.hypes_yaml} on {device}{f' (--half {args.half})' if args.half else ''}: per-GPU batch "
+    flags = ", ".join(f"--{name} {getattr(args, name)}" for name in ("half", "capture") if getattr(args, name))
+    print(f"measuring {args.hypes_yaml} on {device}{f' ({flags})' if flags else ''}: per-GPU batch "
           f"{', '.join(map(str, sizes))}", flush=True)
-    probes = batch_fit.measure(hypes, build_task, sizes, device, args.half, report=print_probe)
+    probes = batch_fit.measure(hypes, build_task, sizes, device, args.half, report=print_probe, capture=args.capture)
     model = batch_fit.fit(probes)
     found = batch_fit.options(batch_size, args.gpus, model, capacity)
     for line in batch_fit.describe(batch_size, args.gpus, model, capacity, found):

@@ -4,7 +4,8 @@ fit its growth with the batch, and choose world x per-GPU batch x accumulation =
 Used by tools/plan_batch.py (prints every option) and by `tools/train_ddp.py --per_gpu_batch auto` (rank 0
 measures, every rank takes the chosen per-GPU batch; nothing else of the run changes). The measurement is one
 training step as the trainer takes it (forward, loss, backward, optimizer step; the second step, once the
-optimizer's state exists) on the split's heaviest samples (the dataset's `sample_cost`, its CAV count), on this
+optimizer's state exists; under --capture the captured step, whose graphs are dropped afterwards) on the split's
+heaviest samples (the dataset's `sample_cost`, its CAV count), on this
 process's device: what CUDA's caching allocator reserved at its peak (`max_memory_reserved`), or on the CPU the
 growth of the resident set's high-water mark (engine/memory.py), both over the memory held before the model was
 built. The plan adds DDP's gradient buckets on several ranks and fits into what the GPU has free, shared by the
@@ -13,6 +14,7 @@ smaller probe freed and the allocator kept counts toward the next, never against
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import math
@@ -22,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from opencood_ddp.engine.capture import CapturedStep, CaptureModule, check_capture
 from opencood_ddp.engine.memory import PeakMemory
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision, forward_backward
@@ -81,8 +84,18 @@ def probe_sizes(batch_size: int, world: int, largest: int = 4) -> list[int]:
     return sizes
 
 
+def _stepped(model: torch.nn.Module, task: Task, capture: Optional[str], device: torch.device) -> tuple:
+    """What the trainer steps, as it builds it (engine/trainer.py): the model and the task's step, or under
+    --capture the `CaptureModule` whose forward is the whole step, with the kernels it takes."""
+    if capture is None:
+        return model, task.step, contextlib.nullcontext
+    check_capture(capture, model)
+    module = CaptureModule(model, task.step, capture, device, announce=False)
+    return module, CapturedStep(), module.kernels
+
+
 def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, device: torch.device,
-               half: bool) -> Probe:
+               half: bool, capture: Optional[str] = None) -> Probe:
     task = build_task(hypes, for_training=True)
     if len(task.train_set) < per_rank:
         raise ConfigError(f"the training split has {len(task.train_set)} samples, fewer than the per-rank batch "
@@ -95,17 +108,19 @@ def _one_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, devi
     precision = Precision(half, device)
     scaler = precision.new_scaler()
     moved = task.move_to(batch, device)
+    stepped, step, kernels = _stepped(model, task, capture, device)
     started = time.perf_counter()
     for _ in range(2):  # the second step holds the optimizer's state as every later one does
         started = time.perf_counter()
-        out = forward_backward(task.step, model, moved, precision, scaler)
+        with kernels():
+            out = forward_backward(step, stepped, moved, precision, scaler)
         optimizer_step(optimizer, scaler)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - started
     peak, allocated = meter.growth(), meter.growth_allocated()
     parameters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    del model, optimizer, moved, batch, task, out
+    del model, stepped, optimizer, moved, batch, task, out
     release_freed_memory(device)
     return Probe(per_rank, int(peak), seconds, int(allocated), int(parameters))
 
@@ -142,16 +157,26 @@ def release_freed_memory(device: torch.device) -> None:
 
 
 def measure(hypes: dict, build_task: Callable[..., Task], sizes: Sequence[int], device: torch.device,
-            half: bool = False, report: Optional[Callable[[Probe], None]] = None) -> list[Probe]:
-    # A discarded first probe: the first step of a process also allocates what stays for every later one
-    # (the math libraries' buffers, lazily built kernels), which would count against batch 1 alone.
-    _one_probe(hypes, build_task, min(sizes), device, half)
-    probes = []
-    for size in sorted(sizes):
-        probes.append(_one_probe(hypes, build_task, size, device, half))
-        if report is not None:
-            report(probes[-1])
-    return probes
+            half: bool = False, report: Optional[Callable[[Probe], None]] = None,
+            capture: Optional[str] = None) -> list[Probe]:
+    """One probe per size, of the step the run takes (``capture``: --capture's mode, whose graphs hold memory of
+    their own: CUDA graphs' pools, static inputs)."""
+    try:
+        # A discarded first probe: the first step of a process also allocates what stays for every later one
+        # (the math libraries' buffers, lazily built kernels), which would count against batch 1 alone.
+        _one_probe(hypes, build_task, min(sizes), device, half, capture)
+        probes = []
+        for size in sorted(sizes):
+            probes.append(_one_probe(hypes, build_task, size, device, half, capture))
+            if report is not None:
+                report(probes[-1])
+        return probes
+    finally:
+        if capture is not None:
+            # The probes' graphs and CUDA graph pools go, and the run's shapes start from dynamo's whole
+            # recompile limit (engine/capture.py's MAX_SHAPES), as without the measurement.
+            torch._dynamo.reset()
+            release_freed_memory(device)
 
 
 def fit(probes: Sequence[Probe]) -> MemoryModel:
@@ -262,13 +287,13 @@ def _mem_available() -> int:
 
 
 def auto_plan(hypes: dict, build_task: Callable[..., Task], world: int, device: torch.device, half: bool,
-              capacity_bytes: float) -> tuple[PlanOption, list[str]]:
+              capacity_bytes: float, capture: Optional[str] = None) -> tuple[PlanOption, list[str]]:
     """Measure, fit and choose as tools/plan_batch.py does: (the chosen option, lines that tell it). No plan
     that fits: one ConfigError saying why and what would fit."""
     batch_size = int(hypes["train_params"]["batch_size"])
     if batch_size % world:
         raise ConfigError(f"--per_gpu_batch auto: {no_plan_message(batch_size, world, None, capacity_bytes)}")
-    model = fit(measure(hypes, build_task, probe_sizes(batch_size, world), device, half))
+    model = fit(measure(hypes, build_task, probe_sizes(batch_size, world), device, half, capture=capture))
     found = options(batch_size, world, model, capacity_bytes)
     chosen = choose(found)
     if chosen is None:

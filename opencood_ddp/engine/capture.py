@@ -170,7 +170,9 @@ class CaptureModule(nn.Module):
     ``model_without_ddp``)."""
 
     def __init__(self, model: nn.Module, step: StepFn, mode: CaptureMode, device: torch.device,
-                 max_shapes: Optional[int] = None):
+                 max_shapes: Optional[int] = None, announce: bool = True):
+        """announce: log each shape's compile (False: a memory probe's module, engine/batch_fit.py, whose
+        compiles are not the run's)."""
         super().__init__()
         self.model, self.step, self.mode, self.device = model, step, mode, torch.device(device)
         self.max_shapes = MAX_SHAPES[mode] if max_shapes is None else max_shapes
@@ -180,7 +182,7 @@ class CaptureModule(nn.Module):
         reduce_overhead = mode == "compile" and self.cuda_graphs  # inductor's option; the cudagraphs backend takes none
         self.compiled = torch.compile(dense_step, backend=BACKENDS[mode],
                                       mode="reduce-overhead" if reduce_overhead else None, dynamic=False)
-        self.log = get_logger()
+        self.log, self.announce = get_logger(), announce
 
     def kernels(self) -> ContextManager:
         """Around forward and backward: `step_kernels` of this module's device."""
@@ -216,8 +218,9 @@ class CaptureModule(nn.Module):
             return True
         if len(self.shapes) < self.max_shapes:
             self.shapes.add(key)
-            self.log.info(f"--capture {self.mode}: compiling the dense step for CAV layout {_describe(counts)}, map "
-                          f"{list(shape)} ({len(self.shapes)} of at most {self.max_shapes} shapes)")
+            if self.announce:
+                self.log.info(f"--capture {self.mode}: compiling the dense step for CAV layout {_describe(counts)}, "
+                              f"map {list(shape)} ({len(self.shapes)} of at most {self.max_shapes} shapes)")
             return True
         if key not in self.eager_shapes:
             self.eager_shapes.add(key)

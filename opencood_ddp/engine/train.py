@@ -71,7 +71,8 @@ def choose_per_gpu_batch(options: TrainOptions, hypes: dict, env: DistEnv, build
     def measure() -> int:
         capacity = (batch.per_gpu_mem_gib * batch_fit.GIB if batch.per_gpu_mem_gib else
                     batch_fit.device_capacity(device, processes_on_device=env.processes_on_device))
-        chosen, lines = batch_fit.auto_plan(hypes, build_task, env.world_size, device, options.loop.half, capacity)
+        chosen, lines = batch_fit.auto_plan(hypes, build_task, env.world_size, device, options.loop.half, capacity,
+                                            capture=options.loop.capture)
         for line in lines:
             get_logger().info(line)
         return chosen.per_rank
