@@ -102,7 +102,7 @@ RUN_HYPES = {"name": "run", "wild_setting": {"async": True, "async_mode": "real"
              "noise_setting": {"add_noise": True, "args": {"pos_std": 0.5, "rot_std": 0.5}}}
 
 
-@pytest.mark.parametrize("mode", sweep.NOISE_MODES)
+@pytest.mark.parametrize("mode", [mode for mode in sweep.NOISE_MODES if mode != sweep.HEAL_MODE])
 def test_a_level_sets_the_loc_err_and_delay_the_datasets_read(mode):
     noisy = sweep.Level(0.2, 0.4, 0.0, mode)
     hypes = sweep.level_hypes(RUN_HYPES, noisy, seed=25)
@@ -116,6 +116,31 @@ def test_a_level_sets_the_loc_err_and_delay_the_datasets_read(mode):
     delayed = wild_setting_from_hypes(sweep.level_hypes(RUN_HYPES, sweep.Level(0.0, 0.0, 200.0, mode), 25), "t")
     assert delayed.noise is None
     assert (delayed.delay.enabled, delayed.delay.mode, delayed.delay.overhead_ms) == (True, "sim", 200.0)
+
+
+def test_a_heal_level_sets_noise_setting_as_heals_and_coaligns_inference_w_noise():
+    """--noise_mode heal: HEAL's and CoAlign's noise_setting with the level's spreads and zero means (their args
+    replaced whole: the run's laplace goes), x, y and yaw of every CAV, the ego included; wild_setting's loc_err off,
+    its delay and seed the level's."""
+    run = dict(RUN_HYPES, noise_setting={"add_noise": False, "args": {"pos_std": 0.5, "rot_std": 0.5,
+                                                                      "laplace": True}},
+               wild_setting=dict(RUN_HYPES["wild_setting"], loc_err=True, xyz_std=0.3, ryp_std=0.3))
+    hypes = sweep.level_hypes(run, sweep.Level(0.2, 0.4, 0.0, sweep.HEAL_MODE), seed=25)
+    assert hypes["noise_setting"] == {"add_noise": True, "args": {"pos_std": 0.2, "rot_std": 0.4, "pos_mean": 0.0,
+                                                                  "rot_mean": 0.0}}
+    assert hypes["wild_setting"]["loc_err"] is False and hypes["wild_setting"]["data_size"] == 1.06
+    wild = wild_setting_from_hypes(hypes, "test")
+    assert not wild.delay.enabled and wild.seed == 25
+    noise = wild.noise
+    assert (noise.mode, noise.xy_std, noise.z_std, noise.yaw_std, noise.xy_mean, noise.yaw_mean) == \
+        ("per_sample", 0.2, 0.0, 0.4, 0.0, 0.0)
+    assert noise.include_ego and not noise.laplace
+
+    clean = wild_setting_from_hypes(sweep.level_hypes(run, sweep.Level(0.0, 0.0, 0.0, sweep.HEAL_MODE), 25), "t")
+    assert clean.noise is None and not clean.delay.enabled
+    delayed = wild_setting_from_hypes(sweep.level_hypes(run, sweep.Level(0.0, 0.0, 200.0, sweep.HEAL_MODE), 25), "t")
+    assert delayed.noise is None and (delayed.delay.enabled, delayed.delay.overhead_ms) == (True, 200.0)
+    assert "the ego included" in sweep.noise_axes(sweep.HEAL_MODE)
 
 
 def test_a_level_the_run_cannot_take_is_refused_before_any_level_is_evaluated():
@@ -216,6 +241,15 @@ def test_rank_0_writes_one_yaml_markdown_and_plot(tmp_path):
     assert markdown[6] == "| 0 | 0 | 100 | none | n/a | n/a | n/a | 4 |"  # no ground truth: no AP
 
 
+def test_a_heal_table_names_its_axes(tmp_path):
+    given = options(pos_std=(0.0, 0.4), noise_mode=sweep.HEAL_MODE)
+    levels = sweep.sweep_levels(given)
+    table = sweep.sweep_table(given, sweep.SweepRun(levels, [result(0.8), result(0.6)], Path("RUN/net_epoch3.pth"),
+                                                    "data/test", 25))
+    assert "the ego included" in table["noise"] and [e["mode"] for e in table["levels"]] == ["none", "heal"]
+    assert sweep.markdown_table(table).splitlines()[2].startswith("| pos std (m; x, y) | rot std (deg; yaw) |")
+
+
 def test_the_global_sort_table_has_its_own_files(tmp_path):
     table = written_table(tmp_path, global_sort=True, delays=())
     assert table["ap_convention"] == "global sort"
@@ -276,3 +310,32 @@ def test_sweep_is_the_same_on_1_and_2_ranks_and_starts_at_inferences_ap(toy_run,
     assert noisy["score_digest"] != clean["score_digest"] != delayed["score_digest"]
     assert (toy_run / "eval.yaml").read_bytes() == eval_yaml  # a run never loses what was already saved
     assert (toy_run / "noise_sweep.md").is_file() and (toy_run / "noise_sweep.png").is_file()
+
+
+@pytest.mark.slow
+def test_a_heal_level_is_the_inference_of_a_copy_holding_that_noise_setting(toy_run, toy_small, tmp_path):
+    """What docs/robustness.md had users do by hand for HEAL's and CoAlign's setting (a copy of the run whose
+    config.yaml holds the level's noise_setting, evaluated by inference_ddp.py) is the sweep's heal level: the same
+    AP and detections, with the same seed."""
+    import shutil
+
+    swept, copied = tmp_path / "swept", tmp_path / "copied"
+    for target in (swept, copied):
+        shutil.copytree(toy_run, target)
+    config = copied / "config.yaml"
+    hypes = yaml.safe_load(config.read_text())
+    hypes["noise_setting"] = {"add_noise": True, "args": {"pos_std": 0.4, "rot_std": 0.4, "pos_mean": 0.0,
+                                                          "rot_mean": 0.0}}
+    hypes["wild_setting"] = dict(hypes.get("wild_setting") or {}, seed=7)
+    config.write_text(yaml.safe_dump(hypes, sort_keys=False))
+    common = ("--fusion_method", "intermediate", "--dataset_dir", toy_small / "test", "--num_workers", "0")
+    plain = in_process(INFERENCE, "--model_dir", copied, *common)
+    assert plain.returncode == 0, explain(plain)
+    level = in_process(SWEEP, "--model_dir", swept, *common, "--pos_std", "0", "0.4", "--noise_mode", "heal",
+                       "--noise_seed", "7")
+    assert level.returncode == 0, explain(level)
+    by_hand = yaml.safe_load((copied / "eval.yaml").read_text())
+    clean, entry = yaml.safe_load((swept / "noise_sweep.yaml").read_text())["levels"]
+    assert entry["mode"] == "heal" and entry["frames"] == by_hand["frames"] == 4
+    assert entry["score_digest"] != clean["score_digest"]  # the noise reached the detections
+    assert [entry[key] for key in ("ap30", "ap_50", "ap_70")] == [by_hand[key] for key in ("ap30", "ap_50", "ap_70")]

@@ -6,14 +6,16 @@ and communication delay; the same checkpoint is evaluated at every level with th
 writes one table beside the run's eval.yaml, which the sweep never touches: the per-level result files go to a
 scratch folder.
 
-The noise is upstream's ``wild_setting.loc_err`` (data/wild.py), in both modes: ``xyz_std`` = the level's
+The noise is upstream's ``wild_setting.loc_err`` (data/wild.py) in three modes: ``xyz_std`` = the level's
 position spread on x, y and z, ``ryp_std`` = its rotation spread on the yaw, every non-ego CAV perturbed, the
 ego and the ground truth left alone. ``loc_err_mode`` is ``--noise_mode``: ``per_sample`` draws each CAV's
 error of each frame independently (from generators keyed by the sample, so the same on every world size);
 ``upstream`` replays upstream's reseed, one fixed offset for every non-ego pose (which upstream's early and late
-datasets never apply); ``v2xvit`` is that offset applied by every dataset, as the V2X-ViT repository's. HEAL's
-``noise_setting`` (x and y only, the ego included) is not what the sweep sets; a run's own ``noise_setting`` is
-switched off at every level, and a level without noise is the clean input, bit for bit. A delay is
+datasets never apply); ``v2xvit`` is that offset applied by every dataset, as the V2X-ViT repository's. The
+fourth mode, ``heal``, sets HEAL's and CoAlign's ``noise_setting`` instead, as their inference_w_noise.py does:
+``pos_std`` on x and y, ``rot_std`` on the yaw, zero means, every CAV perturbed, the ego included, drawn per CAV
+and frame. Otherwise a run's own ``noise_setting`` is switched off at every level, and a level without noise is
+the clean input, bit for bit. A delay is
 ``wild_setting.async`` in ``sim`` mode with ``async_overhead`` = the delay: whole 100 ms frames (floor), the ego
 never delayed.
 """
@@ -48,7 +50,8 @@ from opencood_ddp.tasks.opencood import NO_FUSION, DetectionEvalOptions, check_d
 from opencood_ddp.vis.sweep_plot import SweepPanel, plot_sweep
 
 DEFAULT_STDS = (0.0, 0.2, 0.4, 0.6)  # HEAL's and CoAlign's inference_w_noise.py levels (m and degrees)
-NOISE_MODES = ("per_sample", "upstream", "v2xvit")  # wild_setting.loc_err_mode's (data/wild.py LOC_ERR_MODES)
+HEAL_MODE = "heal"  # HEAL's and CoAlign's noise_setting, not wild_setting.loc_err
+NOISE_MODES = ("per_sample", "upstream", "v2xvit", HEAL_MODE)  # the first three: data/wild.py LOC_ERR_MODES
 DEFAULT_NOISE_MODE = "per_sample"
 DEFAULT_NOISE_SEED = 25  # V2X-ViT's wild_setting.seed, for runs whose config has none
 CLEAN = "none"  # a level's mode when its poses are the true ones
@@ -75,7 +78,7 @@ class SweepOptions:
     def add_arguments(cls, parser: Any) -> None:
         parser.add_argument("--pos_std", type=float, nargs="+", default=DEFAULT_STDS, metavar="M",
                             help="position noise std per level, metres, on x, y and z of every non-ego CAV "
-                                 "(default: 0 0.2 0.4 0.6)")
+                                 "(--noise_mode heal: x and y of every CAV) (default: 0 0.2 0.4 0.6)")
         parser.add_argument("--rot_std", type=float, nargs="+", metavar="DEG",
                             help="yaw noise std per level, degrees, paired with --pos_std level by level "
                                  "(default: --pos_std's values)")
@@ -86,7 +89,8 @@ class SweepOptions:
                             help="per_sample: an independent error per CAV and frame (default); upstream: "
                                  "upstream's reseed quirk, one offset for every CAV and frame, applied by the "
                                  "intermediate dataset only; v2xvit: that offset in every dataset, as the V2X-ViT "
-                                 "repository's")
+                                 "repository's; heal: HEAL's and CoAlign's noise_setting (x, y and yaw of every "
+                                 "CAV, the ego included, per CAV and frame), as their inference_w_noise.py")
         parser.add_argument("--noise_seed", type=int,
                             help=f"wild_setting.seed of every level (default: the run's, else "
                                  f"{DEFAULT_NOISE_SEED})")
@@ -200,12 +204,18 @@ def level_hypes(hypes: dict, level: Level, seed: int) -> dict:
     """The run's hypes with the level's delay and localisation error, and nothing else of the run's own."""
     hypes = copy.deepcopy(hypes)
     wild = dict(hypes.get("wild_setting") or {})
-    wild.update({"seed": seed, "async": level.delay_ms > 0, "async_mode": "sim", "async_overhead": level.delay_ms,
-                 "loc_err": level.noisy, "loc_err_mode": level.noise_mode, "xyz_std": level.pos_std,
-                 "ryp_std": level.rot_std})
+    wild.update({"seed": seed, "async": level.delay_ms > 0, "async_mode": "sim", "async_overhead": level.delay_ms})
+    if level.noise_mode == HEAL_MODE:
+        # As HEAL's and CoAlign's inference_w_noise.py set it: the args replaced whole, zero means.
+        wild["loc_err"] = False
+        hypes["noise_setting"] = {"add_noise": level.noisy, "args": {
+            "pos_std": level.pos_std, "rot_std": level.rot_std, "pos_mean": 0.0, "rot_mean": 0.0}}
+    else:
+        wild.update({"loc_err": level.noisy, "loc_err_mode": level.noise_mode, "xyz_std": level.pos_std,
+                     "ryp_std": level.rot_std})
+        if isinstance(hypes.get("noise_setting"), dict):  # one localisation error at a time: the level's
+            hypes["noise_setting"] = dict(hypes["noise_setting"], add_noise=False)
     hypes["wild_setting"] = wild
-    if isinstance(hypes.get("noise_setting"), dict):  # one localisation error at a time: the level's
-        hypes["noise_setting"] = dict(hypes["noise_setting"], add_noise=False)
     return hypes
 
 
@@ -235,10 +245,12 @@ def ignores_the_noise(spec: EvalSpec, level: Level) -> bool:
 
 
 def warn_ego_alone(levels: Sequence[Level]) -> None:
-    """nofusion: the ego detects on its own cloud, and the sweep never perturbs or delays the ego."""
+    """nofusion: the ego detects on its own cloud in its own frame, which no pose error moves (an error of the
+    ego's pose, --noise_mode heal, moves the others' clouds onto it), and the sweep never delays the ego."""
     if any(level.noisy or level.delay_ms > 0 for level in levels):
-        get_logger().warning("--fusion_method nofusion: the ego detects alone, and the sweep perturbs and delays "
-                             "only the other CAVs, so every level equals the clean one")
+        get_logger().warning("--fusion_method nofusion: the ego detects alone on its own cloud in its own frame, "
+                             "which no pose error moves, and the sweep never delays it, so every level equals the "
+                             "clean one")
 
 
 def warn_noise_ignored(spec: EvalSpec) -> None:
@@ -316,6 +328,9 @@ def ap_convention(global_sort: bool) -> str:
 
 def noise_axes(mode: str) -> str:
     """What a level's spreads perturb, for the table's header."""
+    if mode == HEAL_MODE:
+        return ("pos_std on x, y (m) and rot_std on yaw (degrees) of every CAV, the ego included, drawn per CAV and "
+                "frame (HEAL's and CoAlign's noise_setting)")
     draw = "one offset for every CAV and frame (upstream's reseed)" if mode in REPLAYED_MODES \
         else "drawn per CAV and frame"
     return f"pos_std on x, y, z (m) and rot_std on yaw (degrees) of every non-ego CAV, {draw}"
@@ -375,7 +390,8 @@ def _ap(value: float) -> str:
 
 
 def markdown_table(table: Mapping) -> str:
-    header = "| pos std (m; x, y, z) | rot std (deg; yaw) | delay (ms) | noise | AP@0.3 | AP@0.5 | AP@0.7 | frames |"
+    axes = "x, y" if table["noise_mode"] == HEAL_MODE else "x, y, z"
+    header = f"| pos std (m; {axes}) | rot std (deg; yaw) | delay (ms) | noise | AP@0.3 | AP@0.5 | AP@0.7 | frames |"
     rows = [f"| {_number(e['pos_std'])} | {_number(e['rot_std'])} | {_number(e['delay_ms'])} | {e['mode']} | "
             + " | ".join(_ap(e[key]) for key, _ in AP_COLUMNS) + f" | {e['frames']} |" for e in table["levels"]]
     caption = (f"Noise and delay sweep of {table['checkpoint']} ({table['fusion_method']} fusion), AP in "
