@@ -106,16 +106,25 @@ def _child(node: Any, part: str, path: str, create: bool) -> Any:
                       f"check the key path")
 
 
+def _open_placeholder(node: Any, part: str, below: str) -> None:
+    """Upstream's files write ``args: []`` for a section without keys: a key set below it (not an index) makes it
+    the mapping it stands for, as ``--set fusion.args.proj_first=false`` on upstream's own files needs."""
+    if isinstance(node, dict) and isinstance(node.get(part), list) and not node[part] and not below.isdigit():
+        node[part] = {}
+
+
 def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
     """Return a copy of hypes with each `a.b.c=value` applied (value parsed as YAML: 2 -> int, [1,2] -> list).
 
-    Intermediate mappings are created when missing; list elements are addressed by index (a.0.b=...).
+    Intermediate mappings are created when missing (an empty list too: `_open_placeholder`); list elements are
+    addressed by index (a.0.b=...).
     """
     hypes = copy.deepcopy(hypes)
     for text in overrides:
         parts, value = _split_override(text)
         node = hypes
-        for part in parts[:-1]:
+        for depth, part in enumerate(parts[:-1]):
+            _open_placeholder(node, part, parts[depth + 1])
             node = _child(node, part, text, create=True)
         last = parts[-1]
         if isinstance(node, list) and last.isdigit() and int(last) < len(node):

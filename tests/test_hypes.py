@@ -115,6 +115,22 @@ def test_repeated_overrides_apply_in_order():
     assert out["optimizer"]["args"] == {"a": 1}
 
 
+def test_a_key_set_below_upstreams_empty_args_list_makes_it_a_mapping():
+    """Upstream's files write `fusion: {args: []}` for no arguments: `--set fusion.args.proj_first=false` sets the
+    key, as on a mapping. An index below it, or a non-empty list, keeps the list rules."""
+    upstream = {"fusion": {"core_method": "IntermediateFusionDataset", "args": []}}
+    out = H.apply_overrides(upstream, ["fusion.args.proj_first=false", "fusion.args.gt_transform=as_received"])
+    assert out["fusion"]["args"] == {"proj_first": False, "gt_transform": "as_received"}
+    assert upstream["fusion"]["args"] == []
+    assert H.apply_overrides({"a": {"b": []}}, ["a.b.c.d=1"]) == {"a": {"b": {"c": {"d": 1}}}}
+    for bad, fragment in (("fusion.args.0=1", "cannot set '0' inside a list"),
+                          ("fusion.args.0.x=1", "cannot descend into '0'")):
+        with pytest.raises(ConfigError, match=fragment):
+            H.apply_overrides(upstream, [bad])
+    with pytest.raises(ConfigError, match="cannot set 'x' inside a list"):
+        H.apply_overrides({"fusion": {"args": [1]}}, ["fusion.args.x=1"])
+
+
 def test_override_value_with_equals_and_spaces():
     out = H.apply_overrides({}, [" name = a=b", "s='2'"])
     assert out == {"name": "a=b", "s": "2"}
