@@ -87,7 +87,9 @@ def test_a_probe_under_capture_steps_the_captured_module_and_leaves_no_graph_beh
     hypes = hypes_of(TOY, toy_root=toy_small)
     graphs = counters["stats"]["unique_graphs"]
     probes = batch_fit.measure(hypes, build_task, [1], torch.device("cpu"), capture="aot_eager")
-    assert counters["stats"]["unique_graphs"] > graphs  # the probe compiled the dense step
+    # The discarded probe and the measured one compiled each: the first's graphs were gone before the second
+    # (on CUDA its graph pool would have held the second's memory before it measured).
+    assert counters["stats"]["unique_graphs"] == graphs + 2
     assert probes[0].per_rank == 1 and probes[0].peak_bytes > 0
     assert _debug_get_cache_entry_list(dense_step.__code__) == []
 

@@ -161,20 +161,26 @@ def measure(hypes: dict, build_task: Callable[..., Task], sizes: Sequence[int], 
             capture: Optional[str] = None) -> list[Probe]:
     """One probe per size, of the step the run takes (``capture``: --capture's mode, whose graphs hold memory of
     their own: CUDA graphs' pools, static inputs)."""
+    # A discarded first probe: the first step of a process also allocates what stays for every later one
+    # (the math libraries' buffers, lazily built kernels), which would count against batch 1 alone.
+    _captured_probe(hypes, build_task, min(sizes), device, half, capture)
+    probes = []
+    for size in sorted(sizes):
+        probes.append(_captured_probe(hypes, build_task, size, device, half, capture))
+        if report is not None:
+            report(probes[-1])
+    return probes
+
+
+def _captured_probe(hypes: dict, build_task: Callable[..., Task], per_rank: int, device: torch.device,
+                    half: bool, capture: Optional[str]) -> Probe:
+    """`_one_probe`, then, under --capture, its graphs dropped: a CUDA graph pool the cached graphs keep would
+    hold the next probe's graph memory before that probe starts measuring, and the run's own shapes start from
+    dynamo's whole recompile limit (engine/capture.py's MAX_SHAPES), as without the measurement."""
     try:
-        # A discarded first probe: the first step of a process also allocates what stays for every later one
-        # (the math libraries' buffers, lazily built kernels), which would count against batch 1 alone.
-        _one_probe(hypes, build_task, min(sizes), device, half, capture)
-        probes = []
-        for size in sorted(sizes):
-            probes.append(_one_probe(hypes, build_task, size, device, half, capture))
-            if report is not None:
-                report(probes[-1])
-        return probes
+        return _one_probe(hypes, build_task, per_rank, device, half, capture)
     finally:
         if capture is not None:
-            # The probes' graphs and CUDA graph pools go, and the run's shapes start from dynamo's whole
-            # recompile limit (engine/capture.py's MAX_SHAPES), as without the measurement.
             torch._dynamo.reset()
             release_freed_memory(device)
 
