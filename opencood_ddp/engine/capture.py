@@ -21,10 +21,10 @@ where the batch keeps those keys (data/device_points.HOST_KEYS), and ``record_le
 Python ints: dynamo guards on them, so a new CAV layout compiles anew instead of tracing ``.tolist()`` of a tensor.
 Each new (layout, map shape) compiles once; past `MAX_SHAPES` of them (per mode), a new one runs the same function
 eagerly (one log line says so): a step whose shapes change falls back to the eager step, never to a wrong graph.
-How many layouts a run meets is the data set's: at per-GPU batch 1 one per CAV count (OPV2V's max_cav is 5,
-DAIR-V2X's and V2V4Real's 2), at batch 2 one per ordered pair of counts (up to 25 on OPV2V). Inductor's compiles
-take minutes, so `compile` stops at 6; the other modes' take seconds (the trace alone) and go to 25, every batch-2
-layout of a data set of at most 5 CAVs.
+How many layouts a run meets is the data set's: at per-GPU batch 1 one per CAV count (OPV2V's max_cav is 5 in
+most of upstream's files and 7 where they leave it out, AttFuse's; DAIR-V2X's and V2V4Real's 2), at batch 2 one per
+ordered pair of counts (up to 49 on OPV2V). Inductor's compiles take minutes, so `compile` stops at 6; the other
+modes' take seconds (the trace alone) and go to 49, every batch-2 layout of a data set of at most 7 CAVs.
 
 The optimizer step stays eager: on CUDA it is already one fused kernel per step (engine/optim.py), the per-step
 lr schedule changes a Python float that a compiled step would guard on (a recompile per step, or the lr as a
@@ -78,7 +78,7 @@ BACKENDS = {"compile": "inductor", "cudagraphs": "cudagraphs", "aot_eager": "aot
 # (layout, map shape) pairs compiled per run, per mode; a batch past them runs eagerly (the module's docstring).
 # Dynamo's own recompile limit is raised past them (`allow_recompiles`), so the fallback is this module's, with its
 # log line, never dynamo's silent one.
-MAX_SHAPES = {"compile": 6, "cudagraphs": 25, "aot_eager": 25}
+MAX_SHAPES = {"compile": 6, "cudagraphs": 49, "aot_eager": 49}
 
 
 class CavCounts(tuple):
