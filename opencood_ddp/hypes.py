@@ -21,7 +21,7 @@ import yaml
 
 from opencood_ddp.atomic import atomic_write
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.numpy_yaml import TUPLE_TAG, add_numpy_constructors, construct_tuple, plain
+from opencood_ddp.numpy_yaml import add_numpy_constructors, plain
 
 _FLOAT_RE = re.compile(r"""^(?:
      [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
@@ -44,7 +44,6 @@ class HypesDumper(yaml.SafeDumper):
 for _cls in (HypesLoader, HypesDumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
 add_numpy_constructors(HypesLoader)
-HypesLoader.add_constructor(TUPLE_TAG, construct_tuple)
 HYPES_READS = ("only plain YAML, !!python/tuple and numpy's number arrays, scalars and dtypes (as yaml.dump writes "
                "them) are read")
 
@@ -199,10 +198,16 @@ def hypes_source(hypes: Mapping) -> str:
     return f"hypes {hypes.get('name', '')}".strip()
 
 
+def hypes_origin(path: str | os.PathLike, overrides: Sequence[str]) -> str:
+    """Where hypes came from, as a refusal of them names it: the file, and `with --set` where the command changed
+    them (the fault may be in either)."""
+    return f"{path} with --set" if overrides else str(path)
+
+
 @contextmanager
 def naming_file(hypes: Mapping, path: str | os.PathLike) -> Iterator[None]:
-    """A refusal of ``hypes`` raised inside names ``path``, the file to fix, before the run's name: the checks
-    that build models, losses and datasets are handed the hypes, not their file (`hypes_source`)."""
+    """A refusal of ``hypes`` raised inside names ``path``, the file the hypes came from, before the run's name:
+    the checks that build models, losses and datasets are handed the hypes, not their file (`hypes_source`)."""
     source = hypes_source(hypes)
     try:
         yield

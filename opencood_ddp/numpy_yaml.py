@@ -181,8 +181,9 @@ def construct_tuple(loader: yaml.BaseLoader, node: yaml.SequenceNode) -> tuple:
 
 def add_numpy_constructors(loader_cls: type) -> None:
     """Register the numpy objects' constructors on ``loader_cls`` (a subclass: PyYAML copies the constructor table
-    on a class's first add, so yaml's own loaders stay untouched). ``!!python/tuple`` is each loader's own
-    `construct_tuple`: a subclass of OPV2V's frame loader has it already."""
+    on a class's first add, so yaml's own loaders stay untouched), with ``!!python/tuple``, which their nodes
+    hold (set again on a subclass of OPV2V's frame loader: the same function under the same tag)."""
+    loader_cls.add_constructor(TUPLE_TAG, construct_tuple)
     loader_cls.add_constructor(_DTYPE_TAG, _construct_dtype)
     for module in _MULTIARRAY_MODULES:
         loader_cls.add_constructor(f"{_TAG}python/object/apply:{module}._reconstruct", _construct_ndarray)
