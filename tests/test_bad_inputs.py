@@ -221,7 +221,9 @@ def mistyped_key_in_file(w: World, world: int) -> Call:
 def mistyped_key_on_resume(w: World, world: int) -> Call:
     run = w.copy_run("fcooper")
     return Call(TRAIN, ["--model_dir", run, "--num_workers", "0", "--set", "train_params.epoches=2",
-                        "--set", "optimizer.lr_decay=0.5"], ["unknown key optimizer.lr_decay"], existing_run=run,
+                        "--set", "optimizer.lr_decay=0.5"],
+                [f"{run / 'config.yaml'} with --set (hypes point_pillar_fcooper_toy): unknown key optimizer.lr_decay"],
+                existing_run=run,
                 resumes=True)
 
 

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.engine import batch_fit
 from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
 from opencood_ddp.errors import ConfigError, OpencoodDdpError
@@ -93,7 +94,9 @@ def plan(args: argparse.Namespace) -> int:
     flags = ", ".join(f"--{name} {getattr(args, name)}" for name in ("half", "capture") if getattr(args, name))
     print(f"measuring {args.hypes_yaml} on {device}{f' ({flags})' if flags else ''}: per-GPU batch "
           f"{', '.join(map(str, sizes))}", flush=True)
-    probes = batch_fit.measure(hypes, build_task, sizes, device, args.half, report=print_probe, capture=args.capture)
+    with hypes_lib.naming_file(hypes, hypes_lib.hypes_origin(args.hypes_yaml, args.overrides)):
+        probes = batch_fit.measure(hypes, build_task, sizes, device, args.half, report=print_probe,
+                                   capture=args.capture)
     model = batch_fit.fit(probes)
     found = batch_fit.options(batch_size, args.gpus, model, capacity)
     for line in batch_fit.describe(batch_size, args.gpus, model, capacity, found):

@@ -34,8 +34,7 @@ from opencood_ddp.engine.hooks import default_hooks
 from opencood_ddp.engine.logs import attach_log_file, get_logger
 from opencood_ddp.engine.options import BatchOptions, LoopOptions, TrainOptions, parse_train_options
 from opencood_ddp.engine.preemption import StopSignal
-from opencood_ddp.engine.run_dir import (RunSetup, claim_run, decide_run, release_run_dir,
-                                         remove_if_nothing_saved)
+from opencood_ddp.engine.run_dir import claim_run, decide_run, release_run_dir, remove_if_nothing_saved
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.engine.task import TaskBuilder
 from opencood_ddp.engine.trainer import Trainer
@@ -187,12 +186,6 @@ def describe_capture(mode: Optional[str], device: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ main
-def hypes_origin(options: TrainOptions, setup: RunSetup) -> str:
-    """Where the run's hypes came from, as a refusal of them names it: the file, and --set where the command
-    changed them (the fault may be in either)."""
-    return f"{setup.hypes_source} with --set" if options.run.overrides else setup.hypes_source
-
-
 def prepare_trainer(options: TrainOptions, env: DistEnv, build_task: TaskBuilder, with_hooks: bool = True
                     ) -> Trainer:
     """The one set-up of a training, for train_ddp.py and the benchmarks: the run decided once on rank 0 and
@@ -201,7 +194,7 @@ def prepare_trainer(options: TrainOptions, env: DistEnv, build_task: TaskBuilder
     `with_hooks`: train_ddp.py's default_hooks; False for a program that drives Trainer.steps itself and
     records nothing into the run folder (it holds the trainer in `with`, which stops the loaders' workers)."""
     setup = comm.on_main_then_broadcast(lambda: decide_run(options.run, os.environ))
-    with hypes_lib.naming_file(setup.hypes, hypes_origin(options, setup)):
+    with hypes_lib.naming_file(setup.hypes, hypes_lib.hypes_origin(setup.hypes_source, options.run.overrides)):
         seed = resolve_seed(setup.hypes, options.loop.seed)
         plan = plan_batches(setup.hypes, options.batch, env.world_size,
                             choose_per_gpu_batch(options, setup.hypes, env, build_task))
@@ -235,7 +228,7 @@ def main(argv: Optional[Sequence[str]], build_task: TaskBuilder, build_eval: Opt
         # leaves the training's draws as they were.
         trainer = prepare_trainer(options, env, build_task)
         setup = trainer.setup
-        with hypes_lib.naming_file(setup.hypes, hypes_origin(options, setup)):
+        with hypes_lib.naming_file(setup.hypes, hypes_lib.hypes_origin(setup.hypes_source, options.run.overrides)):
             final = plan_final_evaluation(options, setup.hypes, build_eval)
         comm.on_main_then_broadcast(lambda: claim_run(setup))
         try:
