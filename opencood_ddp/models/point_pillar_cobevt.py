@@ -126,8 +126,12 @@ def place_in_slots(x: torch.Tensor, slots: Slots) -> Tuple[torch.Tensor, torch.T
     return cells.view(samples, slots.count, height, width, channels).permute(0, 1, 4, 2, 3), slots.present
 
 
-@MODELS.register("point_pillar_cobevt", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
-                 optional=COBEVT_OPTIONAL_KEYS, check=check_cobevt_args)
+# One entry's keys, rules and meta under both names: ours (upstream's) and the V2V4Real fork's (module docstring).
+_ENTRY = dict(fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
+              optional=COBEVT_OPTIONAL_KEYS, check=check_cobevt_args)
+
+
+@MODELS.register("point_pillar_cobevt", **_ENTRY)
 class PointPillarCoBEVT(ShrinkNeck, PointPillar):
     """PointPillar with CoBEVT's SwapFusion of the CAVs' shrunk maps."""
 
@@ -151,6 +155,5 @@ class PointPillarCoBEVT(ShrinkNeck, PointPillar):
         return self.fusion_net(*place_in_slots(features, layout["slots"]))
 
 
-# V2V4Real's name for this model (module docstring): the fork's files and checkpoints are read as they are.
-MODELS.register("point_pillar_fax", fusion="intermediate (CoBEVT fused axial attention)", required=COBEVT_KEYS,
-                optional=COBEVT_OPTIONAL_KEYS, check=check_cobevt_args)(PointPillarCoBEVT)
+# V2V4Real's name for this model: the fork's files and checkpoints are read as they are.
+MODELS.register("point_pillar_fax", **_ENTRY)(PointPillarCoBEVT)
