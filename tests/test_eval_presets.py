@@ -191,6 +191,8 @@ def test_eval_yaml_keys_put_the_convention_beside_its_numbers():
     assert eval_file_name(False, "opencood", "late") == "eval.yaml"
     assert sweep.sweep_file_stem(True, "opencood", "nofusion") == "noise_sweep_nofusion_global_sort"
     assert sweep.sweep_file_stem(False, "v2v4real", "late") == "noise_sweep_v2v4real"
+    assert sweep.sweep_file_stem(False, "heal", "", "heal") == "noise_sweep_heal_noise_heal"  # mode, then preset
+    assert sweep.sweep_file_stem(True, "opencood", "", "upstream") == "noise_sweep_upstream_noise_global_sort"
 
 
 def test_the_report_names_the_convention_and_the_bands():

@@ -335,7 +335,7 @@ def test_a_heal_level_is_the_inference_of_a_copy_holding_that_noise_setting(toy_
                        "--noise_seed", "7")
     assert level.returncode == 0, explain(level)
     by_hand = yaml.safe_load((copied / "eval.yaml").read_text())
-    clean, entry = yaml.safe_load((swept / "noise_sweep.yaml").read_text())["levels"]
+    clean, entry = yaml.safe_load((swept / "noise_sweep_heal_noise.yaml").read_text())["levels"]
     assert entry["mode"] == "heal" and entry["frames"] == by_hand["frames"] == 4
     assert entry["score_digest"] != clean["score_digest"]  # the noise reached the detections
     assert [entry[key] for key in ("ap30", "ap_50", "ap_70")] == [by_hand[key] for key in ("ap30", "ap_50", "ap_70")]

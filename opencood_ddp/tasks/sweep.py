@@ -375,10 +375,13 @@ def convention_record(preset: str, convention: str, results: Sequence[EvalResult
     return record
 
 
-def sweep_file_stem(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "") -> str:
+def sweep_file_stem(global_sort: bool, preset: str = DEFAULT_PRESET, fusion_method: str = "",
+                    noise_mode: str = DEFAULT_NOISE_MODE) -> str:
     """As eval.yaml, eval_global_sort.yaml, eval_heal.yaml, eval_nofusion.yaml: no convention, and no fusion of the
-    same run, overwrites another's table."""
-    return f"noise_sweep{fusion_suffix(fusion_method)}{result_suffix(preset, global_sort)}"
+    same run, overwrites another's table; nor does another noise mode (noise_sweep_heal_noise.yaml: HEAL's
+    noise_setting, beside the preset's noise_sweep_heal.yaml)."""
+    mode = "" if noise_mode == DEFAULT_NOISE_MODE else f"_{noise_mode}_noise"
+    return f"noise_sweep{mode}{fusion_suffix(fusion_method)}{result_suffix(preset, global_sort)}"
 
 
 def _number(value: float) -> str:
@@ -423,7 +426,8 @@ def _panel(xlabel: str, levels: Sequence[Mapping], ticks: List[str]) -> SweepPan
 def write_sweep(run_dir: Path, table: Mapping) -> List[Path]:
     """noise_sweep.yaml, .md and .png (…_global_sort.* for that convention), each written atomically."""
     stem = run_dir / sweep_file_stem(table["ap_convention"] == ap_convention(True),
-                                     table.get("eval_preset", DEFAULT_PRESET), table.get("fusion_method", ""))
+                                     table.get("eval_preset", DEFAULT_PRESET), table.get("fusion_method", ""),
+                                     table.get("noise_mode", DEFAULT_NOISE_MODE))
     paths = [stem.with_suffix(".yaml"), stem.with_suffix(".md"), stem.with_suffix(".png")]
     yaml_text = yaml.safe_dump(dict(table), sort_keys=False, width=120)
     atomic_write(paths[0], lambda handle: handle.write(yaml_text.encode()))
