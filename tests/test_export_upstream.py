@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from launch import REPO
 from zoo import hypes_of, reference_shapes
@@ -122,6 +123,18 @@ def test_a_run_of_v2v4reals_point_pillar_fax_exports_as_upstreams_cobevt(tmp_pat
     exported = torch.load(tmp_path / "up" / "net_epoch1.pth", weights_only=True)
     assert list(exported) == [name for name, _ in reference_shapes("point_pillar_cobevt")]
     assert all(torch.equal(exported[k], v) for k, v in torch.load(run / "net_epoch1.pth", weights_only=True).items())
+
+
+def test_a_config_yaml_without_a_model_key_is_named_as_the_file_to_fix(tmp_path):
+    run = make_run(tmp_path / "run", REPO / "hypes_yaml/opv2v/point_pillar_intermediate_fusion.yaml", "net_epoch1.pth")
+    config = run / "config.yaml"
+    hypes = yaml.safe_load(config.read_text())
+    del hypes["model"]["args"]["anchor_number"]
+    config.write_text(yaml.safe_dump(hypes, sort_keys=False))
+    result = export("--model_dir", run, "--out", tmp_path / "up")
+    assert result.returncode == 2 and not (tmp_path / "up").exists()
+    assert result.stderr.startswith(f"error: {config} (hypes point_pillar_intermediate_fusion): missing key "
+                                    f"model.args.anchor_number"), result.stderr
 
 
 # The forks' layers upstream OpenCOOD's classes lack, in the configs that build them: (config, the key named).
