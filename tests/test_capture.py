@@ -358,9 +358,9 @@ class TinySeam(nn.Module):
 
 def test_cheap_modes_compile_every_batch_2_layout_of_seven_cavs_past_dynamos_default_limit():
     """Per-GPU batch 2 on OPV2V (max_cav 7 in upstream's AttFuse file) meets up to 49 CAV layouts. `cudagraphs` and
-    `aot_eager` compile in seconds and keep up to 49; inductor's `compile` (minutes each) 6. Ten layouts of the tiny seam model under
-    `cudagraphs`: each compiles (10 graphs, past dynamo's default limit of 8, which CaptureModule raises), none
-    runs eagerly, and every loss and gradient is the eager step's bit for bit."""
+    `aot_eager` compile in seconds and keep up to 49; inductor's `compile` (minutes each) 6. Ten layouts of the tiny
+    seam model under `cudagraphs`: each compiles (10 graphs, past dynamo's default limit of 8, which CaptureModule
+    raises), none runs eagerly, and every loss and gradient is the eager step's bit for bit."""
     from torch._dynamo.utils import counters
 
     from opencood_ddp.engine.capture import MAX_SHAPES
