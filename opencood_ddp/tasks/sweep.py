@@ -15,9 +15,8 @@ datasets never apply); ``v2xvit`` is that offset applied by every dataset, as th
 fourth mode, ``heal``, sets HEAL's and CoAlign's ``noise_setting`` instead, as their inference_w_noise.py does:
 ``pos_std`` on x and y, ``rot_std`` on the yaw, zero means, every CAV perturbed, the ego included, drawn per CAV
 and frame. Otherwise a run's own ``noise_setting`` is switched off at every level, and a level without noise is
-the clean input, bit for bit. A delay is
-``wild_setting.async`` in ``sim`` mode with ``async_overhead`` = the delay: whole 100 ms frames (floor), the ego
-never delayed.
+the clean input, bit for bit. A delay is ``wild_setting.async`` in ``sim`` mode with ``async_overhead`` = the
+delay: whole 100 ms frames (floor), the ego never delayed.
 """
 from __future__ import annotations
 
