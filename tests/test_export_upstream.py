@@ -22,9 +22,10 @@ EXPORT = REPO / "tools" / "export_upstream.py"
 REFERENCE = REPO / "tests" / "reference" / "opencood_state_dict"
 
 
-def make_run(folder: Path, config: Path, *extra: str) -> Path:
-    """A run folder as train_ddp.py leaves it: config.yaml (parsed, with a batch plan) and checkpoints."""
-    hypes = hypes_of(config)
+def make_run(folder: Path, config: Path, *extra: str, overrides: tuple[str, ...] = ()) -> Path:
+    """A run folder as train_ddp.py leaves it: config.yaml (parsed, with a batch plan; `overrides` as --set gives
+    them) and checkpoints."""
+    hypes = hypes_of(config, *overrides)
     folder.mkdir(parents=True)
     hypes_lib.save_hypes(dict(hypes, batch_plan={"global_batch": 2}), folder / "config.yaml")
     torch.manual_seed(0)
@@ -112,11 +113,8 @@ def test_an_opv2v_run_of_each_baseline_exports_upstreams_state_dict(tmp_path, co
 def test_a_run_of_v2v4reals_point_pillar_fax_exports_as_upstreams_cobevt(tmp_path):
     """The fork's name for upstream's CoBEVT class is written as upstream's name, with upstream's parameter names
     (the shapes are the fork's config's: its window of 4 makes a smaller relative-position table than OpenCOOD's 8)."""
-    run = tmp_path / "run"
-    run.mkdir()
-    hypes = hypes_of(REPO / "hypes_yaml/v2v4real/point_pillar_cobevt.yaml", "model.core_method=point_pillar_fax")
-    hypes_lib.save_hypes(hypes, run / "config.yaml")
-    torch.save(create_model(hypes).state_dict(), run / "net_epoch1.pth")
+    run = make_run(tmp_path / "run", REPO / "hypes_yaml/v2v4real/point_pillar_cobevt.yaml", "net_epoch1.pth",
+                   overrides=("model.core_method=point_pillar_fax",))
     result = export("--model_dir", run, "--out", tmp_path / "up")
     assert result.returncode == 0, result.stderr
     assert hypes_lib.load_hypes(tmp_path / "up" / "config.yaml")["model"]["core_method"] == "point_pillar_cobevt"
