@@ -241,7 +241,7 @@ def test_rank_0_writes_one_yaml_markdown_and_plot(tmp_path):
     assert markdown[6] == "| 0 | 0 | 100 | none | n/a | n/a | n/a | 4 |"  # no ground truth: no AP
 
 
-def test_a_heal_table_names_its_axes(tmp_path):
+def test_a_heal_table_names_its_axes():
     given = options(pos_std=(0.0, 0.4), noise_mode=sweep.HEAL_MODE)
     levels = sweep.sweep_levels(given)
     table = sweep.sweep_table(given, sweep.SweepRun(levels, [result(0.8), result(0.6)], Path("RUN/net_epoch3.pth"),
@@ -316,7 +316,7 @@ def test_sweep_is_the_same_on_1_and_2_ranks_and_starts_at_inferences_ap(toy_run,
 def test_a_heal_level_is_the_inference_of_a_copy_holding_that_noise_setting(toy_run, toy_small, tmp_path):
     """What docs/robustness.md had users do by hand for HEAL's and CoAlign's setting (a copy of the run whose
     config.yaml holds the level's noise_setting, evaluated by inference_ddp.py) is the sweep's heal level: the same
-    AP and detections, with the same seed."""
+    APs on the same frames, with the same seed; and its detections are not the clean level's."""
     import shutil
 
     swept, copied = tmp_path / "swept", tmp_path / "copied"
