@@ -68,11 +68,39 @@ def test_every_module_imports_only_what_its_layer_may():
     assert not wrong, "imports against docs/architecture.md:\n" + "\n".join(wrong)
 
 
+def _torch_distributed_uses(path: Path) -> Iterator[int]:
+    """Lines that reach torch.distributed: its import in any spelling (`import torch.distributed as dist`,
+    `from torch import distributed`, `from torch.distributed import ...`) and an attribute `torch.distributed` after
+    a plain `import torch`."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            if any(alias.name.startswith("torch.distributed") for alias in node.names):
+                yield node.lineno
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            module = node.module or ""
+            if module.startswith("torch.distributed") or (
+                    module == "torch" and any(alias.name == "distributed" for alias in node.names)):
+                yield node.lineno
+        elif (isinstance(node, ast.Attribute) and node.attr == "distributed" and isinstance(node.value, ast.Name)
+              and node.value.id == "torch"):
+            yield node.lineno
+
+
 def test_the_perception_stack_never_calls_torch_distributed():
     found = [f"{path.relative_to(REPO)}:{line}" for path in sorted(PACKAGE.rglob("*.py"))
-             if _part(path) in PERCEPTION | {"tasks", "toy"}
-             for line, module in _imports(path) if module.startswith("torch.distributed")]
+             if _part(path) in PERCEPTION | {"tasks", "toy"} for line in _torch_distributed_uses(path)]
     assert not found, found
+
+
+def test_every_spelling_of_torch_distributed_is_seen(tmp_path):
+    spellings = ["import torch.distributed as dist", "from torch import distributed",
+                 "from torch import nn, distributed", "from torch.distributed import all_reduce", "import torch\ntorch.distributed.all_reduce(x)"]
+    for text in spellings:
+        path = tmp_path / "m.py"
+        path.write_text(text + "\n")
+        assert list(_torch_distributed_uses(path)), text
+    path.write_text("import torch\nfrom torch import nn\nimport torchvision.distributed\n")
+    assert not list(_torch_distributed_uses(path))
 
 
 def test_postprocess_reads_no_dataset():
