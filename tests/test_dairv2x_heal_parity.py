@@ -295,6 +295,12 @@ def test_merged_single_side_ids_are_positions_with_both_agents(dair_dir):
     """Car A's road-side copy D overlaps A (IoU > 0.05, dropped), E is new, F lies beyond the vehicle's range."""
     ego = dair_dataset("intermediate", dair_dir, "fusion.args.dair_labels=merged_single_side")[0]["ego"]
     assert ego["cav_num"] == 2 and ego["object_ids"] == [0, 1, 2]
+    boxes = ego["object_bbx_center"][ego["object_bbx_mask"] == 1]
+    np.testing.assert_allclose(boxes[:2], [CAR_A, VAN_C], atol=1e-9, rtol=0)  # A kept, its copy D not added
+    # The third is E, placed at (25, -10, -0.8) in the vehicle's frame (D sits at 12.2, 3.1); its size and yaw
+    # come back through the road-side unit's tilted frame, so they are E's only to within the tilt.
+    np.testing.assert_allclose(boxes[2, :3], [25.0, -10.0, -0.8], atol=1e-9, rtol=0)
+    np.testing.assert_allclose(boxes[2, 3:], [1.6, 1.9, 4.5, 1.0], atol=5e-3, rtol=0)
 
 
 def test_late_fusion_ids_are_each_sides_label_counts(dair_dir):
