@@ -19,8 +19,8 @@ from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.distributed.env import DistEnv
 from opencood_ddp.engine.evaluator import EvalSpec, evaluate
 from opencood_ddp.engine.handover import InBandSmallTensors
-from opencood_ddp.engine.loaders import (MAX_GPU_WORKERS, EpochBatches, EpochKeyed, cores_per_rank, default_workers,
-                                         training_loader, workers_per_rank)
+from opencood_ddp.engine.loaders import (MAX_GPU_WORKERS, EpochBatches, EpochKeyed, affinity_cores, cores_per_rank,
+                                         default_workers, training_loader, workers_per_rank)
 from test_datasets import SEED, assert_identical, flatten, toy_hypes
 from test_hooks import _trainer
 
@@ -207,5 +207,10 @@ def test_num_workers_given_wins_and_the_default_reads_this_process_affinity():
     cpu_env, gpu_env = DistEnv(), DistEnv(device="cuda:0")
     assert workers_per_rank(0, gpu_env) == 0 and workers_per_rank(5, cpu_env) == 5
     assert workers_per_rank(None, cpu_env, {}) == 2
-    share = len(os.sched_getaffinity(0))
-    assert workers_per_rank(None, gpu_env, {}) == max(1, min(MAX_GPU_WORKERS, share - 1))
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(allowed)})  # this thread on one core, however many the machine has
+    try:
+        assert affinity_cores() == 1, os.cpu_count()
+        assert workers_per_rank(None, gpu_env, {}) == 1  # 1 core: the one worker the floor allows
+    finally:
+        os.sched_setaffinity(0, allowed)
