@@ -337,3 +337,7 @@ def test_non_finite_points_are_dropped_and_told_once_per_file_in_each_ranks_log(
     # the frame is read by one rank per epoch (2 epochs, shuffled): each rank that read it said so once
     assert 1 <= sum(len(lines) for lines in told.values()) <= 2 and all(len(lines) <= 1 for lines in told.values())
     assert "non-finite coordinates and are dropped" in next(line for lines in told.values() for line in lines)
+    # dropped before the voxels: every step of both epochs trained on finite losses, none skipped
+    rows = step_rows(run_dir)
+    assert rows and all(np.isfinite([row["loss"], row["cls"], row["reg"]]).all() and row["skipped"] == 0
+                        for row in rows), rows

@@ -64,6 +64,7 @@ def batches(workers: int) -> list:
 def test_a_batch_from_workers_is_the_collates_batch():
     expected = [collate([make_sample(i) for i in range(start, start + 3)]) for start in (0, 3)]
     received = batches(workers=2)
+    assert len(received) == len(expected) == 2
     for got, want in zip(received, expected):
         got_items, want_items = flat(got), flat(want)
         assert [path for path, _ in got_items] == [path for path, _ in want_items]
