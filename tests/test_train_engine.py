@@ -222,15 +222,19 @@ def test_a_step_log_without_a_scaler_has_no_scaler_column(synthetic_runs):
     assert "scaler_skipped" not in read_step_log(synthetic_runs(1) / STEP_LOG_NAME)[0]
 
 
-def test_half_precision_trains_through_sync_bn(synthetic_runs):
-    """--half on CPU is bf16 autocast (fp16 + GradScaler on CUDA); with GlooSyncBatchNorm it still learns."""
+def test_half_precision_ranks_follow_the_one_process_run_with_sync_bn(synthetic_runs):
+    """--half on the CPU is bf16 autocast (fp16 and a GradScaler on CUDA). 2 ranks with GlooSyncBatchNorm learn
+    and end within the bf16 parity floor of the 1-process bf16 run. Measured on this task (max relative gap of
+    the weights): the floor 0.17; 2 ranks 0.26, and 1.15 while the synchronized statistics of a bf16 activation
+    were rounded to bf16; per-rank batch norm (--no_sync_bn) 2.7."""
     run_dir = synthetic_runs(2, "--half")
     state = torch.load(run_dir / "training_state_epoch2.pt", weights_only=False)
     first, last = state["history"][0]["val"]["loss"], state["history"][1]["val"]["loss"]
     assert last < first
-    assert "; bfloat16 autocast\n" in (run_dir / "logs" / "rank0.log").read_text()  # the plan's step line
-    baseline = epoch_losses(synthetic_runs(1))["val"]["loss"]
-    assert last == pytest.approx(baseline, rel=0.5)  # bf16 rounding, not a different model
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "; bfloat16 autocast\n" in log and "sync batch norm: GlooSyncBatchNorm\n" in log  # the plan's lines
+    gap = max_rel_diff(load(run_dir), load(synthetic_runs(1, "--half")))
+    assert gap <= FLOOR_FACTOR * noise_floor(synthetic_runs, "--half")
     assert state["scaler"] is None  # no GradScaler without CUDA
 
 

@@ -158,6 +158,16 @@ def _affine(x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor) -> to
 
 
 # ------------------------------------------------------------------------------------- the accurate sums
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _identity_parameters(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 weight 1 and bias 0 for x's channels: an affine step that changes no statistic."""
+    channels = x.shape[1]
+    return (torch.ones(channels, dtype=torch.float32, device=x.device),
+            torch.zeros(channels, dtype=torch.float32, device=x.device))
+
+
 def local_moments(x: torch.Tensor) -> torch.Tensor:
     """(3, C) float64 rows: the value count, mean and biased variance of each channel of x (N, C, ...)."""
     channels = x.shape[1]
@@ -169,8 +179,11 @@ def local_moments(x: torch.Tensor) -> torch.Tensor:
         _row_moments(rows, mean.numpy(), var.numpy())
     elif count:
         # Contiguous (N, C, L) goes through the native kernel's float64 accumulation; with eps 0 its invstd is
-        # 1 / std, and 0 for a constant channel. bf16/fp16 and CUDA inputs land here too.
-        _, native_mean, invstd = torch.native_batch_norm(x.contiguous(), None, None, None, None, True, 0.0, 0.0)
+        # 1 / std, and 0 for a constant channel. bf16/fp16 and CUDA inputs land here too. A 16-bit input without
+        # parameters gets its mean and invstd back in its own type, rounded to 8 or 11 bits; float32 parameters
+        # select the mixed-type kernel, whose statistics are float32, as a 1-process run's native forward has them.
+        weight, bias = _identity_parameters(x) if x.dtype in HALF_DTYPES else (None, None)
+        _, native_mean, invstd = torch.native_batch_norm(x.contiguous(), weight, bias, None, None, True, 0.0, 0.0)
         invstd = invstd.double().cpu()
         mean = native_mean.double().cpu()
         var = torch.where(invstd > 0, invstd.pow(-2), torch.zeros_like(invstd))
@@ -285,9 +298,12 @@ class BatchNormFunction(torch.autograd.Function):
         # dx = (dy - mean(dy) - xhat * mean(dy xhat)) * invstd * w, regrouped as k1 * dy + k2 * x + k3.
         k2 = -scale * mean_dy_xhat * invstd
         k3 = -scale * mean_dy - k2 * mean
-        grad_in = _affine(grad_out, scale.to(dtype), k3.to(dtype))
-        grad_in.addcmul_(x, _per_channel(k2, x).to(grad_in.dtype))
-        return grad_in, grad_weight, grad_bias, None, None, None, None, None
+        # A 16-bit gradient is formed in float32 and rounded once, as a 1-process run's native backward rounds
+        # it; in the 16-bit type the two steps round twice and lose x's offset (a whole unit in the last place).
+        work = torch.float32 if x.dtype in HALF_DTYPES else x.dtype
+        grad_in = _affine(grad_out.to(work), scale.to(dtype), k3.to(dtype))
+        grad_in.addcmul_(x.to(work), _per_channel(k2, x).to(grad_in.dtype))
+        return grad_in.to(x.dtype), grad_weight, grad_bias, None, None, None, None, None
 
 
 def _grad_rows(grad_out: torch.Tensor) -> np.ndarray:
