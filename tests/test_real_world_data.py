@@ -107,7 +107,7 @@ def test_no_fusion_is_the_egos_detections_against_late_fusions_ground_truth(toy_
         gt[method] = [np.load(path) for path in sorted((run / "npy").glob("*_gt.npy"))]
     late, alone = (yaml.safe_load((run / eval_file_name(False, "heal", method)).read_text())
                    for method in ("late", "nofusion"))
-    assert late["frames"] == alone["frames"] == len(gt["late"]) == 4
+    assert late["frames"] == alone["frames"] == len(gt["late"]) == len(gt["nofusion"]) == 4
     assert sum(len(frame) for frame in gt["late"]) > 0
     assert all(np.array_equal(a, b) for a, b in zip(gt["late"], gt["nofusion"]))
     # What was sent: late fusion's road-side unit sends its boxes; with no fusion nothing is sent.
