@@ -7,7 +7,7 @@ import ast
 
 import torch
 
-from zoo import REPO, hypes_of, lone_cav, toy_batch, toy_samples
+from zoo import REPO, assert_zero_gradients_are_the_unused_groups, hypes_of, lone_cav, toy_batch, toy_samples
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.fusion import AttFusion
 
@@ -52,4 +52,5 @@ def test_it_trains_every_parameter(toy_small):
     out = task.step(model, batch)
     assert torch.isfinite(out.total)
     out.total.backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    assert_zero_gradients_are_the_unused_groups(model)  # none all zero, as the model reports no unused group

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from zoo import (REPO, assert_forward_backward, assert_key_error, hypes_of, lone_cav, reference_shapes,
-                 toy_batch)
+from zoo import (REPO, assert_forward_backward, assert_key_error, assert_zero_gradients_are_the_unused_groups,
+                 hypes_of, lone_cav, reference_shapes, toy_batch)
 
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.v2vnet import (Geometry, V2VNetFusion, field_of_view, geometry, pairwise_affines,
@@ -143,7 +143,9 @@ def test_with_temporal_encoding_a_cavs_delay_changes_the_ego_output_and_every_pa
     model.train()
     out = task.step(model, batch)
     out.total.backward()
-    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    assert_zero_gradients_are_the_unused_groups(model)
+    assert model.fusion_net.cnn.weight.grad.any()  # the delay's own layer learns
 
 
 def seen_by(fusion: V2VNetFusion, pairwise: torch.Tensor, cav_counts) -> Geometry:
