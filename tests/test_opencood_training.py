@@ -233,11 +233,12 @@ def test_attention_by_visibility_reads_an_attfuse_run(toy_runs, toy_small):
     result = in_process(script, "--model_dir", toy_runs("point_pillar_intermediate_fusion", 2, "--half"),
                         "--dataset_dir", toy_small / "test")
     assert result.returncode == 0, explain(result)
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "objects" not in line]
-    assert len(rows) == 3
-    for row in rows:
-        share = row.strip("|").split("|")[-1].strip()
-        assert share == "-" or 0.0 <= float(share) <= 1.0
+    rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in result.stdout.splitlines()
+            if line.startswith("| ") and "objects" not in line]
+    assert [name for name, _, _ in rows] == ["ego sees it", "only others see it", "barely seen"], result.stdout
+    assert sum(int(count) for _, count, _ in rows) > 0 and "4 frames of" in result.stdout, result.stdout
+    for _, count, share in rows:  # a share where a category has objects, "-" where it has none
+        assert (share == "-") == (int(count) == 0) and (share == "-" or 0.0 <= float(share) <= 1.0), rows
     late = in_process(script, "--model_dir", toy_runs("point_pillar_late_fusion", 0),
                       "--dataset_dir", toy_small / "test")
     assert late.returncode == 2 and "reads AttFuse" in late.stderr
