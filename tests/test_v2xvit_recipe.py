@@ -13,6 +13,8 @@ import torch
 import yaml
 
 from launch import REPO, explain, in_process, split_set_flags, train
+from opencood_ddp.models.communication import bytes_per_cav_frame
+from zoo import hypes_of
 
 pytestmark = pytest.mark.slow  # three trainings
 
@@ -63,16 +65,17 @@ def test_perfect_then_compression_32_then_noisy_with_backbone_fix(toy_small, tmp
     trained = [n for n in params if n.startswith(TRAINABLE_PREFIX)]
     assert frozen and all(torch.equal(start[n], end[n]) for n in frozen)
     assert any(not torch.equal(start[n], end[n]) for n in trained)
-    # The noisy run evaluates under its own (noisy) config.yaml.
+    # The noisy run's config.yaml (delay, pose error, compression 32, backbone_fix) evaluates, and its rates are
+    # the compressed model's. That inference applies a run's noise is test_noise_sweep's (detections differ).
     evaluated = in_process(INFERENCE, "--model_dir", noisy, "--fusion_method", "intermediate",
                            "--dataset_dir", toy_small / "test", "--num_workers", "0")
     assert evaluated.returncode == 0, explain(evaluated)
-    assert "bytes_per_cav_frame" in yaml.safe_load((noisy / "eval.yaml").read_text())
+    sent = yaml.safe_load((noisy / "eval.yaml").read_text())["bytes_per_cav_frame"]
+    assert sent * 32 == bytes_per_cav_frame(hypes_of(perfect / "config.yaml"))  # the maps 32x compressed
 
 
 def _named_parameters(run):
     """The parameter names (not buffers) of the run's model, built from its config.yaml."""
     from opencood_ddp.models import create_model
-    from zoo import hypes_of
 
     return create_model(hypes_of(run / "config.yaml")).named_parameters()
