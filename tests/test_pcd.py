@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 import struct
 import subprocess
@@ -366,11 +368,17 @@ def test_ascii_float_colour_at_float32s_overflow_threshold(tmp_path: Path) -> No
 # --------------------------------------------------------------------------------------------------------------
 
 
+_LIBC = ctypes.CDLL(None)
+_LIBC.strtof.restype, _LIBC.strtof.argtypes = ctypes.c_float, [ctypes.c_char_p, ctypes.c_void_p]
+
+
 def _exact_colour_bits(text: str, colour_type: str) -> int:
-    """The 32 bits open3d keeps of a colour token: strtof's float32 (exact, through fractions) or strtod truncated."""
+    """The 32 bits open3d keeps of a colour token: the C library's own strtof (correctly rounded in glibc, where
+    float32(float(text)) rounds twice), or the double truncated to an integer's low 32 bits (non-finite: 0)."""
     if colour_type == "F":
-        return int(np.array([pcd._text_float32(text.encode(), 0, "token")]).view(np.uint32)[0])
-    return int(pcd._integer_bits(np.array([float(text)]))[0])
+        return struct.unpack("<I", struct.pack("<f", _LIBC.strtof(text.encode(), None)))[0]
+    value = float(text)  # strtod: both correctly rounded
+    return math.trunc(value) & 0xFFFFFFFF if math.isfinite(value) else 0
 
 
 def _exact_read(path: Path) -> np.ndarray:
@@ -454,9 +462,34 @@ def test_tricky_numbers_read_as_exact_arithmetic_does(tmp_path: Path, layout: st
     assert ours.shape == (count, 4)
     _assert_same(ours, _exact_read(path))
     if layout in ("rgb F", "rgba F last", "no colour"):
-        # open3d reads these layouts as we do (it drops an intensity field, and reads integer colours written as
-        # decimals its own way).
+        # open3d reads these layouts as we do (it drops an intensity field, and reads integer colours as a prefix
+        # of the token: test_integer_colours_* below).
         _assert_same(ours, _open3d_read(path))
+
+
+@pytest.mark.parametrize("colour_type", ["U", "I"])
+def test_integer_colours_written_as_integers_read_as_open3d_does(tmp_path: Path, colour_type: str) -> None:
+    """The form a tool writes into a TYPE U or I field (PCL's packed rgba): plain integers, negative ones and ones
+    past 32 bits included, read bit for bit as open3d's strtoul / strtol do."""
+    rng = np.random.default_rng(3)
+    values = np.concatenate([rng.integers(0, 2**32, 2000), rng.integers(-2**31, 2**31, 2000),
+                             rng.integers(-2**62, 2**62, 500), [0, 2**32 - 1, 2**31, -2**31, 0xFF0000, 0x00FFFF]])
+    rows = [f"{i % 7}.5 -{i % 5} {i} {value}" for i, value in enumerate(values.tolist())]
+    path = _write_text(tmp_path / "packed.pcd", _header("x y z rgb", "4 4 4 4", f"F F F {colour_type}", "1 1 1 1",
+                                                        len(rows)), rows)
+    ours = read_pcd(path)
+    _assert_same(ours, _open3d_read(path))
+    assert len(np.unique(ours[:, 3])) > 200  # the red bytes vary: the check reads them
+
+
+def test_integer_colours_in_other_forms_are_their_values_where_open3d_reads_a_prefix(tmp_path: Path) -> None:
+    """docs/compatibility.md, "PCD files": open3d's strtoul stops at an 'e' and reads a leading 0 as octal; we
+    read the number. If open3d starts reading these as numbers, the row can go."""
+    tokens = ["1e5", "0400000", "1.9e6"]  # red bytes of 100000, 400000 and 1900000: 1, 6, 28
+    path = _write_text(tmp_path / "forms.pcd", _header("x y z rgb", "4 4 4 4", "F F F U", "1 1 1 1", len(tokens)),
+                       [f"0 0 0 {token}" for token in tokens])
+    assert (read_pcd(path)[:, 3] * 255).round().tolist() == [1, 6, 28]
+    assert (_open3d_read(path)[:, 3] * 255).round().tolist() == [0, 2, 0]  # 1, octal 0400000 = 131072, 1
 
 
 @pytest.mark.parametrize("writer", ["open3d", "ours"])

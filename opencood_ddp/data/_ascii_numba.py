@@ -28,7 +28,7 @@ from opencood_ddp.numerics.jit import jit
 SKIP = 0
 DOUBLE = 1  # strtod, then cast to float32 (x, y, z, intensity)
 FLOAT32_BITS = 2  # strtof, keep the red byte of the float's bits (TYPE F colour)
-INTEGER_BITS = 3  # strtod, trunc to int64, keep the red byte of the low 32 bits (TYPE U / I colour)
+INTEGER_BITS = 3  # strtod, truncated, keep the red byte of the low 32 bits (TYPE U / I colour; |value| < 2**63)
 
 STATUS_OK = 0
 STATUS_LAYOUT = 1  # wrong number of tokens or rows not on their own lines: pcd.py explains which

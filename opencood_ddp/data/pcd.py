@@ -11,6 +11,10 @@ OPV2V frames are .pcd files written by open3d (``write_point_cloud`` with ``colo
   open3d takes the 4 stored bytes of the field (little-endian B, G, R, A), so red = ``(bits >> 16) & 0xFF`` whatever
   the TYPE (``F``: the bits of the float32, ascii parsed with ``strtof``; ``U``/``I``: the integer's bits), and
   colour = red / 255.0 in double. A field of another size gives colour 0, as in open3d. No intensity and no rgb: 0.
+  An ascii ``U``/``I`` colour is the low 32 bits of the token's value truncated to an integer (non-finite: 0).
+  open3d parses it with ``strtoul``/``strtol`` (base 0), which stop at a '.' or an 'e' and read a leading 0 as
+  octal: the same bits for an integer written as one (what PCL and open3d write), other bits for ``1e5``,
+  ``0123`` or a value beyond 64 bits (docs/compatibility.md, "PCD files").
 - Non-finite points are kept: open3d's ``read_point_cloud`` defaults to ``remove_nan_points=False`` and
   ``remove_infinite_points=False`` (checked against open3d 0.20), so N is always the header's POINTS.
 
@@ -25,6 +29,7 @@ with the colour packed as the bits of a float32, ascii numbers printed ``%.10g``
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from fractions import Fraction
 from typing import Union
@@ -387,10 +392,10 @@ def _text_float32(text: bytes, row: int, path: PathLike) -> np.float32:
         return np.float32(_text_double(text, row, path))
 
 
-def _integer_bits(values: np.ndarray) -> np.ndarray:
-    """Low 32 bits of the doubles ``values`` truncated to integers (non-finite: 0)."""
-    finite = np.where(np.isfinite(values), values, 0.0)
-    return (np.trunc(finite).astype(np.int64) & 0xFFFFFFFF).astype(np.uint32)
+def _integer_bits(value: float) -> int:
+    """The low 32 bits of ``value`` truncated to an integer, exact at any size (non-finite: 0). numpy's cast to
+    int64 is not: beyond its range x86 gives INT64_MIN and ARM saturates, so the red byte depended on the CPU."""
+    return math.trunc(value) & 0xFFFFFFFF if math.isfinite(value) else 0
 
 
 def _row_count_error(body: bytes, header: PcdHeader, path: PathLike) -> DataError:
@@ -461,8 +466,8 @@ def _fill_flagged(raw: bytes, header: PcdHeader, path: PathLike, out: np.ndarray
             bits = np.array([_text_float32(text, row + 1, path)], dtype=np.float32).view(np.uint32)
             out[row, 3] = RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
         else:
-            bits = _integer_bits(np.array([_text_double(text, row + 1, path)]))
-            out[row, 3] = RED_TO_INTENSITY[(bits[0] >> np.uint32(16)) & np.uint32(0xFF)]
+            bits = _integer_bits(_text_double(text, row + 1, path))
+            out[row, 3] = RED_TO_INTENSITY[(bits >> 16) & 0xFF]
 
 
 # ---------------------------------------------------------------------------------------------------------------
