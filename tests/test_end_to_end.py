@@ -267,4 +267,9 @@ def test_demo_runs_end_to_end(toy_small, tmp_path):
     assert frames > 0 and len(list((run / "vis").glob("bev_*.png"))) == frames
     for words in ("== demo summary", "BEV views:", "AP@0.5", "torchrun --standalone --nproc_per_node=2"):
         assert words in result.stdout, words
-    assert torch.load(run / "net_epoch1.pth", weights_only=True)
+    from opencood_ddp.models import create_model
+    from zoo import hypes_of
+
+    saved = torch.load(run / "net_epoch1.pth", weights_only=True)  # the run's model's state dict, whole
+    expected = create_model(hypes_of(run / "config.yaml")).state_dict()
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}

@@ -532,7 +532,10 @@ def test_missing_keys_and_missing_yaml_parser():
         create_postprocessor(raw, train=False)
     with pytest.raises(ConfigError, match="postprocess.core_method"):
         create_postprocessor({"name": "x", "postprocess": {}}, train=False)
-    assert isinstance(VoxelPostprocessor(hypes_of(TOY)["postprocess"], train=True), VoxelPostprocessor)
+    # The postprocess section alone (no hypes name) builds, with the toy hypes' values (by hand from the file).
+    post = VoxelPostprocessor(hypes_of(TOY)["postprocess"], train=True)
+    assert (post.pos_threshold, post.neg_threshold, post.score_threshold, post.nms_thresh, post.anchor_num) == \
+        (0.6, 0.45, 0.2, 0.15, 2) and post.train
 
 
 # ------------------------------------------------------------------------------------------- toy data
