@@ -94,7 +94,8 @@ def test_the_perception_stack_never_calls_torch_distributed():
 
 def test_every_spelling_of_torch_distributed_is_seen(tmp_path):
     spellings = ["import torch.distributed as dist", "from torch import distributed",
-                 "from torch import nn, distributed", "from torch.distributed import all_reduce", "import torch\ntorch.distributed.all_reduce(x)"]
+                 "from torch import nn, distributed", "from torch.distributed import all_reduce",
+                 "import torch\ntorch.distributed.all_reduce(x)"]
     for text in spellings:
         path = tmp_path / "m.py"
         path.write_text(text + "\n")
