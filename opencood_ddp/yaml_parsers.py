@@ -20,6 +20,8 @@ import math
 import os
 from typing import Iterable, List, Sequence
 
+import numpy as np
+
 from opencood_ddp import hypes as hypes_lib
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.registry import YAML_PARSERS, import_modules
@@ -33,6 +35,20 @@ _ANCHOR_GRID = tuple((f"postprocess.anchor_args.{key}", kind) for key, kind in (
 
 def _grid(lidar_range: Sequence[float], voxel_size: Sequence[float], rounding) -> List[int]:
     return [int(rounding((lidar_range[axis + 3] - lidar_range[axis]) / voxel_size[axis])) for axis in range(3)]
+
+
+def voxel_grid_cells(lidar_range: Sequence[float], voxel_size: Sequence[float]) -> List[int]:
+    """(x, y, z) voxels of a range as spconv's voxel generator counts them, and every voxelizer here with it: the
+    float32 extent over the float32 voxel size, rounded half away from zero (C's round). The canvas the pillars
+    are scattered on must have these cells. Upstream's parser rounds the float64 quotient half to even
+    (np.round), one cell fewer where it is a half: a 140.2 m range of 0.4 m voxels is 350.5, spconv's 351 and
+    np.round's 350, and the last column's pillars land at the start of the next row."""
+    cells = []
+    for axis in range(3):
+        low, high, size = (np.float32(v) for v in (lidar_range[axis], lidar_range[axis + 3], voxel_size[axis]))
+        quotient = float((high - low) / size)
+        cells.append(int(math.copysign(math.floor(abs(quotient) + 0.5), quotient)))  # exact: a float32 + 0.5
+    return cells
 
 
 def _anchor_grid(hypes: dict, lidar_range: Sequence[float]) -> dict:
@@ -50,7 +66,7 @@ def _anchor_grid(hypes: dict, lidar_range: Sequence[float]) -> dict:
 def load_point_pillar_params(hypes: dict) -> dict:
     lidar_range = hypes["preprocess"]["cav_lidar_range"]
     voxel_size = hypes["preprocess"]["args"]["voxel_size"]
-    hypes["model"]["args"]["point_pillar_scatter"]["grid_size"] = _grid(lidar_range, voxel_size, round)
+    hypes["model"]["args"]["point_pillar_scatter"]["grid_size"] = voxel_grid_cells(lidar_range, voxel_size)
     _anchor_grid(hypes, lidar_range)
     return hypes
 
@@ -72,7 +88,7 @@ def load_voxel_params(hypes: dict) -> dict:
 def load_second_params(hypes: dict) -> dict:
     lidar_range = hypes["preprocess"]["cav_lidar_range"]
     voxel_size = hypes["preprocess"]["args"]["voxel_size"]
-    hypes["model"]["args"]["grid_size"] = _grid(lidar_range, voxel_size, round)
+    hypes["model"]["args"]["grid_size"] = voxel_grid_cells(lidar_range, voxel_size)
     _anchor_grid(hypes, lidar_range)
     return hypes
 

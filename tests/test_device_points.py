@@ -93,11 +93,18 @@ def test_sorted_voxels_equal_spconvs_generator_bit_for_bit(voxel_size, max_point
 
 
 def test_grid_size_is_spconvs():
+    """Every count of cells here, the canvas's included (yaml_parsers.voxel_grid_cells), is spconv's: also where
+    the extent is a half number of voxels (140.2 / 0.4 = 350.5: 351, where np.round says 350)."""
     for size, extent in (((0.4, 0.4, 4), (-140.8, -40, -3, 140.8, 40, 1)), ((0.1, 0.1, 0.1), (-3, -2, -1, 3, 2, 1)),
-                         ((0.3, 0.7, 1.3), (-20.8, -8, -3, 20.8, 8, 1))):
-        grid = VoxelGrid(size, extent, 5, 10)
+                         ((0.3, 0.7, 1.3), (-20.8, -8, -3, 20.8, 8, 1)),
+                         ((0.4, 0.4, 4), (-70.1, -40, -3, 70.1, 40, 1)),
+                         ((0.4, 0.4, 4), (-102.4, -51.2, -3.5, 102.4, 51.2, 1.5)),
+                         ((0.2, 0.2, 2), (-0.5, 0, 0, 0.5, 1, 1))):
         generator = Voxelizer(size, extent, 5, 10)._point_to_voxel()
-        assert grid.grid_size == tuple(int(v) for v in generator.grid_size)[::-1]
+        spconv_cells = tuple(int(v) for v in generator.grid_size)[::-1]
+        assert VoxelGrid(size, extent, 5, 10).grid_size == spconv_cells, extent
+        assert tuple(Voxelizer(size, extent, 5, 10).grid_size.tolist()) == spconv_cells, extent
+    assert spconv_cells == (5, 5, 1)  # half a voxel in z rounds away from zero, as C's round does (np.round: 0)
 
 
 # ------------------------------------------------------------------------------------------ the shuffle

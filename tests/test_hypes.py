@@ -189,6 +189,20 @@ def test_point_pillar_parser_opv2v_values():
     assert anchor["l"] == 3.9 and anchor["num"] == 2
 
 
+def test_the_canvas_has_the_voxelizers_cells_where_the_extent_is_a_half_number_of_voxels():
+    """140.2 m of 0.4 m voxels is 350.5: spconv counts 351 cells (C's round, half away from zero), upstream's parser
+    350 (np.round, half to even), which put the last column's pillars at the start of the next row. Both parsers
+    give the canvas spconv's count (tests/test_device_points.py compares it with spconv's generator)."""
+    pillars = _point_pillar_hypes()
+    pillars["preprocess"]["cav_lidar_range"] = [-70.1, -40, -3, 70.1, 40, 1]
+    assert YP.run_yaml_parser(pillars)["model"]["args"]["point_pillar_scatter"]["grid_size"] == [351, 200, 1]
+    second = YP.run_yaml_parser({"yaml_parser": "load_second_params",
+                                 "preprocess": {"cav_lidar_range": [-70.1, -40, -3, 70.1, 40, 1],
+                                                "args": {"voxel_size": [0.4, 0.4, 4]}},
+                                 "model": {"args": {}}, "postprocess": {"anchor_args": {"num": 2}}})
+    assert second["model"]["args"]["grid_size"] == [351, 200, 1]
+
+
 def test_point_pillar_parser_is_idempotent():
     once = YP.run_yaml_parser(_point_pillar_hypes())
     snapshot = copy.deepcopy(once)

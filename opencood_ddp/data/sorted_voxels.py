@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-import numpy as np
 import torch
 
 from opencood_ddp.errors import ConfigError
+from opencood_ddp.yaml_parsers import voxel_grid_cells
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,8 @@ class VoxelGrid:
 
     @property
     def grid_size(self) -> Tuple[int, int, int]:
-        """(x, y, z) cells, as spconv's constructor computes them: float32 extent / float32 size, rounded half away
-        from zero."""
-        low = np.asarray(self.lidar_range[:3], dtype=np.float32)
-        high = np.asarray(self.lidar_range[3:], dtype=np.float32)
-        cells = (high - low) / np.asarray(self.voxel_size, dtype=np.float32)
-        return tuple(int(np.sign(c) * np.floor(np.abs(c) + np.float32(0.5))) for c in cells)
+        """(x, y, z) cells, as spconv's constructor computes them (``yaml_parsers.voxel_grid_cells``)."""
+        return tuple(voxel_grid_cells(self.lidar_range, self.voxel_size))
 
 
 def _cells(xyz: torch.Tensor, grid: VoxelGrid) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -32,6 +32,7 @@ import torch
 
 from opencood_ddp.data.sorted_voxels import VoxelGrid
 from opencood_ddp.errors import ConfigError
+from opencood_ddp.yaml_parsers import voxel_grid_cells
 
 VOXEL_KEYS = ("voxel_features", "voxel_coords", "voxel_num_points")
 
@@ -90,9 +91,8 @@ class Voxelizer:
 
     @property
     def grid_size(self) -> np.ndarray:
-        """(x, y, z) number of voxels, rounded as upstream's SpVoxelPreprocessor."""
-        extent = np.array(self.lidar_range[3:]) - np.array(self.lidar_range[:3])
-        return np.round(extent / np.array(self.voxel_size)).astype(np.int64)
+        """(x, y, z) number of voxels, as spconv's generator counts them (``yaml_parsers.voxel_grid_cells``)."""
+        return np.array(voxel_grid_cells(self.lidar_range, self.voxel_size), dtype=np.int64)
 
     def voxel_grid(self) -> VoxelGrid:
         """These settings as ``sorted_voxels.VoxelGrid``: the device path's voxelizer (``preprocess.on_device``)."""

@@ -181,7 +181,8 @@ def local_moments(x: torch.Tensor) -> torch.Tensor:
         # Contiguous (N, C, L) goes through the native kernel's float64 accumulation; with eps 0 its invstd is
         # 1 / std, and 0 for a constant channel. bf16/fp16 and CUDA inputs land here too. A 16-bit input without
         # parameters gets its mean and invstd back in its own type, rounded to 8 or 11 bits; float32 parameters
-        # select the mixed-type kernel, whose statistics are float32, as a 1-process run's native forward has them.
+        # select the mixed-type kernel, which accumulates in float32 and returns float32 statistics, as a 1-process
+        # run's native forward has them.
         weight, bias = _identity_parameters(x) if x.dtype in HALF_DTYPES else (None, None)
         _, native_mean, invstd = torch.native_batch_norm(x.contiguous(), weight, bias, None, None, True, 0.0, 0.0)
         invstd = invstd.double().cpu()
