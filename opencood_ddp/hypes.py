@@ -259,10 +259,10 @@ def range6(hypes: Mapping, key: str, source: str) -> tuple[float, ...]:
     """The value at ``key`` as a range ``(x_min, y_min, z_min, x_max, y_max, z_max)`` of floats, or a ConfigError."""
     value = get_key(hypes, key)
     if (not isinstance(value, (list, tuple)) or len(value) != 6
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
             or not all(value[axis] < value[axis + 3] for axis in range(3))):
-        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max] with min < max "
-                          f"on each axis, got {value!r}; {HYPES_FIX}")
+        raise ConfigError(f"{source}: key {key} must be [x_min, y_min, z_min, x_max, y_max, z_max] of finite numbers "
+                          f"with min < max on each axis, got {value!r}; {HYPES_FIX}")
     return tuple(float(v) for v in value)
 
 

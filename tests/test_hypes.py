@@ -323,8 +323,11 @@ def test_validate_empty_name_and_non_mapping_parent():
     # these were named after the keys the parser derives (anchor_args.W "must be a positive integer, got -240"),
     # or as one of four keys the grid comes from
     ("preprocess.cav_lidar_range=[48, -24, -3, -48, 24, 1]",
-     "key preprocess.cav_lidar_range must be [x_min, y_min, z_min, x_max, y_max, z_max] with min < max on each axis"),
+     "key preprocess.cav_lidar_range must be [x_min, y_min, z_min, x_max, y_max, z_max] of finite numbers with "
+     "min < max on each axis"),
     ("preprocess.cav_lidar_range=[-48, -24, -3, 48, 24]", "key preprocess.cav_lidar_range must be [x_min"),
+    # an infinite bound was an OverflowError traceback from the grid's rounding
+    ("preprocess.cav_lidar_range=[-.inf, -24, -3, 48, 24, 1]", "key preprocess.cav_lidar_range must be [x_min"),
     ("preprocess.args.voxel_size=[0.4, 0.4]", "key preprocess.args.voxel_size must be 3 positive numbers"),
     ("preprocess.args.voxel_size=[0.4, 0, 4]", "key preprocess.args.voxel_size must be 3 positive numbers"),
     ("preprocess.args.voxel_size=[-0.4, -0.4, 4]", "key preprocess.args.voxel_size must be 3 positive numbers"),
