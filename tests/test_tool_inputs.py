@@ -150,3 +150,24 @@ def test_the_visibility_tools_refuse_a_run_on_another_layout_by_name(tmp_path, t
     save_hypes(hypes_of("toy/point_pillar_intermediate_fusion", "fusion.dataset=v2xset"), run / "config.yaml")
     one_error_line(in_process(RECALL, "--dataset_dir", toy_small / "test", "--runs", run), "does not exist",
                    "--save_npy")
+
+
+def test_a_box_centre_outside_the_attention_grid_has_no_cell():
+    """attention_by_visibility.cell_of: a centre within one cell left of or below the grid read as column (row) 0,
+    because int() rounds toward zero. A 4 x 8 grid over x -8..8, y -4..4 (2 m cells), by hand."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tool_attention_by_visibility",
+                                                  REPO / "tools" / "analysis" / "attention_by_visibility.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+
+    def centre(x: float, y: float) -> np.ndarray:
+        return np.array([[x - 1, y - 1, 0.0], [x + 1, y + 1, 0.0]])  # corners whose mean is (x, y)
+
+    lidar_range, shape = (-8.0, -4.0, -3.0, 8.0, 4.0, 1.0), (4, 8)
+    assert tool.cell_of(centre(-7.0, -3.0), lidar_range, shape) == (0, 0)
+    assert tool.cell_of(centre(7.9, 3.9), lidar_range, shape) == (3, 7)
+    assert tool.cell_of(centre(-9.0, 0.0), lidar_range, shape) is None  # half a cell left of the grid
+    assert tool.cell_of(centre(0.0, -5.0), lidar_range, shape) is None  # half a cell below it
+    assert tool.cell_of(centre(8.0, 0.0), lidar_range, shape) is None

@@ -11,6 +11,7 @@ objects in each visibility group of opencood_ddp/metrics/visibility.py:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -57,8 +58,10 @@ def cell_of(box: np.ndarray, lidar_range: Sequence[float], shape: Sequence[int])
     """(row, column) of the BEV cell under a box's centre, None outside the grid."""
     height, width = shape
     x, y = box[:, 0].mean(), box[:, 1].mean()
-    column = int((x - lidar_range[0]) / (lidar_range[3] - lidar_range[0]) * width)
-    row = int((y - lidar_range[1]) / (lidar_range[4] - lidar_range[1]) * height)
+    # floor, not int(): int() rounds toward zero, which put a centre up to a cell left of (or below) the grid in
+    # its first column (row)
+    column = math.floor((x - lidar_range[0]) / (lidar_range[3] - lidar_range[0]) * width)
+    row = math.floor((y - lidar_range[1]) / (lidar_range[4] - lidar_range[1]) * height)
     return (row, column) if 0 <= row < height and 0 <= column < width else None
 
 
