@@ -287,6 +287,24 @@ def test_every_pillar_model_refuses_a_grid_or_anchors_its_heads_do_not_fit(confi
     assert_toy_model_refused(config, override, fragment)
 
 
+@pytest.mark.parametrize("config", [c for c in PILLAR_CONFIGS if c != "point_pillar_v2xvit"])  # its STTF check
+@pytest.mark.parametrize("lidar_range, fragment", [
+    # 60.2 m of 0.4 m voxels is 151 columns: the heads' map 76 wide at stride 2, the anchors 151 // 2 = 75 (a crash
+    # in the loss); 48.8 m is 122 rows: the levels 61, 31, 16 upsample to 61, 62, 64 (a crash in torch.cat)
+    ("[-30.1, -24, -3, 30.1, 24, 1]", "the canvas is 151 x 120 voxels (preprocess.cav_lidar_range over "
+                                      "preprocess.args.voxel_size); the heads' map comes out at"),
+    ("[-48, -24.4, -3, 48, 24.4, 1]", "the canvas is 240 x 122 voxels (preprocess.cav_lidar_range over "
+                                      "preprocess.args.voxel_size); model.args.base_bev_backbone's levels come out"),
+])
+def test_every_pillar_model_refuses_a_range_its_backbone_or_anchors_do_not_fit(config, lidar_range, fragment):
+    keys = ("preprocess.cav_lidar_range", "postprocess.anchor_args.cav_lidar_range", "model.args.lidar_range")
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", *(f"{key}={lidar_range}" for key in keys))
+    with pytest.raises(ConfigError) as caught:
+        create_model(hypes)
+    message = str(caught.value)
+    assert fragment in message and "whole multiples of" in message and "\n" not in message, message
+
+
 @pytest.mark.parametrize("config", ("point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"))
 def test_every_model_with_cav_slots_checks_max_cav_alike(config):
     hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", "train_params.max_cav=3")

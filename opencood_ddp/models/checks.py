@@ -229,11 +229,50 @@ def check_grid_agreement(hypes: Mapping, source: str) -> None:
 
 
 def check_anchor_stride(hypes: Mapping, source: str, stride: Optional[float]) -> None:
-    """The anchors are laid on the grid of the heads' map: their feature_stride is that map's stride."""
+    """The anchors are laid on the grid of the heads' map: their feature_stride is that map's stride, and the
+    canvas comes through the backbone at the anchors' size (``check_canvas_fits``)."""
     anchors = get_key(hypes, "postprocess.anchor_args.feature_stride")
     if anchors is not None and stride is not None and anchors != stride:
         refuse(source, f"postprocess.anchor_args.feature_stride ({anchors}) must equal the stride of the heads' "
                        f"map ({stride:g}: layer_strides[0] / upsample_strides[0] x the shrink_header strides)")
+    check_canvas_fits(hypes, source, stride)
+
+
+def _resized(n: int, up: float) -> int:
+    """Cells of a deblock's output for n input cells: a transposed convolution multiplies by its stride, a strided
+    one (upsample stride below 1) divides."""
+    return n * int(up) if up >= 1 else n // int(round(1 / up))
+
+
+def check_canvas_fits(hypes: Mapping, source: str, stride: Optional[float]) -> None:
+    """The canvas (point_pillar_scatter.grid_size: the range's voxels) passes the BEV backbone and meets the
+    anchors: the levels, each upsampled, come out at one size (they are concatenated), and the heads' map is the
+    anchors' grid (postprocess.anchor_args H and W over feature_stride). A range that is not a whole multiple of
+    the backbone's strides in voxels failed inside torch.cat or the loss, with a traceback; upstream too."""
+    args = hypes["model"]["args"]
+    grid, bev = get_key(args, "point_pillar_scatter.grid_size"), args.get("base_bev_backbone")
+    if grid is None or not isinstance(bev, Mapping):
+        return
+    cols, rows = int(grid[0]), int(grid[1])
+    strides, ups = [int(s) for s in bev["layer_strides"]], list(bev.get("upsample_strides") or [])
+    canvas = f"the canvas is {cols} x {rows} voxels (preprocess.cav_lidar_range over preprocess.args.voxel_size)"
+    fix = f"make the range's x and y extents whole multiples of {math.prod(strides)} voxels"
+    if ups:
+        levels = level_map_sizes(bev, rows, cols)
+        upsampled = [(_resized(r, up), _resized(c, up)) for (r, c), up in zip(levels, ups)]
+        if len(set(upsampled)) > 1:
+            refuse(source, f"{canvas}; {ARGS}base_bev_backbone's levels come out at {levels} (rows, columns), "
+                           f"upsampled to {upsampled}, which cannot be concatenated; {fix}")
+    fs = get_key(hypes, "postprocess.anchor_args.feature_stride")
+    width, height = get_key(hypes, "postprocess.anchor_args.W"), get_key(hypes, "postprocess.anchor_args.H")
+    if stride is None or fs is None or width is None or height is None:
+        return
+    heads = shrunk_map_size(args)
+    anchors = (int(height) // int(fs), int(width) // int(fs))
+    if heads != anchors:
+        refuse(source, f"{canvas}; the heads' map comes out at {heads[0]} x {heads[1]} cells and the anchors' grid "
+                       f"(postprocess.anchor_args H x W {height} x {width} over feature_stride {fs}) at "
+                       f"{anchors[0]} x {anchors[1]}; {fix}")
 
 
 def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: float, cols: float, how: str) -> None:
@@ -248,7 +287,7 @@ def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: fl
 
 __all__ = ["refuse", "check_windows_divide", "positive_ints", "backbone_channels", "shrink_header", "head_channels",
            "head_stride", "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_grid_agreement",
-           "check_anchor_stride", "level_map_sizes", "shrunk_map_size", "backbone_compression_steps",
+           "check_anchor_stride", "check_canvas_fits", "level_map_sizes", "shrunk_map_size", "backbone_compression_steps",
            "refuse_compression", "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS",
            "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS", "COMPRESSION", "BACKBONE_COMPRESSION"]
 
