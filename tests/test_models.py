@@ -305,6 +305,23 @@ def test_every_pillar_model_refuses_a_range_its_backbone_or_anchors_do_not_fit(c
     assert fragment in message and "whole multiples of" in message and "\n" not in message, message
 
 
+@pytest.mark.parametrize("config", PILLAR_CONFIGS + ("second_intermediate_fusion",))
+@pytest.mark.parametrize("override, fragment", [
+    # each was a traceback: a ZeroDivisionError in the map geometry, a negative dimension or an empty weight inside
+    # torch, a TypeError in a deblock; a layer_nums of -1 was taken as 0
+    ("layer_strides.0=0", "layer_strides must be a list of positive integers, got [0, "),
+    ("layer_strides.1=2.5", "layer_strides must be a list of positive integers"),
+    ("num_filters.0=-1", "num_filters must be a list of positive integers, got [-1, "),
+    ("num_upsample_filter.0=0", "num_upsample_filter must be a list of positive integers"),
+    ("upsample_strides.0=0", "upsample_strides must be a list of integers >= 1 or their inverses"),
+    ("upsample_strides.0=abc", "upsample_strides must be a list of integers >= 1 or their inverses"),
+    ("layer_nums.0=-1", "layer_nums must be a non-empty list of integers >= 0"),
+    ("layer_strides=[2]", "layer_nums, layer_strides and num_filters must have one entry per level"),
+])
+def test_every_model_refuses_a_backbone_list_it_cannot_build(config, override, fragment):
+    assert_toy_model_refused(config, "model.args.base_bev_backbone." + override, fragment)
+
+
 @pytest.mark.parametrize("config", ("point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"))
 def test_every_model_with_cav_slots_checks_max_cav_alike(config):
     hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", "train_params.max_cav=3")

@@ -36,6 +36,39 @@ def _non_negative_ints(values: Sequence) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 
 
+def _deblock_stride(value) -> bool:
+    """A deblock's stride: an integer >= 1 (a transposed convolution) or the inverse of one (a strided one)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        return False
+    whole = value if value >= 1 else 1 / value
+    return abs(whole - round(whole)) < 1e-6
+
+
+def check_bev_backbone(args: Mapping, source: str) -> None:
+    """base_bev_backbone's lists, before any map size is computed from them (a 0 stride was a ZeroDivisionError, a
+    -1 width a negative dimension inside torch): per level an entry of layer_nums (integers >= 0: the extra
+    convolutions), layer_strides and num_filters (positive integers); and upsample_strides (deblock strides) with a
+    num_upsample_filter (positive integer) each, for no level, every level, or every level and one extra."""
+    bev, key = args["base_bev_backbone"], ARGS + "base_bev_backbone."
+    levels = len(bev["layer_nums"])
+    if not levels or not _non_negative_ints(bev["layer_nums"]):
+        refuse(source, f"{key}layer_nums must be a non-empty list of integers >= 0 (each level's extra "
+                       f"convolutions), got {bev['layer_nums']!r}")
+    for name in ("layer_strides", "num_filters", "num_upsample_filter"):
+        if not positive_ints(bev[name]):
+            refuse(source, f"{key}{name} must be a list of positive integers, got {bev[name]!r}")
+    if not all(map(_deblock_stride, bev["upsample_strides"])):
+        refuse(source, f"{key}upsample_strides must be a list of integers >= 1 or their inverses (0.5: a strided "
+                       f"deblock), got {bev['upsample_strides']!r}")
+    if not len(bev["layer_strides"]) == len(bev["num_filters"]) == levels:
+        refuse(source, f"{key}layer_nums, layer_strides and num_filters must have one entry per level, got "
+                       f"{levels}, {len(bev['layer_strides'])} and {len(bev['num_filters'])}")
+    deblocks = len(bev["upsample_strides"])
+    if deblocks != len(bev["num_upsample_filter"]) or deblocks not in (0, levels, levels + 1):
+        refuse(source, f"{key}upsample_strides and num_upsample_filter must have one entry each per deblock: none, "
+                       f"one per level ({levels}) or one more; got {deblocks} and {len(bev['num_upsample_filter'])}")
+
+
 # ------------------------------------------------------------------------------------------ map geometry
 def backbone_channels(args: Mapping) -> int:
     """Channels of the base backbone's output (BaseBEVBackbone's rule)."""
@@ -285,9 +318,9 @@ def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: fl
                        f"size or lidar_range")
 
 
-__all__ = ["refuse", "check_windows_divide", "positive_ints", "backbone_channels", "shrink_header", "head_channels",
-           "head_stride", "check_shrink_header", "check_shrink_neck", "check_max_cav", "check_grid_agreement",
-           "check_anchor_stride", "check_canvas_fits", "level_map_sizes", "shrunk_map_size", "backbone_compression_steps",
-           "refuse_compression", "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS",
-           "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS", "COMPRESSION", "BACKBONE_COMPRESSION"]
-
+__all__ = ["refuse", "check_windows_divide", "positive_ints", "check_bev_backbone", "backbone_channels",
+           "shrink_header", "head_channels", "head_stride", "check_shrink_header", "check_shrink_neck",
+           "check_max_cav", "check_grid_agreement", "check_anchor_stride", "check_canvas_fits", "level_map_sizes",
+           "shrunk_map_size", "backbone_compression_steps", "refuse_compression", "check_feature_compression",
+           "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS",
+           "COMPRESSION", "BACKBONE_COMPRESSION"]

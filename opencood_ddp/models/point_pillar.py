@@ -40,9 +40,9 @@ from torch import nn
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, COMPRESSION, backbone_compression_steps,
-                                        check_anchor_stride, check_backbone_compression, check_grid_agreement,
-                                        check_shrink_header, check_shrink_neck, head_stride, level_map_sizes,
-                                        positive_ints, refuse, refuse_compression)
+                                        check_anchor_stride, check_backbone_compression, check_bev_backbone,
+                                        check_grid_agreement, check_shrink_header, check_shrink_neck, head_stride,
+                                        level_map_sizes, positive_ints, refuse, refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import counts
 from opencood_ddp.models.modules.ego_warp import EgoWarp, batch_ego_warp
@@ -93,6 +93,7 @@ def check_pillar_args(hypes: Mapping, source: str) -> None:
     if not filters or not positive_ints(filters):
         refuse(source, f"{_ARGS}pillar_vfe.num_filters must be a non-empty list of positive integers (the "
                        f"encoder's widths), got {filters!r}")
+    check_bev_backbone(args, source)
     check_grid_agreement(hypes, source)
     if args["point_pillar_scatter"]["num_features"] != args["pillar_vfe"]["num_filters"][-1]:
         raise ConfigError(f"{source}: model.args.point_pillar_scatter.num_features "

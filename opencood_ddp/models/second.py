@@ -25,7 +25,8 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
-from opencood_ddp.models.checks import BACKBONE_COMPRESSION, check_grid_agreement, refuse_compression
+from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, check_bev_backbone, check_grid_agreement,
+                                        refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import maps_of_coords
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
@@ -64,7 +65,7 @@ def check_sparse_front(hypes: Mapping, source: str) -> Sequence[int]:
                           f"intensity: the features SpVoxelPreprocessor gives each point), got "
                           f"{args['mean_vfe']['feature_points']}; fix the hypes")
     _check_height(args, grid, source)
-    _check_bev_backbone(args, source)
+    check_bev_backbone(args, source)
     return grid
 
 
@@ -120,16 +121,6 @@ def _check_height(args: Mapping, grid: Sequence[int], source: str) -> None:
                           f"backbone's width ({width}: model.args.backbone_3d.num_features_out, default 128) x the "
                           f"{depth} height cells it leaves of model.args.grid_size z = {grid[2]}; set it to "
                           f"{width * depth}")
-
-
-def _check_bev_backbone(args: Mapping, source: str) -> None:
-    bev = args["base_bev_backbone"]
-    if not len(bev["layer_nums"]) == len(bev["layer_strides"]) == len(bev["num_filters"]) >= 1:
-        raise ConfigError(f"{source}: model.args.base_bev_backbone.layer_nums, layer_strides and num_filters must "
-                          f"have one entry per level (at least one); fix the hypes")
-    if len(bev["upsample_strides"]) != len(bev["num_upsample_filter"]):
-        raise ConfigError(f"{source}: model.args.base_bev_backbone.upsample_strides and num_upsample_filter must "
-                          f"have the same length; fix the hypes")
 
 
 def _resample(cells: int, stride: float) -> int:
