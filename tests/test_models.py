@@ -279,6 +279,9 @@ PILLAR_CONFIGS = ("point_pillar_early_fusion", "point_pillar_late_fusion", "poin
                                                            "differs from preprocess.cav_lidar_range"),
     ("model.args.voxel_size=[0.8, 0.8, 4]", "model.args.voxel_size [0.8, 0.8, 4] differs from "
                                             "preprocess.args.voxel_size"),
+    # the anchors laid over another range than the features' cells, silently (found by a fuzz of the keys)
+    ("postprocess.anchor_args.cav_lidar_range=[-48, -24, -3, 40, 24, 1]",
+     "postprocess.anchor_args.cav_lidar_range [-48, -24, -3, 40, 24, 1] differs from preprocess.cav_lidar_range"),
     ("model.args.pillar_vfe.num_filters=[]", "model.args.pillar_vfe.num_filters must be a non-empty list of "
                                              "positive integers"),
     ("model.args.voxel_size=[a, b, c]", "model.args.voxel_size must be a list of numbers, got ['a', 'b', 'c']"),

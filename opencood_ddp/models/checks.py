@@ -254,6 +254,13 @@ def check_grid_agreement(hypes: Mapping, source: str) -> None:
         theirs = get_key(hypes, other)
         if theirs is not None and [float(v) for v in args[key]] != [float(v) for v in theirs]:
             refuse(source, f"{ARGS}{key} {args[key]!r} differs from {other} {theirs!r}; make them equal")
+    # The anchors are laid over their own copy of the range on the features' cells: another range shifts every
+    # anchor off its cell, silently (90 configs here, upstream's and the forks' keep the two equal).
+    anchors = get_key(hypes, "postprocess.anchor_args.cav_lidar_range")
+    data = get_key(hypes, "preprocess.cav_lidar_range")
+    if anchors is not None and data is not None and [float(v) for v in anchors] != [float(v) for v in data]:
+        refuse(source, f"postprocess.anchor_args.cav_lidar_range {anchors!r} differs from preprocess.cav_lidar_range "
+                       f"{data!r}; make them equal")
     for key in (ARGS + "anchor_num", "postprocess.anchor_args.num"):
         value = get_key(hypes, key)
         if value is not None and value != args["anchor_number"]:
