@@ -186,6 +186,9 @@ def test_where2comm_single_scale_compresses_after_the_confidence_map(toy_small):
     (ATTFUSE, "model.args.base_bev_backbone.compression=3",
      ("level 0 gets 3 halving steps, which needs 2^3 = 8 to divide its 32 channels and both sides of its 60 x 120",
       "use at most 2")),
+    # was a ValueError (2^1e9 has too many digits to print), then a count to 1e9 for "at most"
+    (ATTFUSE, "model.args.base_bev_backbone.compression=1000000000",
+     ("level 0 gets 1000000000 halving steps, which needs 2^1000000000 to divide its 32 channels", "use at most 2")),
     (ATTFUSE, "model.args.compression=4", ("model.args.compression > 0 is not built for this model",
                                            "use model.args.base_bev_backbone.compression")),
     ("point_pillar_early_fusion", "model.args.base_bev_backbone.compression=1",

@@ -179,9 +179,11 @@ def _steps_fit(bev: Mapping, sizes: Sequence[Tuple[int, int]], layers: int) -> O
     """Why `layers` auto-encoder steps do not fit the levels (None when they do)."""
     for level, (steps, filters, (rows, cols)) in enumerate(zip(backbone_compression_steps(layers, len(sizes)),
                                                                bev["num_filters"], sizes)):
-        factor = 2 ** steps
-        if steps and (int(filters) % factor or rows % factor or cols % factor):
-            return (f"level {level} gets {steps} halving steps, which needs 2^{steps} = {factor} to divide its "
+        # past 2^30 no map or width is divided; the test also keeps 2^steps out of the message, which cannot
+        # print an integer of more than 4300 digits (a compression of 1e9 was a ValueError)
+        if steps and (steps > 30 or any(int(value) % 2 ** steps for value in (filters, rows, cols))):
+            factor = f"2^{steps} = {2 ** steps}" if steps <= 30 else f"2^{steps}"
+            return (f"level {level} gets {steps} halving steps, which needs {factor} to divide its "
                     f"{filters} channels and both sides of its {rows} x {cols} map")
     return None
 
@@ -196,7 +198,7 @@ def check_backbone_compression(args: Mapping, source: str, rows: int, cols: int)
     sizes = level_map_sizes(bev, rows, cols)
     problem = _steps_fit(bev, sizes, layers) if layers else None
     if problem:
-        most = max(n for n in range(layers) if _steps_fit(bev, sizes, n) is None)
+        most = max(n for n in range(min(layers, 32)) if _steps_fit(bev, sizes, n) is None)  # none fits past 30
         refuse(source, f"{BACKBONE_COMPRESSION} ({layers}) does not fit the backbone: {problem}; use at most "
                        f"{most} (0: off), or change lidar_range / voxel_size or num_filters")
 
