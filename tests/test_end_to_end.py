@@ -5,8 +5,10 @@ script on the small toy world."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +154,9 @@ def test_parity_check_refuses_a_batch_that_does_not_split(toy_small):
     (["--work_dir", "A_FILE"], "--work_dir A_FILE is a file; pick an empty folder"),
     (["--timeout", "0.5", "--work_dir", "RUNS"], "the world1 run took longer than --timeout 0.5 s and was stopped; "
                                                  "its output is in RUNS/world1.log"),
+    # a run trained outside --work_dir and a traceback reading it back; a negative tolerance passed everything
+    (["--train_args=--model_dir RUNS"], "--train_args sets --model_dir, which parity_check sets for every run"),
+    (["--tolerance", "-1"], "--tolerance -1: give a number >= 0"),
 ])
 def test_parity_check_flags_it_cannot_run_are_one_line(toy_small, tmp_path, flags, fragment):
     (tmp_path / "a_file").write_text("notes\n")
@@ -164,6 +169,21 @@ def test_parity_check_flags_it_cannot_run_are_one_line(toy_small, tmp_path, flag
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], explain(result)
     assert (tmp_path / "a_file").read_text() == "notes\n"
+
+
+def test_parity_check_keeps_the_log_its_failed_run_names(toy_small):
+    """Without --work_dir the runs' temporary folder was removed at exit, also when a run had failed: the error
+    line named a log that no longer existed. It now stays until every run has been read; '' as --world_sizes (a
+    check of nothing that passed) is refused."""
+    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "1",
+                        *split_set_flags(toy_small), "--train_args=--no_such_flag")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1 and "the world1 run failed" in errors[0], explain(result)
+    log = Path(errors[0].rsplit("its output is in ", 1)[1])
+    assert "unrecognized arguments: --no_such_flag" in log.read_text()
+    shutil.rmtree(log.parent)
+    empty = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "", *split_set_flags(toy_small))
+    assert empty.returncode == 2 and "--world_sizes '': give comma-separated integers" in empty.stderr, explain(empty)
 
 
 # ------------------------------------------------------------------------------------------------ multi-node

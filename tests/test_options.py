@@ -116,3 +116,20 @@ def test_a_bad_worker_count_is_one_argparse_line(value, fragment, capsys):
             parse(["--model_dir", "run", "--num_workers", value])
         assert stopped.value.code == 2
         assert f"argument --num_workers: {fragment}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value, fragment", [
+    # each was taken as given: a negative count and an unreachable share never stopped a run; 0 or -1 GiB
+    # measured for seconds and then found no plan
+    ("--max_skips_in_a_row", "-1", "-1 is negative; 0 stops at the first skipped step"),
+    ("--max_skip_share", "1.5", "1.5 is not a share of an epoch's steps in [0, 1]"),
+    ("--per_gpu_mem_gib", "0", "0 must be a positive, finite number of GiB"),
+    ("--per_gpu_mem_gib", "-1", "-1 must be a positive, finite number of GiB"),
+])
+def test_a_bound_the_loop_or_the_planner_cannot_use_is_one_argparse_line(flag, value, fragment, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse_train_options(["--model_dir", "run", flag, value])
+    assert stopped.value.code == 2 and f"argument {flag}: {fragment}" in capsys.readouterr().err
+    options = parse_train_options(["--model_dir", "run", "--max_skips_in_a_row", "0", "--max_skip_share", "1",
+                                   "--per_gpu_mem_gib", "0.5"])
+    assert (options.loop.max_skips_in_a_row, options.loop.max_skip_share, options.batch.per_gpu_mem_gib) == (0, 1, 0.5)

@@ -61,6 +61,10 @@ def test_convert_checkpoint_names_a_missing_or_damaged_source_and_a_target_it_ca
                    f"{tmp_path / 'junk.pth'} is not a torch checkpoint, or is truncated (UnpicklingError")
     one_error_line(in_process(CONVERT, "--trust", tmp_path / "good.pth", tmp_path / "no_folder" / "new.pth"),
                    f"its folder {tmp_path / 'no_folder'} is not there")
+    # Without --trust the paths are checked first: a mistyped one was answered with "pass --trust"
+    one_error_line(in_process(CONVERT, tmp_path / "nope.pth", tmp_path / "new.pth"),
+                   f"{tmp_path / 'nope.pth'} is not a file")
+    one_error_line(in_process(CONVERT, tmp_path / "good.pth", tmp_path / "new.pth"), "pass --trust")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good.pth", "junk.pth"]
 
 

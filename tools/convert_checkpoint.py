@@ -36,9 +36,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def convert(args: argparse.Namespace) -> str:
     source, target = Path(args.source), Path(args.target)
-    if not args.trust:
-        raise ConfigError(f"converting {source} unpickles it in full, which runs any code it holds; pass --trust "
-                          f"if you trust its source")
+    # The paths first: a mistyped one must not be answered with "pass --trust", which would then be asked of a
+    # file nobody has looked at.
     if not source.is_file():
         raise CheckpointError(f"{source} is not a file; pass the checkpoint to convert")
     if target.exists():
@@ -46,6 +45,9 @@ def convert(args: argparse.Namespace) -> str:
     if not target.parent.is_dir():
         raise ConfigError(f"{target}: its folder {target.parent} is not there; create it, or give a file in an "
                           f"existing folder")
+    if not args.trust:
+        raise ConfigError(f"converting {source} unpickles it in full, which runs any code it holds; pass --trust "
+                          f"if you trust its source")
     print(f"warning: unpickling {source} with torch.load(weights_only=False), as --trust asked", file=sys.stderr)
     try:
         loaded = torch.load(source, map_location="cpu", weights_only=False)  # the one full unpickling: --trust

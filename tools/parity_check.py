@@ -29,6 +29,7 @@ import dataclasses
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,8 @@ from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
 NOISE_RUN = "world1_reversed"
+# train_ddp.py flags this tool gives each run itself (`command`)
+OWN_RUN_FLAGS = ("--model_dir", "--hypes_yaml", "--max_steps", "--reverse_batch_order")
 
 
 # The training flags every run gets, as tools/train_ddp.py reads them (--half: expect larger gaps).
@@ -254,11 +257,19 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--steps {args.steps}: give a positive number of optimizer steps")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout {args.timeout:g}: give each run's limit in seconds, above 0")
+    for name in ("tolerance", "loss_tolerance", "noise_factor"):
+        if not getattr(args, name) >= 0:
+            raise ConfigError(f"--{name} {getattr(args, name):g}: give a number >= 0")
     try:
-        shlex.split(args.train_args)
+        extra = shlex.split(args.train_args)
     except ValueError as exc:
         raise ConfigError(f"--train_args {args.train_args!r} cannot be split into flags ({exc}); check its "
                           f"quotes") from None
+    # The runs' own flags: another --model_dir trained outside --work_dir (a traceback when it was read back)
+    owned = sorted({flag.split("=")[0] for flag in extra} & set(OWN_RUN_FLAGS))
+    if owned:
+        raise ConfigError(f"--train_args sets {', '.join(owned)}, which parity_check sets for every run; drop it "
+                          f"(--steps and --work_dir say how long and where)")
     if args.work_dir and Path(args.work_dir).exists() and not Path(args.work_dir).is_dir():
         raise ConfigError(f"--work_dir {args.work_dir} is a file; pick an empty folder")
 
@@ -267,23 +278,26 @@ def parity_check(args: argparse.Namespace) -> int:
     world_sizes = parse_world_sizes(args.world_sizes)
     check_flags(args)
     batch = check_batch_splits(args, world_sizes)
-    with tempfile.TemporaryDirectory(prefix="parity_") as scratch:
-        work_dir = Path(args.work_dir or scratch)
-        try:
-            work_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # a parent that is a file, or a folder it may not write in
-            raise ConfigError(f"--work_dir {work_dir}: cannot make it ({exc.strerror}); pick an empty folder") \
-                from None
-        names = [f"world{world}" for world in world_sizes] + [NOISE_RUN]
-        taken = [name for name in names if (work_dir / name).exists()]
-        if taken:
-            raise ConfigError(f"--work_dir {work_dir} already holds {', '.join(taken)}; pick an empty folder")
-        results = [read_run(f"world{world}", run_world(f"world{world}", world, args, work_dir), args.steps)
-                   for world in world_sizes]
-        noise = read_run(NOISE_RUN, run_world(NOISE_RUN, 1, args, work_dir, reverse=True), args.steps)
-        passed = report(results, noise, args, batch)
-        if args.work_dir:
-            print(f"runs kept in {work_dir}")
+    # Without --work_dir the runs go to a temporary folder, removed once every run has been read: a run that fails
+    # leaves it, so that the log its error line names is there to read.
+    scratch = None if args.work_dir else Path(tempfile.mkdtemp(prefix="parity_"))
+    work_dir = Path(args.work_dir) if args.work_dir else scratch
+    try:
+        work_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a parent that is a file, or a folder it may not write in
+        raise ConfigError(f"--work_dir {work_dir}: cannot make it ({exc.strerror}); pick an empty folder") from None
+    names = [f"world{world}" for world in world_sizes] + [NOISE_RUN]
+    taken = [name for name in names if (work_dir / name).exists()]
+    if taken:
+        raise ConfigError(f"--work_dir {work_dir} already holds {', '.join(taken)}; pick an empty folder")
+    results = [read_run(f"world{world}", run_world(f"world{world}", world, args, work_dir), args.steps)
+               for world in world_sizes]
+    noise = read_run(NOISE_RUN, run_world(NOISE_RUN, 1, args, work_dir, reverse=True), args.steps)
+    passed = report(results, noise, args, batch)
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    else:
+        print(f"runs kept in {work_dir}")
     return 0 if passed else 1
 
 

@@ -173,6 +173,39 @@ def seed_value(text: str) -> int:
     return value
 
 
+def memory_gib(text: str) -> float:
+    """--per_gpu_mem_gib: a positive, finite number of GiB; 0 or less measured for seconds, then found no plan."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of GiB")
+    return value
+
+
+def skip_count(text: str) -> int:
+    """--max_skips_in_a_row: 0 (stop at the first skipped step) or more; a negative count was taken as given."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; 0 stops at the first skipped step")
+    return value
+
+
+def skip_share(text: str) -> float:
+    """--max_skip_share: a share of an epoch's steps, in [0, 1]; 1.5 could never be reached."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a share of an epoch's steps in [0, 1]")
+    return value
+
+
 def per_gpu_batch_value(text: str) -> Union[int, str]:
     """--per_gpu_batch: a positive integer or 'auto'."""
     if text == "auto":
@@ -214,7 +247,7 @@ def add_batch_arguments(parser: Any) -> None:
                         help="cap the per-process batch; the rest becomes gradient accumulation. 'auto': measure a "
                              "step's memory at per-process batch 1, 2, 4 on this device and take the largest that "
                              "fits (tools/plan_batch.py's plan); nothing else of the run changes")
-    parser.add_argument("--per_gpu_mem_gib", type=float,
+    parser.add_argument("--per_gpu_mem_gib", type=memory_gib,
                         help="with --per_gpu_batch auto: memory one process may use, GiB (default: the GPU's share, "
                              "or on the CPU the available memory shared by this node's processes; 10%% kept free)")
     parser.add_argument("--batch_semantics", choices=SEMANTICS, default=BatchOptions.batch_semantics,
@@ -246,9 +279,9 @@ def add_loop_arguments(parser: Any) -> None:
     parser.add_argument("--on_nonfinite", choices=NONFINITE_POLICIES, default=LoopOptions.on_nonfinite,
                         help="a non-finite loss or gradient on any rank: stop (save the state before the step, "
                              "exit 3) or skip the step on every rank")
-    parser.add_argument("--max_skips_in_a_row", type=int, default=LoopOptions.max_skips_in_a_row,
+    parser.add_argument("--max_skips_in_a_row", type=skip_count, default=LoopOptions.max_skips_in_a_row,
                         help="with --on_nonfinite skip: stop (as 'stop' does) after more consecutive skipped steps")
-    parser.add_argument("--max_skip_share", type=float, default=LoopOptions.max_skip_share,
+    parser.add_argument("--max_skip_share", type=skip_share, default=LoopOptions.max_skip_share,
                         help="with --on_nonfinite skip: stop when a larger share of an epoch's steps was skipped")
     parser.add_argument("--eval_after_training", action="store_true",
                         help="evaluate the last checkpoint on the test split (test_dir, else validate_dir) on all "
