@@ -235,7 +235,8 @@ def add_run_arguments(parser: Any) -> None:
                         help="parent of new run folders without --model_dir")
     parser.add_argument("--restart", action="store_true",
                         help="train an existing run folder that has a history but no checkpoint that loads from the "
-                             "start (its train_steps.csv is replaced); refused otherwise")
+                             "start (its train_steps.csv is replaced); without this flag such a folder is refused. "
+                             "A folder with a checkpoint that loads resumes from it either way")
     parser.add_argument("--allow_config_change", action="store_true",
                         help="resume although a model or data section of config.yaml (or a --set) differs from "
                              "what the checkpoint was trained with (refused otherwise)")
