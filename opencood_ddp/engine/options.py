@@ -19,7 +19,7 @@ import dataclasses
 import math
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Protocol, Sequence, Union
+from typing import Any, Callable, Literal, Optional, Protocol, Sequence, Union
 
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, LrScaling, Semantics
 from opencood_ddp.engine.capture import CAPTURE_MODES, CaptureMode
@@ -138,12 +138,17 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
                         help="set by torch.distributed.launch; torchrun uses LOCAL_RANK instead")
 
 
+def _parsed(text: str, convert: Callable[[str], Any], kind: str) -> Any:
+    """``convert(text)``, or argparse's one-line error saying the flag wants ``kind``."""
+    try:
+        return convert(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+
+
 def worker_count(text: str) -> int:
     """--num_workers: 0 (load in the process itself) or more; DataLoader would fail later with a traceback."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _parsed(text, int, "a whole number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; 0 loads in the process itself")
     return value
@@ -152,10 +157,7 @@ def worker_count(text: str) -> int:
 def timeout_minutes(text: str) -> float:
     """--dist_timeout: a positive, finite number of minutes; 0 or less fails the first rendezvous with a socket
     traceback, inf or nan in torch's timedelta."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of minutes") from None
+    value = _parsed(text, float, "a number of minutes")
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of minutes (default "
                                          f"{ProcessOptions.dist_timeout:g})")
@@ -164,10 +166,7 @@ def timeout_minutes(text: str) -> float:
 
 def seed_value(text: str) -> int:
     """--seed: an integer numpy's legacy seed takes (seed_everything sets it), as train_params.seed."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _parsed(text, int, "a whole number")
     if not 0 <= value < RANDOM_STATE_SEEDS:
         raise argparse.ArgumentTypeError(f"{value} is outside [0, 2**32), the seeds numpy takes")
     return value
@@ -175,10 +174,7 @@ def seed_value(text: str) -> int:
 
 def memory_gib(text: str) -> float:
     """--per_gpu_mem_gib: a positive, finite number of GiB; 0 or less measured for seconds, then found no plan."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GiB") from None
+    value = _parsed(text, float, "a number of GiB")
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of GiB")
     return value
@@ -186,10 +182,7 @@ def memory_gib(text: str) -> float:
 
 def skip_count(text: str) -> int:
     """--max_skips_in_a_row: 0 (stop at the first skipped step) or more; a negative count was taken as given."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    value = _parsed(text, int, "a whole number")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; 0 stops at the first skipped step")
     return value
@@ -197,10 +190,7 @@ def skip_count(text: str) -> int:
 
 def skip_share(text: str) -> float:
     """--max_skip_share: a share of an epoch's steps, in [0, 1]; 1.5 could never be reached."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parsed(text, float, "a number")
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{text} is not a share of an epoch's steps in [0, 1]")
     return value
