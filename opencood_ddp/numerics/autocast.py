@@ -17,6 +17,9 @@ from typing import ContextManager
 
 import torch
 
+# The types a 16-bit autocast computes in: the float32 islands (models/modules/precision.py) and the synchronized
+# batch norm's statistics (numerics/batch_norm.py) widen them.
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # The device types the project runs on, answered at import; another one is asked of torch on first use.
 _AVAILABLE = {device_type: torch.amp.is_autocast_available(device_type) for device_type in ("cpu", "cuda", "meta")}
@@ -42,4 +45,4 @@ def autocast_off(device_type: str) -> ContextManager:
     return torch.autocast(device_type, enabled=False)
 
 
-__all__ = ["autocast_available", "autocast_enabled", "autocast_off"]
+__all__ = ["HALF_DTYPES", "autocast_available", "autocast_enabled", "autocast_off"]

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from opencood_ddp.numerics.autocast import HALF_DTYPES
 from opencood_ddp.numerics.jit import jit
 from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
 from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
@@ -158,9 +159,6 @@ def _affine(x: torch.Tensor, slope: torch.Tensor, intercept: torch.Tensor) -> to
 
 
 # ------------------------------------------------------------------------------------- the accurate sums
-HALF_DTYPES = (torch.bfloat16, torch.float16)
-
-
 def _identity_parameters(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 weight 1 and bias 0 for x's channels: an affine step that changes no statistic."""
     channels = x.shape[1]

@@ -24,10 +24,9 @@ from typing import Callable, TypeVar
 
 import torch
 
-from opencood_ddp.numerics.autocast import autocast_enabled, autocast_off
+from opencood_ddp.numerics.autocast import HALF_DTYPES, autocast_enabled, autocast_off
 
 T = TypeVar("T")
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def in_full_precision(fn: Callable[..., T], *tensors: torch.Tensor) -> T:

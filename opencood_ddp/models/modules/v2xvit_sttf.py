@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from opencood_ddp.models.modules.cav_layout import device_constant
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
+from opencood_ddp.numerics.autocast import HALF_DTYPES
 
 _EPS = 1e-14  # upstream's denominator for a map one pixel wide
 
@@ -47,7 +48,7 @@ def sampling_grid(pixel_map: torch.Tensor, height: int, width: int, dtype: torch
         unit = _pixels_to_unit(height, width, pixel_map)
         # grid_sample looks up, for each destination pixel, where it came from: the inverse map.
         theta = unit @ torch.linalg.inv(pixel_map) @ torch.linalg.inv(unit)
-        full = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        full = torch.float32 if dtype in HALF_DTYPES else dtype
         return F.affine_grid(theta[:, :2].to(full), [pixel_map.shape[0], 1, height, width], align_corners=True)
 
     return in_full_precision(grid, pixel_map)
