@@ -115,6 +115,12 @@ def level_map_sizes(bev: Mapping, rows: int, cols: int) -> List[Tuple[int, int]]
     return sizes
 
 
+def deblock_cells(n: int, stride: float) -> int:
+    """Cells of a deblock's output for n input cells: a transposed convolution multiplies by its upsample stride,
+    a strided one (a stride below 1) divides."""
+    return n * int(stride) if stride >= 1 else n // int(round(1 / stride))
+
+
 def shrunk_map_size(args: Mapping) -> Tuple[int, int]:
     """(H, W) of the map the pillar models fuse: the scatter grid through the backbone's first level, its deblock
     (all levels are concatenated at that size), the optional extra deblock and the shrink header's convolutions."""
@@ -127,7 +133,7 @@ def shrunk_map_size(args: Mapping) -> Tuple[int, int]:
             for s in backbone["layer_strides"][1:]:
                 n = (n - 1) // int(s) + 1
         for up in ups[:1] + ups[len(backbone["layer_strides"]):]:  # level 0's deblock, then the optional extra
-            n = n * int(up) if up >= 1 else n // int(round(1 / up))
+            n = deblock_cells(n, up)
         shrink = shrink_header(args) or {}
         for k, s, p in zip(shrink.get("kernal_size", []), shrink.get("stride", []), shrink.get("padding", [])):
             n = (n + 2 * int(p) - int(k)) // int(s) + 1
@@ -250,19 +256,17 @@ def check_grid_agreement(hypes: Mapping, source: str) -> None:
     made from. Upstream's files keep them equal by YAML anchors, which a --set of one of them splits: the pillars'
     offsets would be computed on another grid, or the heads' map would not fit the anchors."""
     args = hypes["model"]["args"]
-    for key, other in (("voxel_size", "preprocess.args.voxel_size"), ("lidar_range", "preprocess.cav_lidar_range")):
+    for key in ("voxel_size", "lidar_range"):
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in args[key]):
             refuse(source, f"{ARGS}{key} must be a list of numbers, got {args[key]!r}")
-        theirs = get_key(hypes, other)
-        if theirs is not None and [float(v) for v in args[key]] != [float(v) for v in theirs]:
-            refuse(source, f"{ARGS}{key} {args[key]!r} differs from {other} {theirs!r}; make them equal")
     # The anchors are laid over their own copy of the range on the features' cells: another range shifts every
     # anchor off its cell, silently (90 configs here, upstream's and the forks' keep the two equal).
-    anchors = get_key(hypes, "postprocess.anchor_args.cav_lidar_range")
-    data = get_key(hypes, "preprocess.cav_lidar_range")
-    if anchors is not None and data is not None and [float(v) for v in anchors] != [float(v) for v in data]:
-        refuse(source, f"postprocess.anchor_args.cav_lidar_range {anchors!r} differs from preprocess.cav_lidar_range "
-                       f"{data!r}; make them equal")
+    for key, other in ((ARGS + "voxel_size", "preprocess.args.voxel_size"),
+                       (ARGS + "lidar_range", "preprocess.cav_lidar_range"),
+                       ("postprocess.anchor_args.cav_lidar_range", "preprocess.cav_lidar_range")):
+        ours, theirs = get_key(hypes, key), get_key(hypes, other)
+        if ours is not None and theirs is not None and [float(v) for v in ours] != [float(v) for v in theirs]:
+            refuse(source, f"{key} {ours!r} differs from {other} {theirs!r}; make them equal")
     for key in (ARGS + "anchor_num", "postprocess.anchor_args.num"):
         value = get_key(hypes, key)
         if value is not None and value != args["anchor_number"]:
@@ -280,12 +284,6 @@ def check_anchor_stride(hypes: Mapping, source: str, stride: Optional[float]) ->
     check_canvas_fits(hypes, source, stride)
 
 
-def _resized(n: int, up: float) -> int:
-    """Cells of a deblock's output for n input cells: a transposed convolution multiplies by its stride, a strided
-    one (upsample stride below 1) divides."""
-    return n * int(up) if up >= 1 else n // int(round(1 / up))
-
-
 def check_canvas_fits(hypes: Mapping, source: str, stride: Optional[float]) -> None:
     """The canvas (point_pillar_scatter.grid_size: the range's voxels) passes the BEV backbone and meets the
     anchors: the levels, each upsampled, come out at one size (they are concatenated), and the heads' map is the
@@ -301,7 +299,7 @@ def check_canvas_fits(hypes: Mapping, source: str, stride: Optional[float]) -> N
     fix = f"make the range's x and y extents whole multiples of {math.prod(strides)} voxels"
     if ups:
         levels = level_map_sizes(bev, rows, cols)
-        upsampled = [(_resized(r, up), _resized(c, up)) for (r, c), up in zip(levels, ups)]
+        upsampled = [(deblock_cells(r, up), deblock_cells(c, up)) for (r, c), up in zip(levels, ups)]
         if len(set(upsampled)) > 1:
             refuse(source, f"{canvas}; {ARGS}base_bev_backbone's levels come out at {levels} (rows, columns), "
                            f"upsampled to {upsampled}, which cannot be concatenated; {fix}")
@@ -330,6 +328,6 @@ def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: fl
 __all__ = ["refuse", "check_windows_divide", "positive_ints", "check_bev_backbone", "backbone_channels",
            "shrink_header", "head_channels", "head_stride", "check_shrink_header", "check_shrink_neck",
            "check_max_cav", "check_grid_agreement", "check_anchor_stride", "check_canvas_fits", "level_map_sizes",
-           "shrunk_map_size", "backbone_compression_steps", "refuse_compression", "check_feature_compression",
-           "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK", "SHRINK_LISTS", "SHRINK_HEADER_KEYS",
-           "COMPRESSION", "BACKBONE_COMPRESSION"]
+           "deblock_cells", "shrunk_map_size", "backbone_compression_steps", "refuse_compression",
+           "check_feature_compression", "check_backbone_compression", "DEFAULT_MAX_CAV", "ARGS", "SHRINK",
+           "SHRINK_LISTS", "SHRINK_HEADER_KEYS", "COMPRESSION", "BACKBONE_COMPRESSION"]

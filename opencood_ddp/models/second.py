@@ -26,7 +26,7 @@ from torch import nn
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, check_bev_backbone, check_grid_agreement,
-                                        refuse_compression)
+                                        deblock_cells, refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import maps_of_coords
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
@@ -123,11 +123,6 @@ def _check_height(args: Mapping, grid: Sequence[int], source: str) -> None:
                           f"{width * depth}")
 
 
-def _resample(cells: int, stride: float) -> int:
-    """Cells after a deblock: a transposed convolution multiplies, a strided one (stride < 1) divides."""
-    return cells * int(stride) if stride >= 1 else cells // int(round(1 / stride))
-
-
 def head_map_shape(args: Mapping, grid: Sequence[int]) -> Tuple[int, int]:
     """(H, W) of the heads' map: grid_size through the sparse backbone and the BEV backbone's level 0."""
     bev = args["base_bev_backbone"]
@@ -136,7 +131,7 @@ def head_map_shape(args: Mapping, grid: Sequence[int]) -> Tuple[int, int]:
     rows, cols = (rows - 1) // first + 1, (cols - 1) // first + 1  # ZeroPad2d(1) + 3x3 conv at that stride
     ups = list(bev["upsample_strides"])
     for stride in ups[:1] + ups[len(bev["layer_nums"]):]:  # level 0's deblock, then one on the concatenation
-        rows, cols = _resample(rows, stride), _resample(cols, stride)
+        rows, cols = deblock_cells(rows, stride), deblock_cells(cols, stride)
     return rows, cols
 
 
