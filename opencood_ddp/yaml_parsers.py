@@ -33,10 +33,6 @@ _ANCHOR_GRID = tuple((f"postprocess.anchor_args.{key}", kind) for key, kind in (
     ("vw", "number"), ("vh", "number"), ("vd", "number"), ("W", "int"), ("H", "int"), ("D", "int")))
 
 
-def _grid(lidar_range: Sequence[float], voxel_size: Sequence[float], rounding) -> List[int]:
-    return [int(rounding((lidar_range[axis + 3] - lidar_range[axis]) / voxel_size[axis])) for axis in range(3)]
-
-
 def voxel_grid_cells(lidar_range: Sequence[float], voxel_size: Sequence[float]) -> List[int]:
     """(x, y, z) voxels of a range as spconv's voxel generator counts them, and every voxelizer here with it: the
     float32 extent over the float32 voxel size, rounded half away from zero (C's round). The canvas the pillars
@@ -56,7 +52,9 @@ def _anchor_grid(hypes: dict, lidar_range: Sequence[float]) -> dict:
     voxel_size = hypes["preprocess"]["args"]["voxel_size"]
     anchor_args = hypes["postprocess"]["anchor_args"]
     anchor_args["vw"], anchor_args["vh"], anchor_args["vd"] = voxel_size
-    anchor_args["W"], anchor_args["H"], anchor_args["D"] = _grid(lidar_range, voxel_size, math.ceil)
+    # Upstream's anchor grid: the float64 quotient rounded up, not the canvas's count (voxel_grid_cells)
+    anchor_args["W"], anchor_args["H"], anchor_args["D"] = [
+        math.ceil((lidar_range[axis + 3] - lidar_range[axis]) / voxel_size[axis]) for axis in range(3)]
     return anchor_args
 
 
