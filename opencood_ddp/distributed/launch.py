@@ -31,12 +31,13 @@ def launcher_prefix(nproc: int, torchrun: bool = True, *, nodes: int = 1, endpoi
 def parse_world_sizes(text: str) -> list[int]:
     """'2,4' -> [1, 2, 4]: sorted, distinct, with the 1-process reference always in."""
     parts = [part for part in text.split(",") if part.strip()]
+    wanted = f"--world_sizes {text!r}: give comma-separated integers, e.g. 1,2,4"
+    if not parts:  # '' gave the reference alone, and a parity check that compared nothing passed
+        raise ConfigError(wanted)
     try:
         sizes = sorted({int(part) for part in parts} | {1})
     except ValueError:
-        raise ConfigError(f"--world_sizes {text!r}: give comma-separated integers, e.g. 1,2,4") from None
-    if not parts:  # '' gave the reference alone, and a parity check that compared nothing passed
-        raise ConfigError(f"--world_sizes {text!r}: give comma-separated integers, e.g. 1,2,4")
+        raise ConfigError(wanted) from None
     if sizes[0] < 1:
         raise ConfigError(f"--world_sizes {text!r}: world sizes must be positive")
     return sizes
