@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -176,3 +178,14 @@ def in_process(script: Path, *args: str) -> subprocess.CompletedProcess:
     finally:
         sys.argv = saved_argv
     return subprocess.CompletedProcess([str(script), *map(str, args)], code, out.getvalue(), err.getvalue())
+
+
+def load_tool(relative: str) -> ModuleType:
+    """A script under tools/ (not a package), e.g. "analysis/attention_by_visibility.py", loaded as a module by
+    its path, in process. It is registered in sys.modules: dataclasses look their module up while the file runs."""
+    name = "tool_" + relative.removesuffix(".py").replace("/", "_")
+    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / relative)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -6,15 +6,14 @@ the README names must be run by a test (its file name appears in tests/) or be `
 """
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 
-from launch import REPO
+from launch import REPO, load_tool
 
 README = REPO / "README.md"
 # The engine's parsers behind the two entry points (the tools' files only call them).
@@ -47,10 +46,7 @@ def parse_with_tool(tool: str, args: list[str]) -> None:
     if tool in ENGINE_PARSERS:
         module = importlib.import_module(ENGINE_PARSERS[tool])
     else:
-        spec = importlib.util.spec_from_file_location(f"readme_{Path(tool).stem}", REPO / "tools" / tool)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
+        module = load_tool(tool)
     if hasattr(module, "train_parser"):
         module.train_parser().parse_args(args)
     elif hasattr(module, "build_parser"):

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
-import sys
 
 import pytest
 
-from launch import REPO
+from launch import load_tool
 from opencood_ddp.engine.options import (TrainOptions, parse_train_options, train_argv, train_options_of,
                                          train_parser, training_flags)
 
@@ -22,11 +20,7 @@ MEANING = ("option_strings", "nargs", "const", "choices", "type", "default")
 
 
 def tool_parser(tool: str) -> argparse.ArgumentParser:
-    spec = importlib.util.spec_from_file_location(f"tool_flags_{tool.replace('/', '_')[:-3]}", REPO / "tools" / tool)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return getattr(module, TOOLS[tool])()
+    return getattr(load_tool(tool), TOOLS[tool])()
 
 
 def train_fields() -> set[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from launch import REPO, explain, in_process
+from launch import REPO, explain, in_process, load_tool
 from test_checkpoint_trust import _toy_run
 from opencood_ddp import checkpoint_files as ckpt
 
@@ -159,12 +159,7 @@ def test_the_visibility_tools_refuse_a_run_on_another_layout_by_name(tmp_path, t
 def test_a_box_centre_outside_the_attention_grid_has_no_cell():
     """attention_by_visibility.cell_of: a centre within one cell left of or below the grid read as column (row) 0,
     because int() rounds toward zero. A 4 x 8 grid over x -8..8, y -4..4 (2 m cells), by hand."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("tool_attention_by_visibility",
-                                                  REPO / "tools" / "analysis" / "attention_by_visibility.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("analysis/attention_by_visibility.py")
 
     def centre(x: float, y: float) -> np.ndarray:
         return np.array([[x - 1, y - 1, 0.0], [x + 1, y + 1, 0.0]])  # corners whose mean is (x, y)

@@ -1,7 +1,6 @@
 """The synthetic toy world: OPV2V layout and fields, sensor-frame points, real occlusion, determinism,
 cooperation that helps, and the manifest's reuse / refusal rules."""
 import dataclasses
-import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 import yaml
 
+from launch import load_tool
 from opencood_ddp.data.geometry import pose_to_matrix
 from opencood_ddp.data.pcd import read_pcd
 from opencood_ddp.errors import DataError
@@ -34,15 +34,6 @@ def small_set(tmp_path_factory) -> Path:
     summary = generate_toy_opv2v(out, seed=SEED, scale="small")
     assert not summary["skipped"]
     return out
-
-
-def _load_tool(name: str):
-    """tools/ is not a package: load a script as a module by its path."""
-    path = Path(__file__).resolve().parents[1] / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _data_files(root: Path) -> Dict[str, bytes]:
@@ -287,7 +278,7 @@ def test_an_out_under_a_file_is_one_error_not_a_traceback(tmp_path):
 
 
 def test_command_line_reuses_the_set_and_reports_errors(small_set, tmp_path, capsys):
-    main = _load_tool("make_toy_opv2v").main
+    main = load_tool("make_toy_opv2v.py").main
     assert main(["--out", str(small_set), "--seed", str(SEED), "--scale", "small"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Reused") and "points per cloud" in out

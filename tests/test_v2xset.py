@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 from pathlib import Path
 from typing import Dict
 
 import numpy as np
 import pytest
 
-from launch import one_line_error
+from launch import load_tool, one_line_error
 from zoo import hypes_of
 import torch
 import yaml
@@ -156,10 +155,7 @@ def test_rsu_generation_is_deterministic_and_leaves_the_vehicles_alone(tmp_path)
 
 
 def test_command_line_rsu_flag(tmp_path, capsys):
-    path = REPO / "tools" / "make_toy_opv2v.py"
-    spec = importlib.util.spec_from_file_location("tool_make_toy_opv2v_rsu", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool("make_toy_opv2v.py")
     assert module.parse_args(["--out", "x"]).rsu is False
     assert module.main(["--out", str(tmp_path / "t"), "--seed", "1", "--scale", "small", "--rsu"]) == 0
     assert "plus 1 road-side unit" in capsys.readouterr().out
