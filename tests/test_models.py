@@ -225,13 +225,15 @@ SHRINK_MODELS = ("point_pillar_fcooper", "point_pillar_v2vnet", "point_pillar_co
                  "point_pillar_v2xvit")
 
 
-def assert_toy_model_refused(config: str, override: str, fragment: str) -> None:
-    """create_model of the toy config with `override` is one ConfigError line holding `fragment`."""
-    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override)
+def assert_toy_model_refused(config: str, override: str, fragment: str, *more_overrides: str) -> str:
+    """create_model of the toy config with `override` (and `more_overrides`) is one ConfigError line holding
+    `fragment`; returns that line."""
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", override, *more_overrides)
     with pytest.raises(ConfigError) as caught:
         create_model(hypes)
     message = str(caught.value)
     assert fragment in message and message.endswith("; fix the hypes") and "\n" not in message, message
+    return message
 
 
 @pytest.mark.parametrize("config", SHRINK_MODELS)
@@ -301,11 +303,8 @@ def test_every_pillar_model_refuses_a_grid_or_anchors_its_heads_do_not_fit(confi
 ])
 def test_every_pillar_model_refuses_a_range_its_backbone_or_anchors_do_not_fit(config, lidar_range, fragment):
     keys = ("preprocess.cav_lidar_range", "postprocess.anchor_args.cav_lidar_range", "model.args.lidar_range")
-    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", *(f"{key}={lidar_range}" for key in keys))
-    with pytest.raises(ConfigError) as caught:
-        create_model(hypes)
-    message = str(caught.value)
-    assert fragment in message and "whole multiples of" in message and "\n" not in message, message
+    first, *others = (f"{key}={lidar_range}" for key in keys)
+    assert "whole multiples of" in assert_toy_model_refused(config, first, fragment, *others)
 
 
 @pytest.mark.parametrize("config", PILLAR_CONFIGS + ("second_intermediate_fusion",))
