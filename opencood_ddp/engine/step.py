@@ -24,7 +24,7 @@ from opencood_ddp.engine.task import LossOutput, StepFn
 
 HalfMode = Literal["auto", "fp16", "bf16"]  # --half [fp16|bf16]; a bare --half is "auto"
 HALF_MODES: tuple = get_args(HalfMode)
-HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_OF_HALF_MODE = {"fp16": torch.float16, "bf16": torch.bfloat16}  # numerics.autocast.HALF_DTYPES: the dtypes
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ class Precision:
             return None
         if self.half is True or self.half == "auto":
             return torch.float16 if self.device.type == "cuda" else torch.bfloat16
-        return HALF_DTYPES[self.half]
+        return DTYPE_OF_HALF_MODE[self.half]
 
     def autocast(self) -> ContextManager:
         dtype = self.autocast_dtype
