@@ -158,14 +158,19 @@ def test_eval_after_training_of_a_resume_with_nothing_left_evaluates_the_checkpo
                                                                                                   tmp_path):
     """A run stopped at --max_steps 2, started again with the same --max_steps and --eval_after_training: no step
     is left, nothing is saved, and the evaluation named net_epoch16.pth, a file no run wrote ("check --model_dir /
-    --epoch", flags train_ddp does not have). It evaluates the run's newest weights, the step it resumed from."""
+    --epoch", flags train_ddp does not have). It evaluates the run's newest weights, the step it resumed from, and
+    keeps config.yaml as those weights were trained, though a --set came with it."""
     run_dir = tmp_path / "run"
     common = ("--hypes_yaml", REPO / "hypes_yaml" / "toy" / "point_pillar_late_fusion.yaml", "--model_dir", run_dir,
               "--num_workers", "0", "--max_steps", "2", *split_set_flags(toy_small))
     assert train(0, *common).returncode == 0
-    result = train(0, *common, "--eval_after_training")
+    trained_config = (run_dir / "config.yaml").read_bytes()
+    # a --set that trains nothing leaves config.yaml as the saved steps were trained
+    result = train(0, *common, "--eval_after_training", "--set", "train_params.save_freq=7")
     assert result.returncode == 0, explain(result)
     assert "nothing to do: the run is at step 2, --max_steps 2; pass a higher --max_steps" in result.stdout
+    assert "config.yaml kept as it was: this call has nothing left to train" in result.stdout
+    assert (run_dir / "config.yaml").read_bytes() == trained_config
     assert yaml.safe_load((run_dir / "eval.yaml").read_text())["checkpoint"] == "net_step2.pth"
 
 

@@ -48,7 +48,7 @@ from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.optim import build_optimizer, build_scheduler, load_optimizer_state
 from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal
-from opencood_ddp.engine.run_dir import RunSetup
+from opencood_ddp.engine.run_dir import CONFIG_NAME, RunSetup
 from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradient_norm, rank_report
 from opencood_ddp.engine.task import Task
@@ -155,7 +155,7 @@ class Trainer:
     def open_run(self) -> list[tuple[int, str]]:
         """Make the run folder this run's: for an existing run, continue from its newest checkpoint that loads and
         remove what a killed save left; then write config.yaml (its one write: nothing of an existing run is
-        written before its checkpoint loaded). Returns (logging level, message) pairs to log once the log file is
+        written before its checkpoint loaded; a resume with nothing left to train keeps it). Returns (logging level, message) pairs to log once the log file is
         attached."""
         notes: list[tuple[int, str]] = []
         if self.setup.resume:
@@ -170,7 +170,11 @@ class Trainer:
                 notes.append((logging.INFO, f"resumed from {saved.describe()}: {p.epoch} epoch(s) and "
                                             f"{p.step_in_epoch} step(s) of the next done, global step "
                                             f"{p.global_step}"))
-        self.checkpointer.write_config(self.hypes, self.plan)
+        if self.setup.resume and self.nothing_left():
+            # config.yaml says how the saved checkpoints were trained; a --set of this call trains nothing
+            notes.append((logging.INFO, f"{CONFIG_NAME} kept as it was: this call has nothing left to train"))
+        else:
+            self.checkpointer.write_config(self.hypes, self.plan)
         return notes
 
     def resume(self) -> tuple[Optional[ckpt.SavedCheckpoint], list[str]]:
@@ -515,6 +519,10 @@ class Trainer:
     def _loss_names(self, sums: LossSums) -> list[str]:
         # A rank with an empty shard has no names yet: take rank 0's so every rank reduces the same vector.
         return comm.broadcast_object(sums.names or None) or ["loss"]
+
+    def nothing_left(self) -> bool:
+        """Every epoch trained, or the run at or past --max_steps: fit trains no step."""
+        return self.progress.epoch >= self.settings.epochs or self._max_steps_reached()
 
     def _max_steps_reached(self) -> bool:
         return self.loop.max_steps is not None and self.progress.global_step >= self.loop.max_steps
