@@ -155,10 +155,16 @@ def _is_number(value: Any) -> bool:
 
 # numpy's RandomState, and np.random.seed that seed_everything calls, take seeds in [0, 2**32)
 RANDOM_STATE_SEEDS = 2 ** 32
+# The most times a model repeats a block (a level's convolutions, a transformer's depth, an iteration count): the
+# baselines repeat theirs 1 to 8 times. A constructor builds the repeats one by one in Python, so 10**9 of them
+# never end and never run out of memory to say so; upstream accepts any count.
+MAX_REPEATS = 1000
 
 KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "int": (_is_int, "an integer"),
     "positive_int": (lambda v: _is_int(v) and v > 0, "a positive integer"),
+    "count": (lambda v: _is_int(v) and 0 < v <= MAX_REPEATS, f"a positive integer of at most {MAX_REPEATS} (a "
+              f"block's repeats)"),
     "number": (_is_number, "a number"),
     "positive_number": (lambda v: _is_number(v) and 0 < v < math.inf, "a positive number"),
     "seed": (lambda v: _is_int(v) and 0 <= v < RANDOM_STATE_SEEDS, "an integer in [0, 2**32)"),

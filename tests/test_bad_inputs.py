@@ -246,6 +246,27 @@ def heads_off_the_anchors(w: World, world: int) -> Call:
                 ["differs from model.args.anchor_number (3)", "make them equal"], not_created=w.tmp / "new_run")
 
 
+def size_beyond_memory(w: World, world: int) -> Call:
+    """A voxel buffer of 238 GiB (was: spconv's allocation error, a traceback from the loader's first sample)."""
+    return Call(TRAIN, w.toy_args("--set", "preprocess.args.max_voxel_train=1000000000"),
+                ["preprocess.args.max_voxel_train (1000000000) x max_points_per_voxel", "the voxelizer's voxel buffer",
+                 "more than this machine's", "lower them"], not_created=w.tmp / "new_run")
+
+
+def width_beyond_memory(w: World, world: int) -> Call:
+    """A width whose weights no machine's address space holds (was: torch's allocator's traceback)."""
+    return Call(TRAIN, w.toy_args("--set", "model.args.base_bev_backbone.num_filters.0=1000000000000"),
+                ["its parameters do not fit in this machine's", "was refused",
+                 "lower model.args.base_bev_backbone.num_filters[0] (1000000000000)"], not_created=w.tmp / "new_run")
+
+
+def repeats_beyond_count(w: World, world: int) -> Call:
+    """10**9 convolutions in a level (was: built one by one, for ever, with no error)."""
+    return Call(TRAIN, w.toy_args("--set", "model.args.base_bev_backbone.layer_nums.0=1000000000"),
+                ["base_bev_backbone.layer_nums must be a non-empty list of integers from 0 to 1000"],
+                not_created=w.tmp / "new_run")
+
+
 def model_changed_on_resume(w: World, world: int) -> Call:
     """Another model whose weights happen to fit (here: the synthetic task's data seed, a data section) once
     resumed silently (issue 17 item 4)."""
@@ -533,6 +554,9 @@ ROWS = [
     ("not-utf8-hypes", not_utf8_hypes, (0,), {}),
     ("negative-lr", negative_lr, (0,), {}),
     ("heads-off-the-anchors", heads_off_the_anchors, (0,), {}),
+    ("size-beyond-memory", size_beyond_memory, (0,), {}),
+    ("width-beyond-memory", width_beyond_memory, (0,), {}),
+    ("repeats-beyond-count", repeats_beyond_count, (0,), {}),
     ("mistyped-key-in-file", mistyped_key_in_file, (0,), {}),
     ("mistyped-key-on-resume", mistyped_key_on_resume, (0,), {}),
     ("model-changed-on-resume", model_changed_on_resume, (0,), {}),

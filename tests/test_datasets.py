@@ -208,6 +208,34 @@ def test_voxelizer_picks_max_voxel_by_mode(toy_small):
     assert Voxelizer.from_hypes(preprocess, True).grid_size.tolist() == [240, 120, 1]
 
 
+@pytest.mark.parametrize("kind, train, override, fragment", [
+    ("early", True, "preprocess.args.max_voxel_train=1000000000000",
+     "preprocess.args.max_voxel_train (1000000000000) x max_points_per_voxel (16): the voxelizer's voxel buffer "
+     "would take 253,319.7 GiB"),
+    ("early", False, "preprocess.args.max_points_per_voxel=1000000000000",
+     "preprocess.args.max_voxel_test (70000) x max_points_per_voxel (1000000000000): the voxelizer's voxel buffer "
+     "would take 1,043,081,283.6 GiB"),
+    ("late", False, "preprocess.args.voxel_size=[0.000001, 0.000001, 4]",
+     "preprocess.args.voxel_size [1e-06, 1e-06, 4.0] over preprocess.cav_lidar_range (96000000 x 48000000 x 1 "
+     "cells): the voxelizer's hash of every grid cell (int32) would take 17,166,137.7 GiB"),
+    ("late", True, "postprocess.max_num=1000000000000",
+     "postprocess.max_num (1000000000000): each sample's padded ground truth (8 float64 per box) would take "
+     "59,604.6 GiB"),
+    ("intermediate", False, "train_params.max_cav=1000000000",
+     "train_params.max_cav (1000000000): each sample's CAV-by-CAV transforms (16 float64 per pair) would take "
+     "119,209,289,550.8 GiB"),
+])
+def test_a_buffer_no_machine_holds_is_refused_before_it_is_allocated(toy_small, kind, train, override, fragment):
+    """Each was an allocation error from spconv or numpy in the loader's first sample (memory_fit). The figures
+    are the buffers' bytes by hand: 4-byte words, (max_voxels, points, 4 features) + 4 per voxel; a hash word per
+    grid cell; 64 bytes per padded box; 128 per CAV pair."""
+    hypes = toy_hypes(kind, toy_small, override)
+    with pytest.raises(ConfigError) as caught:
+        build_dataset(hypes, "validate", train, SEED)
+    message = str(caught.value)
+    assert fragment in message and "more than this machine's" in message and message.endswith("; fix the hypes")
+
+
 # ------------------------------------------------------------------------------------------ datasets
 
 

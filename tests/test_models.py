@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch import one_line_error
 from zoo import (assert_reference_state_dict, assert_upstream_checkpoint_loads,
                  assert_zero_gradients_are_the_unused_groups, fork_point_pillar_shapes, hypes_of, reference_shapes)
 
 from opencood_ddp.errors import ConfigError
+from opencood_ddp.hypes import MAX_REPEATS
 from opencood_ddp.models import create_model
 from opencood_ddp.models.modules.fusion import AttFusion, MaxFusion
 from opencood_ddp.models.modules.pillar_vfe import PillarVFE
@@ -310,18 +312,37 @@ def test_every_pillar_model_refuses_a_range_its_backbone_or_anchors_do_not_fit(c
 @pytest.mark.parametrize("config", PILLAR_CONFIGS + ("second_intermediate_fusion",))
 @pytest.mark.parametrize("override, fragment", [
     # each was a traceback: a ZeroDivisionError in the map geometry, a negative dimension or an empty weight inside
-    # torch, a TypeError in a deblock; a layer_nums of -1 was taken as 0
+    # torch, a TypeError in a deblock; a layer_nums of -1 was taken as 0, one of 10**9 built layers for ever
     ("layer_strides.0=0", "layer_strides must be a list of positive integers, got [0, "),
     ("layer_strides.1=2.5", "layer_strides must be a list of positive integers"),
     ("num_filters.0=-1", "num_filters must be a list of positive integers, got [-1, "),
     ("num_upsample_filter.0=0", "num_upsample_filter must be a list of positive integers"),
     ("upsample_strides.0=0", "upsample_strides must be a list of integers >= 1 or their inverses"),
     ("upsample_strides.0=abc", "upsample_strides must be a list of integers >= 1 or their inverses"),
-    ("layer_nums.0=-1", "layer_nums must be a non-empty list of integers >= 0"),
+    ("layer_nums.0=-1", "layer_nums must be a non-empty list of integers from 0 to 1000"),
+    ("layer_nums.1=1001", "layer_nums must be a non-empty list of integers from 0 to 1000"),  # 10**9 never built
     ("layer_strides=[2]", "layer_nums, layer_strides and num_filters must have one entry per level"),
 ])
 def test_every_model_refuses_a_backbone_list_it_cannot_build(config, override, fragment):
     assert_toy_model_refused(config, "model.args.base_bev_backbone." + override, fragment)
+
+
+@pytest.mark.parametrize("config, key", [
+    ("point_pillar_cobevt", "fax_fusion.depth"),
+    ("point_pillar_v2xvit", "transformer.encoder.num_blocks"),
+    ("point_pillar_v2xvit", "transformer.encoder.depth"),
+    ("point_pillar_v2vnet", "v2vfusion.num_iteration"),
+    ("point_pillar_v2vnet", "v2vfusion.conv_gru.num_layers"),
+])
+def test_a_block_repeated_more_than_max_repeats_times_is_refused(config, key):
+    """A depth or iteration count of 10**9 built (or ran) its blocks for ever, with no error to end it; the kind
+    "count" bounds it at hypes.MAX_REPEATS."""
+    assert MAX_REPEATS == 1000
+    hypes = hypes_of(ROOT / "hypes_yaml" / "toy" / f"{config}.yaml", f"model.args.{key}=1001")
+    with pytest.raises(ConfigError) as caught:
+        create_model(hypes)
+    assert one_line_error(caught, f"key model.args.{key} must be a positive integer of at most 1000 (a block's "
+                                  f"repeats), got 1001", "fix the hypes")
 
 
 @pytest.mark.parametrize("config", ("point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"))

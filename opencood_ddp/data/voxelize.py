@@ -25,6 +25,7 @@ Importing this module alone still loads nothing of spconv.
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Mapping, Sequence, Union
 
 import numpy as np
@@ -93,6 +94,15 @@ class Voxelizer:
     def grid_size(self) -> np.ndarray:
         """(x, y, z) number of voxels, as spconv's generator counts them (``yaml_parsers.voxel_grid_cells``)."""
         return np.array(voxel_grid_cells(self.lidar_range, self.voxel_size), dtype=np.int64)
+
+    def voxel_buffer_bytes(self) -> int:
+        """What spconv's generator allocates whole for its voxels: (max_voxels, P, C) float32 points, and int32
+        coordinates and counts."""
+        return 4 * self.max_voxels * (self.max_points_per_voxel * self.num_point_features + 4)
+
+    def grid_hash_bytes(self) -> int:
+        """The generator's other whole allocation on the CPU: an int32 hash entry for every cell of the grid."""
+        return 4 * math.prod(int(n) for n in self.grid_size)
 
     def voxel_grid(self) -> VoxelGrid:
         """These settings as ``sorted_voxels.VoxelGrid``: the device path's voxelizer (``preprocess.on_device``)."""

@@ -21,6 +21,7 @@ from torch import nn
 
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import hypes_source, validate
+from opencood_ddp.memory_fit import asked_for, gib, is_allocation_failure, largest_size, physical_memory
 from opencood_ddp.models.checks import refuse
 from opencood_ddp.numerics.batch_norm import use_accurate_batch_norm
 from opencood_ddp.registry import MODELS
@@ -38,6 +39,13 @@ def create_model(hypes: Mapping) -> nn.Module:
         model = entry.obj(args)
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{source}: model.args do not build a {entry.name} ({type(exc).__name__}: {exc}); "
+                          f"fix the hypes") from None
+    except (MemoryError, RuntimeError) as exc:  # memory_fit's docstring: why the parameters are not counted first
+        if not is_allocation_failure(exc):
+            raise
+        raise ConfigError(f"{source}: model.args do not build a {entry.name}: its parameters do not fit in this "
+                          f"machine's {gib(physical_memory())} of memory (an allocation{asked_for(exc)} was refused); "
+                          f"lower {largest_size(args, 'model.args')}, the largest size under model.args; "
                           f"fix the hypes") from None
     if args.get("backbone_fix", False):
         require_trainable(model, entry.name, source)

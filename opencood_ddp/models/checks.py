@@ -11,7 +11,7 @@ import math
 from typing import List, Mapping, NoReturn, Optional, Sequence, Tuple
 
 from opencood_ddp.errors import ConfigError
-from opencood_ddp.hypes import get_key
+from opencood_ddp.hypes import MAX_REPEATS, get_key
 
 ARGS = "model.args."
 SHRINK = ARGS + "shrink_header."
@@ -36,6 +36,11 @@ def _non_negative_ints(values: Sequence) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values)
 
 
+def _repeat_counts(values: Sequence) -> bool:
+    """Integers in [0, MAX_REPEATS]: how many times each level repeats its convolution."""
+    return _non_negative_ints(values) and all(v <= MAX_REPEATS for v in values)
+
+
 def _deblock_stride(value) -> bool:
     """A deblock's stride: an integer >= 1 (a transposed convolution) or the inverse of one (a strided one)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
@@ -51,9 +56,9 @@ def check_bev_backbone(args: Mapping, source: str) -> None:
     num_upsample_filter (positive integer) each, for no level, every level, or every level and one extra."""
     bev, key = args["base_bev_backbone"], ARGS + "base_bev_backbone."
     levels = len(bev["layer_nums"])
-    if not levels or not _non_negative_ints(bev["layer_nums"]):
-        refuse(source, f"{key}layer_nums must be a non-empty list of integers >= 0 (each level's extra "
-                       f"convolutions), got {bev['layer_nums']!r}")
+    if not levels or not _repeat_counts(bev["layer_nums"]):
+        refuse(source, f"{key}layer_nums must be a non-empty list of integers from 0 to {MAX_REPEATS} (each "
+                       f"level's extra convolutions), got {bev['layer_nums']!r}")
     for name in ("layer_strides", "num_filters", "num_upsample_filter"):
         if not positive_ints(bev[name]):
             refuse(source, f"{key}{name} must be a list of positive integers, got {bev[name]!r}")

@@ -38,7 +38,7 @@ COBEVT_KEYS = PILLAR_KEYS + tuple((_ARGS + key, kind) for key, kind in (
     ("max_cav", "positive_int"), ("fax_fusion.input_dim", "positive_int"), ("fax_fusion.mlp_dim", "positive_int"),
     ("fax_fusion.agent_size", "positive_int"), ("fax_fusion.window_size", "positive_int"),
     ("fax_fusion.dim_head", "positive_int"), ("fax_fusion.drop_out", "number"),
-    ("fax_fusion.depth", "positive_int")))
+    ("fax_fusion.depth", "count")))
 COBEVT_OPTIONAL_KEYS = PILLAR_OPTIONAL_KEYS + ((_ARGS + "fax_fusion.mask", "bool"),) + SHRINK_HEADER_KEYS
 
 

@@ -36,7 +36,7 @@ _SHRINK = _ARGS + "shrink_header."
 
 V2XVIT_KEYS: Tuple[Tuple[str, str], ...] = PILLAR_KEYS + ((_ARGS + "max_cav", "positive_int"),) + tuple(
     (_ENC + key, kind) for key, kind in (
-        ("num_blocks", "positive_int"), ("depth", "positive_int"), ("use_roi_mask", "bool"), ("use_RTE", "bool"),
+        ("num_blocks", "count"), ("depth", "count"), ("use_roi_mask", "bool"), ("use_RTE", "bool"),
         ("RTE_ratio", "positive_int"), ("sttf.voxel_size", "list"), ("sttf.downsample_rate", "positive_int"),
         ("cav_att_config.dim", "positive_int"), ("cav_att_config.use_hetero", "bool"),
         ("cav_att_config.use_RTE", "bool"), ("cav_att_config.RTE_ratio", "positive_int"),

@@ -33,8 +33,8 @@ from opencood_ddp.registry import MODELS
 _ARGS = "model.args."
 _BLOCK = _ARGS + "v2vfusion."
 V2VNET_KEYS = PILLAR_KEYS + tuple((_BLOCK + key, kind) for key, kind in (
-    ("in_channels", "positive_int"), ("num_iteration", "positive_int"), ("agg_operator", "str"),
-    ("gru_flag", "bool"), ("conv_gru.num_layers", "positive_int"), ("conv_gru.kernel_size", "list")))
+    ("in_channels", "positive_int"), ("num_iteration", "count"), ("agg_operator", "str"),
+    ("gru_flag", "bool"), ("conv_gru.num_layers", "count"), ("conv_gru.kernel_size", "list")))
 V2VNET_OPTIONAL_KEYS = (PILLAR_OPTIONAL_KEYS + ((_ARGS + "max_cav", "positive_int"),) + SHRINK_HEADER_KEYS
                         + tuple((_ARGS + key, kind) for key, kind in (
                             ("v2vfusion", "dict"), ("v2vfusion.voxel_size", "list"),

@@ -26,10 +26,11 @@ from opencood_ddp.data.opv2v import DEFAULT_MAX_CAV, CavFrame
 from opencood_ddp.data.pcd import read_pcd_header
 from opencood_ddp.data.preprocessors import build_preprocessor, preprocessor_entry
 from opencood_ddp.data.sources import Objects, SampleFrames, SplitSource, build_source, source_entry
-from opencood_ddp.data.voxelize import collate_voxels
+from opencood_ddp.data.voxelize import Voxelizer, collate_voxels
 from opencood_ddp.data.wild import SampleKey, perturb, pose_offset, sample_delays, wild_setting_from_hypes
 from opencood_ddp.errors import ConfigError, DataError
 from opencood_ddp.hypes import get_key, hypes_source, range6, validate
+from opencood_ddp.memory_fit import Buffer, refuse_beyond_memory
 
 # Which hypes key holds each split's folder. Upstream has root_dir (train) and validate_dir and evaluates on
 # validate_dir; test_dir is our extension for a held-out split.
@@ -204,6 +205,7 @@ class OpencoodDataset(Dataset):
         self.max_num = int(hypes["postprocess"]["max_num"])
         self.max_cav = int(get_key(hypes, "train_params.max_cav", DEFAULT_MAX_CAV))
         self.voxelizer = build_preprocessor(hypes, self.train)
+        refuse_beyond_memory(source, self.whole_buffers())  # before a worker allocates them
         # Under preprocess.on_device the workers hand over clouds as read and the task's move_to voxelizes them.
         self.on_device = bool(get_key(hypes, "preprocess.on_device", False))
         self.voxel_grid = voxel_grid_of(self.voxelizer, source) if self.on_device else None
@@ -219,6 +221,22 @@ class OpencoodDataset(Dataset):
     def augments(self, hypes: Mapping) -> bool:
         """Whether this kind of dataset augments in training (early, late: yes; intermediate: opt-in)."""
         return True
+
+    def whole_buffers(self) -> List[Buffer]:
+        """What the hypes make a worker allocate whole (memory_fit): each sample's padded ground truth, and the
+        voxelizer's buffers (the intermediate dataset adds its CAV-by-CAV transforms)."""
+        buffers = [Buffer("each sample's padded ground truth (8 float64 per box)", 64 * self.max_num,
+                          f"postprocess.max_num ({self.max_num})")]
+        if isinstance(self.voxelizer, Voxelizer):
+            voxelizer, limit = self.voxelizer, "max_voxel_train" if self.train else "max_voxel_test"
+            buffers.append(Buffer("the voxelizer's voxel buffer", voxelizer.voxel_buffer_bytes(),
+                                  f"preprocess.args.{limit} ({voxelizer.max_voxels}) x max_points_per_voxel "
+                                  f"({voxelizer.max_points_per_voxel})", "lower them"))
+            buffers.append(Buffer("the voxelizer's hash of every grid cell (int32)", voxelizer.grid_hash_bytes(),
+                                  f"preprocess.args.voxel_size {list(voxelizer.voxel_size)} over "
+                                  f"preprocess.cav_lidar_range ({' x '.join(map(str, voxelizer.grid_size))} "
+                                  f"cells)", "make the voxels larger"))
+        return buffers
 
     def _gt_range(self, hypes: Mapping, source: str) -> Tuple[float, ...]:
         if self.train:

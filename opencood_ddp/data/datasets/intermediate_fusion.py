@@ -60,6 +60,7 @@ from opencood_ddp.data.geometry import transform_points
 from opencood_ddp.data.voxelize import VOXEL_KEYS, collate_voxels
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key, hypes_source
+from opencood_ddp.memory_fit import Buffer
 from opencood_ddp.registry import DATASETS
 
 
@@ -88,6 +89,11 @@ class IntermediateFusionDataset(OpencoodDataset):
             raise ConfigError(f"{hypes_source(hypes)}: fusion.args.augment needs fusion.args.proj_first true (the "
                               f"augmentation transforms the clouds in the ego frame); set one of them differently")
         return wanted
+
+    def whole_buffers(self) -> List[Buffer]:
+        # pairwise_t_matrix (max_cav, max_cav, 4, 4) float64, upstream's padding
+        return super().whole_buffers() + [Buffer("each sample's CAV-by-CAV transforms (16 float64 per pair)",
+                                                 128 * self.max_cav ** 2, f"train_params.max_cav ({self.max_cav})")]
 
     def get_sample(self, index: int, rng: np.random.Generator) -> "OrderedDict[str, Any]":
         cavs = self.received_cavs(index)
