@@ -81,10 +81,14 @@ _ASKED = re.compile(r"allocate (?:memory: you tried to allocate )?([\d.]+) ?(byt
 _UNITS = {"bytes": 1, None: 1, "MiB": 1 << 20, "GiB": GIB, "TiB": 1 << 40}
 
 
+# torch's words for a CPU allocation it refused, and for a size whose bytes overflow 64 bits
+_TOO_LARGE = ("can't allocate memory", "Storage size calculation overflowed")
+
+
 def is_allocation_failure(exc: BaseException) -> bool:
-    """numpy's MemoryError, torch's CPU allocator's RuntimeError, or a CUDA out-of-memory error."""
-    return isinstance(exc, MemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)) \
-        or type(exc).__name__ == "OutOfMemoryError"
+    """numpy's MemoryError, torch's CPU allocator's refusal or overflow, or a CUDA out-of-memory error."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or (
+        isinstance(exc, RuntimeError) and any(words in str(exc) for words in _TOO_LARGE))
 
 
 def asked_for(exc: BaseException) -> str:

@@ -327,6 +327,17 @@ def test_every_model_refuses_a_backbone_list_it_cannot_build(config, override, f
     assert_toy_model_refused(config, "model.args.base_bev_backbone." + override, fragment)
 
 
+@pytest.mark.parametrize("config", ("second_early_fusion", "second_intermediate_fusion"))
+@pytest.mark.parametrize("override", ("layer_strides=[1, 3]", "upsample_strides=[1, 1000000000]"))
+def test_second_refuses_backbone_levels_that_do_not_meet(config, override):
+    """SECOND's levels on the sparse backbone's 60 x 30 map: a level of stride 3 comes out at 20 x 10, upsampled
+    2x to 40 x 20 (was a traceback in torch.cat); a deblock of stride 10**9 was torch's storage overflow."""
+    message = assert_toy_model_refused(config, "model.args.base_bev_backbone." + override,
+                                       "which cannot be concatenated")
+    assert "the sparse backbone's map is 60 x 30 cells (model.args.grid_size [480, 240, 40] over its stride 8)" \
+        in message
+
+
 @pytest.mark.parametrize("config, key", [
     ("point_pillar_cobevt", "fax_fusion.depth"),
     ("point_pillar_v2xvit", "transformer.encoder.num_blocks"),

@@ -299,15 +299,9 @@ def check_canvas_fits(hypes: Mapping, source: str, stride: Optional[float]) -> N
     if grid is None or not isinstance(bev, Mapping):
         return
     cols, rows = int(grid[0]), int(grid[1])
-    strides, ups = [int(s) for s in bev["layer_strides"]], list(bev.get("upsample_strides") or [])
     canvas = f"the canvas is {cols} x {rows} voxels (preprocess.cav_lidar_range over preprocess.args.voxel_size)"
-    fix = f"make the range's x and y extents whole multiples of {math.prod(strides)} voxels"
-    if ups:
-        levels = level_map_sizes(bev, rows, cols)
-        upsampled = [(deblock_cells(r, up), deblock_cells(c, up)) for (r, c), up in zip(levels, ups)]
-        if len(set(upsampled)) > 1:
-            refuse(source, f"{canvas}; {ARGS}base_bev_backbone's levels come out at {levels} (rows, columns), "
-                           f"upsampled to {upsampled}, which cannot be concatenated; {fix}")
+    fix = f"make the range's x and y extents whole multiples of {math.prod(map(int, bev['layer_strides']))} voxels"
+    check_levels_concatenate(bev, rows, cols, source, canvas, fix)
     fs = get_key(hypes, "postprocess.anchor_args.feature_stride")
     width, height = get_key(hypes, "postprocess.anchor_args.W"), get_key(hypes, "postprocess.anchor_args.H")
     if stride is None or fs is None or width is None or height is None:
@@ -318,6 +312,19 @@ def check_canvas_fits(hypes: Mapping, source: str, stride: Optional[float]) -> N
         refuse(source, f"{canvas}; the heads' map comes out at {heads[0]} x {heads[1]} cells and the anchors' grid "
                        f"(postprocess.anchor_args H x W {height} x {width} over feature_stride {fs}) at "
                        f"{anchors[0]} x {anchors[1]}; {fix}")
+
+
+def check_levels_concatenate(bev: Mapping, rows: int, cols: int, source: str, canvas: str, fix: str) -> None:
+    """The backbone's levels, each upsampled by its deblock, come out at one size from a (rows, cols) input:
+    they are concatenated. ``canvas`` says where the input's size comes from, ``fix`` what to change."""
+    ups = list(bev.get("upsample_strides") or [])
+    if not ups:
+        return
+    levels = level_map_sizes(bev, rows, cols)
+    upsampled = [(deblock_cells(r, up), deblock_cells(c, up)) for (r, c), up in zip(levels, ups)]
+    if len(set(upsampled)) > 1:
+        refuse(source, f"{canvas}; {ARGS}base_bev_backbone's levels come out at {levels} (rows, columns), "
+                       f"upsampled to {upsampled}, which cannot be concatenated; {fix}")
 
 
 def check_windows_divide(source: str, key: str, windows: Sequence[int], rows: float, cols: float, how: str) -> None:

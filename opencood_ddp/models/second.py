@@ -18,6 +18,7 @@ spconv is imported when the model is built (``modules/spconv_compat.py``), not w
 """
 from __future__ import annotations
 
+import math
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -26,7 +27,7 @@ from torch import nn
 from opencood_ddp.errors import ConfigError
 from opencood_ddp.hypes import get_key
 from opencood_ddp.models.checks import (BACKBONE_COMPRESSION, check_bev_backbone, check_grid_agreement,
-                                        deblock_cells, refuse_compression)
+                                        check_levels_concatenate, deblock_cells, refuse_compression)
 from opencood_ddp.models.modules.bev_backbone import BaseBEVBackbone
 from opencood_ddp.models.modules.cav_layout import maps_of_coords
 from opencood_ddp.models.modules.mean_vfe import MeanVFE
@@ -66,7 +67,21 @@ def check_sparse_front(hypes: Mapping, source: str) -> Sequence[int]:
                           f"{args['mean_vfe']['feature_points']}; fix the hypes")
     _check_height(args, grid, source)
     check_bev_backbone(args, source)
+    _check_levels(args, grid, source)
     return grid
+
+
+def _check_levels(args: Mapping, grid: Sequence[int], source: str) -> None:
+    """The BEV backbone's levels meet on the sparse backbone's map (was a traceback in torch.cat, or in the
+    deblock's allocation for a huge stride)."""
+    bev, (_, rows, cols) = args["base_bev_backbone"], output_shape(grid)
+    cells = 8 * math.prod(int(s) for s in bev["layer_strides"])
+    check_levels_concatenate(bev, rows, cols, source,
+                             f"the sparse backbone's map is {cols} x {rows} cells (model.args.grid_size {list(grid)} "
+                             f"over its stride 8)",
+                             f"make each level's upsample stride undo its layer strides (upstream's: layer_strides "
+                             f"[1, 2], upsample_strides [1, 2]) and the range's x and y extents whole multiples of "
+                             f"{cells} voxels")
 
 
 def check_second_heads(hypes: Mapping, grid: Sequence[int], source: str) -> None:
