@@ -171,6 +171,9 @@ KIND_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "str": (lambda v: isinstance(v, str) and bool(v), "a non-empty string"),
     "list": (lambda v: isinstance(v, list), "a list"),
     "dict": (lambda v: isinstance(v, dict), "a mapping"),
+    # an args block: upstream's files write `args: []` (or leave it empty) where nothing is read
+    "args": (lambda v: isinstance(v, dict) or v is None or (isinstance(v, list) and not v),
+             "a mapping, or [] where none is read"),
     "bool": (lambda v: isinstance(v, bool), "true or false"),
     "any": (lambda v: True, "any value"),  # declared for the schema; the entry's check judges the value
 }

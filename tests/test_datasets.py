@@ -236,6 +236,16 @@ def test_a_buffer_no_machine_holds_is_refused_before_it_is_allocated(toy_small, 
     assert fragment in message and "more than this machine's" in message and message.endswith("; fix the hypes")
 
 
+@pytest.mark.parametrize("kind", ("early", "intermediate"))
+def test_fusion_args_is_a_mapping_or_upstreams_empty_list(toy_small, kind):
+    """`fusion.args: 0` (or a list of names) was read as no arguments; upstream's files write [] or a mapping."""
+    for fine in ("fusion.args=[]", "fusion.args=null", "fusion.args={}"):
+        build_dataset(toy_hypes(kind, toy_small, fine), "validate", False, SEED)
+    for bad in ("0", "[proj_first]", "true"):
+        with pytest.raises(ConfigError, match=r"key fusion.args must be a mapping, or \[\] where none is read, got"):
+            build_dataset(toy_hypes(kind, toy_small, f"fusion.args={bad}"), "validate", False, SEED)
+
+
 # ------------------------------------------------------------------------------------------ datasets
 
 

@@ -78,7 +78,7 @@ COMMON_OPTIONAL_KEYS: Tuple[Tuple[str, str], ...] = (
     # Ours: the shuffle, projection, crop and voxelization on the rank's device (data/device_points.py).
     ("preprocess.on_device", "bool"),
     ("postprocess.gt_range", "list"),
-    ("fusion.args", "any"),  # upstream's files carry `args: []` where a dataset reads none
+    ("fusion.args", "args"),
 ) + WILD_SETTING_KEYS + NOISE_SETTING_KEYS
 
 
