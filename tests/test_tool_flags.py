@@ -68,7 +68,7 @@ def test_the_tools_take_half_and_per_gpu_batch_as_training_does():
     ["--hypes_yaml", "h.yaml", "--set", "a=1", "--set", "b.c=x y", "--half", "--per_gpu_batch", "auto"],
     ["--model_dir", "run", "--restart", "--allow_config_change", "--log_root", "elsewhere", "--per_gpu_batch", "2",
      "--per_gpu_mem_gib", "1.5", "--batch_semantics", "per_gpu", "--scale_lr", "sqrt", "--half", "fp16",
-     "--seed", "7", "--no_sync_bn", "--max_steps", "3", "--reverse_batch_order", "--deterministic", "--no_tf32",
+     "--seed", "7", "--no_sync_bn", "--max_steps", "3", "--batch_order", "rotated", "--deterministic", "--no_tf32",
      "--on_nonfinite", "skip", "--max_skips_in_a_row", "4", "--max_skip_share", "0.25", "--eval_after_training",
      "--num_workers", "0", "--dist_timeout", "2.5", "--dist_backend", "gloo", "--local_rank", "1"],
 ])

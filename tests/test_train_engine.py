@@ -24,7 +24,7 @@ def load(run_dir, name="net_epoch2.pth"):
 
 def noise_floor(synthetic_runs, *flags: str) -> float:
     """The reversed-batch run's gap to the 1-process run (in process, at one thread as every run here)."""
-    return max_rel_diff(load(synthetic_runs(0, "--reverse_batch_order", *flags)), load(synthetic_runs(1, *flags)))
+    return max_rel_diff(load(synthetic_runs(0, "--batch_order", "reversed", *flags)), load(synthetic_runs(1, *flags)))
 
 
 def max_rel_diff(state, reference, buffers=True):

@@ -458,7 +458,7 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path, kern
     if result.returncode != 0:
         raise RuntimeError(f"parity_check exit {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}")
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
-    rows = [" ".join(line.split()) for line in lines if line.startswith(("world2 ", "world1_reversed "))]
+    rows = [" ".join(line.split()) for line in lines if line.startswith(("world2 ", "world1_re", "world1_ro"))]
     return (f"2 processes sharing {device} follow 1 ({kernels} kernels): {'; '.join(rows)} (samples/s, loss gap, "
             f"weight gap, verdict)", {"report": lines[-8:]})
 

@@ -10,11 +10,15 @@ Against world size 1 it compares the loss curve (`train_steps.csv`: the loss all
 and the weights after K steps (`net_step{K}.pth`, ||a - b|| / ||b|| over all parameters).
 
 Training is chaotic: a change of float summation order alone makes two runs drift apart, and an N-rank run
-sums in another order. So a second world-size-1 run feeds each batch in reverse order (the same training in
-exact arithmetic) and measures that drift: the noise floor. A world size passes when, at every step, its loss
-gap stays within --noise_factor times the noise floor so far (or under --loss_tolerance), and its weight gap
-within --noise_factor times the noise run's (or under --tolerance). A wrong batch split, a missing SyncBN or
-unsynchronised gradients show from the first steps, orders of magnitude above the floor.
+sums in another order. So two more world-size-1 runs feed each batch in another order, reversed and rotated by
+one (the same training in exact arithmetic), and measure that drift: the noise floor, the larger of the two at
+each step. Two draws, since one can be lucky: a gradient near 0 whose sign the rounding flips makes Adam step by
+a whole lr, and the step it first happens at sets the drift (on an AVX2 CPU the reversed toy AttFuse run had
+none for three steps; the rotated run and 2 ranks flipped the same weight at the first). A world size passes
+when, at every step, its loss gap stays within --noise_factor times the noise floor so far (or under
+--loss_tolerance), and its weight gap within --noise_factor times the noise runs' (or under --tolerance). A
+wrong batch split, a missing SyncBN or unsynchronised gradients show from the first steps, orders of magnitude
+above the floor.
 Every run's processes compute at the thread count torchrun gives a rank (OMP_NUM_THREADS=1 unless it is set):
 a CPU kernel's float sums can follow its thread count, and a world-size-1 run on two threads against ranks on one
 would count that difference as the world size's (on a toy AttFuse run, the loss at step 5 moves in the third
@@ -51,9 +55,9 @@ from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
 TRAIN = Path(__file__).resolve().parent / "train_ddp.py"
-NOISE_RUN = "world1_reversed"
+NOISE_RUNS = {"world1_reversed": "reversed", "world1_rotated": "rotated"}  # run name: its --batch_order
 # train_ddp.py flags this tool gives each run itself (`command`)
-OWN_RUN_FLAGS = ("--model_dir", "--hypes_yaml", "--max_steps", "--reverse_batch_order")
+OWN_RUN_FLAGS = ("--model_dir", "--hypes_yaml", "--max_steps", "--batch_order")
 
 
 # The training flags every run gets, as tools/train_ddp.py reads them (--half: expect larger gaps).
@@ -95,11 +99,11 @@ def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
     return batch
 
 
-def command(world: int, args: argparse.Namespace, run_dir: Path, reverse: bool = False) -> list[str]:
+def command(world: int, args: argparse.Namespace, run_dir: Path, order: str = "sampled") -> list[str]:
     options = train_options_of(args)
     options = dataclasses.replace(
         options, run=dataclasses.replace(options.run, model_dir=str(run_dir)),
-        loop=dataclasses.replace(options.loop, max_steps=args.steps, reverse_batch_order=reverse))
+        loop=dataclasses.replace(options.loop, max_steps=args.steps, batch_order=order))
     return launcher_prefix(world, torchrun=world > 1) + [str(TRAIN), *train_argv(options),
                                                          *shlex.split(args.train_args)]
 
@@ -121,9 +125,9 @@ def stop(process: subprocess.Popen, grace_s: float = 60) -> None:
         process.wait()
 
 
-def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, reverse: bool = False) -> Path:
+def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, order: str = "sampled") -> Path:
     run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
-    cmd = command(world, args, run_dir, reverse)
+    cmd = command(world, args, run_dir, order)
     shown = " ".join(cmd[1:] if world > 1 else ["python"] + cmd[1:])
     print(f"{name}: {shown}", flush=True)
     started = time.perf_counter()
@@ -202,11 +206,17 @@ class Verdict:
     reason: str
 
 
-def judge(result: RunResult, reference: RunResult, noise: RunResult, args: argparse.Namespace) -> Verdict:
+def noise_floor(noises: list[RunResult], reference: RunResult) -> tuple[list[float], float]:
+    """(the largest loss gap of any noise run up to each step, the largest weight gap of any noise run)."""
+    per_run = [loss_gaps(noise.losses, reference.losses) for noise in noises]
+    floor = running_max([max(gaps) for gaps in zip(*per_run)])
+    return floor, max(global_relative_difference(noise.weights, reference.weights) for noise in noises)
+
+
+def judge(result: RunResult, reference: RunResult, noises: list[RunResult], args: argparse.Namespace) -> Verdict:
     gaps = loss_gaps(result.losses, reference.losses)
-    floor = running_max(loss_gaps(noise.losses, reference.losses))
+    floor, weight_floor = noise_floor(noises, reference)
     weight_gap = global_relative_difference(result.weights, reference.weights)
-    weight_floor = global_relative_difference(noise.weights, reference.weights)
     worst = relative_differences(result.weights, reference.weights)["parameters"]
     loss_gap = max(gaps, default=0.0)
     at = gaps.index(loss_gap) + 1 if gaps else 0
@@ -221,20 +231,20 @@ def judge(result: RunResult, reference: RunResult, noise: RunResult, args: argpa
                 break
         else:
             if weight_gap > max(args.tolerance, args.noise_factor * weight_floor):
-                reason = (f"weight gap {weight_gap:.2e} is above {args.noise_factor:g} x the noise run's "
+                reason = (f"weight gap {weight_gap:.2e} is above {args.noise_factor:g} x the noise runs' "
                           f"{weight_floor:.2e}")
     return Verdict(loss_gap, at, weight_gap, worst, not reason, reason)
 
 
-def report(results: list[RunResult], noise: RunResult, args: argparse.Namespace, batch: int) -> bool:
+def report(results: list[RunResult], noises: list[RunResult], args: argparse.Namespace, batch: int) -> bool:
     reference = results[0]
     print(f"\nparity against world size 1: {args.hypes_yaml}, effective batch {batch}, "
           f"{len(reference.losses)} steps")
     print(f"{'run':>16} | {'samples/s':>9} | {'max loss gap':>20} | {'weight gap':>10} | verdict")
     passed = True
-    for result in [noise] + results[1:]:
-        verdict = judge(result, reference, noise, args)
-        is_noise = result is noise
+    for result in noises + results[1:]:
+        verdict = judge(result, reference, noises, args)
+        is_noise = any(result is noise for noise in noises)
         passed &= verdict.passed or is_noise
         label = "noise floor" if is_noise else ("same training" if verdict.passed else "DIFFERENT")
         where = f"{verdict.loss_gap:.2e} @ step {verdict.loss_step}" if verdict.loss_step else "-"
@@ -243,9 +253,9 @@ def report(results: list[RunResult], noise: RunResult, args: argparse.Namespace,
         if not verdict.passed and not is_noise:
             print(f"{'':>16}   {verdict.reason}; largest per-tensor gap {verdict.worst_tensor[0]:.2e} in "
                   f"{verdict.worst_tensor[1]}")
-    print(f"gaps are relative to world size 1; the noise floor is world size 1 with reversed batches (the same "
-          f"training in exact arithmetic).\npass: gap <= max({args.noise_factor:g} x noise floor, tolerance "
-          f"{args.loss_tolerance:g} loss / {args.tolerance:g} weights). "
+    print(f"gaps are relative to world size 1; the noise floor is the larger gap of world size 1 with reversed and "
+          f"with rotated batches (the same training in exact arithmetic).\npass: gap <= max({args.noise_factor:g} x "
+          f"noise floor, tolerance {args.loss_tolerance:g} loss / {args.tolerance:g} weights). "
           + ("PASS: every world size follows the 1-process run." if passed else
              "FAIL: see docs/ddp_semantics.md for what must be identical."))
     return passed
@@ -286,14 +296,15 @@ def parity_check(args: argparse.Namespace) -> int:
         work_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a parent that is a file, or a folder it may not write in
         raise ConfigError(f"--work_dir {work_dir}: cannot make it ({exc.strerror}); pick an empty folder") from None
-    names = [f"world{world}" for world in world_sizes] + [NOISE_RUN]
+    names = [f"world{world}" for world in world_sizes] + list(NOISE_RUNS)
     taken = [name for name in names if (work_dir / name).exists()]
     if taken:
         raise ConfigError(f"--work_dir {work_dir} already holds {', '.join(taken)}; pick an empty folder")
     results = [read_run(f"world{world}", run_world(f"world{world}", world, args, work_dir), args.steps)
                for world in world_sizes]
-    noise = read_run(NOISE_RUN, run_world(NOISE_RUN, 1, args, work_dir, reverse=True), args.steps)
-    passed = report(results, noise, args, batch)
+    noises = [read_run(name, run_world(name, 1, args, work_dir, order), args.steps)
+              for name, order in NOISE_RUNS.items()]
+    passed = report(results, noises, args, batch)
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
     else:

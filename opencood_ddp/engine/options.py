@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Optional, Protocol, Sequence, Union
 
 from opencood_ddp.distributed.batch_plan import LR_SCALINGS, SEMANTICS, LrScaling, Semantics
+from opencood_ddp.distributed.samplers import BATCH_ORDERS, BatchOrder
 from opencood_ddp.engine.capture import CAPTURE_MODES, CaptureMode
 from opencood_ddp.engine.step import HALF_MODES, HalfMode
 from opencood_ddp.engine.step_guard import NONFINITE_POLICIES, NonfinitePolicy
@@ -68,7 +69,7 @@ class LoopOptions:
     seed: Optional[int] = None  # None: train_params.seed of the hypes, else 0
     sync_bn: bool = True  # --no_sync_bn clears it
     max_steps: Optional[int] = None
-    reverse_batch_order: bool = False
+    batch_order: BatchOrder = "sampled"
     deterministic: bool = False
     tf32: bool = True  # torch's default: cuDNN's float32 convolutions may use TF32 on Ampere and later; --no_tf32
     on_nonfinite: NonfinitePolicy = "stop"
@@ -257,9 +258,9 @@ def add_loop_arguments(parser: Any) -> None:
                         help="keep per-rank BatchNorm statistics")
     parser.add_argument("--max_steps", type=int, help="end the run after this many optimizer steps and save "
                                                        "net_step{K}.pth (a smoke test or a parity check)")
-    parser.add_argument("--reverse_batch_order", action="store_true",
-                        help="feed each batch's samples in reverse order: the same training in exact arithmetic, "
-                             "another float summation order (the noise floor of tools/parity_check.py)")
+    parser.add_argument("--batch_order", choices=BATCH_ORDERS, default=LoopOptions.batch_order,
+                        help="feed each batch's samples reversed, or rotated by one: the same training in exact "
+                             "arithmetic, another float summation order (the noise floor of tools/parity_check.py)")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms: CUDA kernels without atomics, so that a GPU run "
                              "repeats bit for bit (slower; an op with no such kernel stops the run and names it). "

@@ -121,7 +121,7 @@ class Trainer:
         self.scaler = self.precision.new_scaler()
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
                                                       self.settings.seed, plan.accumulation,
-                                                      reverse=self.loop.reverse_batch_order)
+                                                      order=self.loop.batch_order)
         self.steps_per_epoch = steps_per_epoch(self.batch_sampler, plan.accumulation)
         self._new_schedule = lambda: build_scheduler(hypes, self.optimizer, self.steps_per_epoch)
         self.schedule = self._new_schedule()  # None: constant lr
