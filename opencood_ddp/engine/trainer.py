@@ -155,8 +155,8 @@ class Trainer:
     def open_run(self) -> list[tuple[int, str]]:
         """Make the run folder this run's: for an existing run, continue from its newest checkpoint that loads and
         remove what a killed save left; then write config.yaml (its one write: nothing of an existing run is
-        written before its checkpoint loaded; a resume with nothing left to train keeps it). Returns (logging level, message) pairs to log once the log file is
-        attached."""
+        written before its checkpoint loaded; a resume with nothing left to train keeps it). Returns (logging
+        level, message) pairs to log once the log file is attached."""
         notes: list[tuple[int, str]] = []
         if self.setup.resume:
             saved, rejected = self.resume()
