@@ -31,8 +31,7 @@ from opencood_ddp.engine.step import Precision, forward_backward
 from opencood_ddp.engine.task import Task
 from opencood_ddp.engine.trainer import optimizer_step
 from opencood_ddp.errors import ConfigError
-
-GIB = 1024 ** 3
+from opencood_ddp.memory_fit import GIB
 
 
 @dataclass(frozen=True)
@@ -218,6 +217,7 @@ def choose(found: Sequence[PlanOption]) -> Optional[PlanOption]:
 
 
 def gib(value: float) -> str:
+    # two decimals for the planner's tables (memory_fit.gib: one, with thousands, for sizes beyond memory)
     return f"{value / GIB:.2f} GiB"
 
 
