@@ -2,7 +2,8 @@
 
 A GPU step whose forward reads a value back (``.item()``, ``.tolist()``, ``.cpu()``, ``bool()``, ``int()``) or runs
 an operator whose output's shape depends on the values (``nonzero``, boolean-mask indexing, ``masked_select``,
-``unique``, ``repeat_interleave`` without ``output_size``) stops the host until the device has caught up, and the
+``unique``, ``repeat_interleave`` without ``output_size``) or checks a linear-algebra result's status
+(``torch.linalg.inv`` reads its factorisation's status back) stops the host until the device has caught up, and the
 launches after it are no longer hidden behind the device's work (issue 52). So does a blocking host-to-device
 copy: torch sends ``x.new_tensor(values)``, ``torch.tensor(values, device=...)``, an index that is a Python list
 (``x[:, [3, 2, 1]]``) and ``.to(device)`` without ``non_blocking`` from pageable memory, and waits for the device's
@@ -41,6 +42,9 @@ READ_BACKS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
               "masked_select", "unique", "unique_consecutive", "argwhere"}
 VALUE_SHAPED_OPS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
                     "aten::unique_consecutive", "aten::unique_dim"}
+# operators that read a device tensor's values to the host: linalg.inv, solve, cholesky and the like check their
+# factorisation's status there (on a GPU, V2X-ViT's warp waited for the device in one: gpu_check, 2026-11-30)
+READING_OPS = {"aten::_linalg_check_errors"}
 
 
 def _on_device(value) -> bool:
@@ -124,6 +128,8 @@ class ValueShapedOps(_Recorder, TorchDispatchMode):
             hit = True
         if hit:
             self.stop("runs an operator shaped by device values", name)
+        if device_args and name in READING_OPS:
+            self.stop("reads a device tensor back", name)
         if _blocking_copy(name, args, kwargs):
             self.stop("copies host data to the device and waits", name)
         return func(*args, **kwargs)
@@ -176,6 +182,13 @@ def test_v2xvit_with_road_side_units_never_waits_for_its_device(toy_small_rsu):
     assert bool((prior[..., 2] == 1).any())  # the toy world's road-side units are in this batch
     reads, ops = _step_on_meta(task, model, task.move_to(batch, META))
     assert (reads, ops) == ([], [])
+
+
+def test_a_linear_algebra_status_check_is_seen():
+    """The control of READING_OPS: torch.linalg.inv's singular-matrix check reads the device's status back."""
+    with pytest.raises(AssertionError, match="reads a device tensor back: aten::_linalg_check_errors"):
+        with HostReads(), ValueShapedOps():
+            torch.linalg.inv(torch.zeros(2, 3, 3, device=META))
 
 
 def test_a_record_len_on_the_device_is_seen(toy_small):

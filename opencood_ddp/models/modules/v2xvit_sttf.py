@@ -46,8 +46,10 @@ def sampling_grid(pixel_map: torch.Tensor, height: int, width: int, dtype: torch
     `dtype` or float32 if that is a 16-bit type (under --half, a float16 grid is off by a fifth of a cell)."""
     def grid(pixel_map: torch.Tensor) -> torch.Tensor:
         unit = _pixels_to_unit(height, width, pixel_map)
-        # grid_sample looks up, for each destination pixel, where it came from: the inverse map.
-        theta = unit @ torch.linalg.inv(pixel_map) @ torch.linalg.inv(unit)
+        # grid_sample looks up, for each destination pixel, where it came from: the inverse map. inv_ex, not
+        # linalg.inv: the same kernel without the singular-matrix check, which reads the factorisation's status
+        # back and so waits for a GPU (issue 52). A singular map gives non-finite entries instead of an error.
+        theta = unit @ torch.linalg.inv_ex(pixel_map).inverse @ torch.linalg.inv_ex(unit).inverse
         full = torch.float32 if dtype in HALF_DTYPES else dtype
         return F.affine_grid(theta[:, :2].to(full), [pixel_map.shape[0], 1, height, width], align_corners=True)
 
