@@ -71,6 +71,21 @@ def test_stages_run_in_order_each_cut_to_the_budget_left(tmp_path, monkeypatch):
     assert report.count("```\nslept\n```") == 2  # the outputs' tails, the cut stage's included
 
 
+def test_a_failing_cuda_test_reaches_the_tail_with_its_message(tmp_path):
+    """The gpu_tests stage's pytest flags: a failing test whose logger wrote many DEBUG records (torch's trace
+    logger on the H200 did) still shows its assertion's message in session.md's tail."""
+    test = tmp_path / "test_noisy.py"
+    test.write_text("import logging\n\n\ndef test_noisy():\n    log = logging.getLogger('torch.__trace')\n"
+                    "    log.setLevel(logging.DEBUG)\n    for i in range(200):\n        log.debug('trace %d', i)\n"
+                    "    assert 1.5 == 2.5, 'the first loss is not eager\\'s'\n")
+    stage = gpu_session.Stage("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                            *gpu_session.PYTEST_TAIL, str(test)], 60)
+    gpu_session.run_stage(stage, 60, tmp_path)
+    assert stage.result["status"] == "exit 1"
+    assert "AssertionError: the first loss is not eager's" in stage.result["tail"], stage.result["tail"]
+    assert "trace 199" not in stage.result["tail"]
+
+
 def test_a_failed_layer_gives_way_to_the_target_route_for_the_stages_left(tmp_path, monkeypatch):
     """`make gpu-venv` failing on the lent machine must not cost its minutes: the session runs the target route's
     venv stage, then the stages left, each with that route's environment; the result still says the layer failed."""

@@ -22,10 +22,11 @@ The stages (``--device cpu`` rehearses them on one toy config, without what need
   it takes the target route (``gpu_venv.py target``: the wheels unpacked into a folder, no venv) and runs the
   stages after it with the machine's python and that folder and the checkout on PYTHONPATH. ``--venv target``
   takes that route from the start;
+- gpu_tests: the suite's tests marked cuda (``make gpu-tests``: the CUDA graphs of --capture cudagraphs against
+  the eager step, the synchronized batch norm's CUDA kernels, the device data path), each failure on one line;
+  first after the venv: a minute, and what failed there on the first lent H200 (2026-11-30) is the next question;
 - capture: ``benchmark_models.py --capture cudagraphs`` for the eight PointPillar configs at per-GPU batch 1
   and 2: the eager step and the step replayed as CUDA graphs, and batch 1 over batch 2 (the issue's first figure);
-- gpu_tests: the suite's tests marked cuda (``make gpu-tests``: the CUDA graphs of --capture cudagraphs against
-  the eager step, the synchronized batch norm's CUDA kernels, the device data path);
 - gpu_check: ``tools/gpu_check.py``'s checks of issue 52 (NOT_ISSUE_52 left out, fp32): the nine toy models'
   training with the model table's step at batch 1 and 2, rates and DDP step, host syncs, the captured
   accumulation, the capture checks in both modes and in DDP;
@@ -52,14 +53,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_venv  # noqa: E402  (beside this file; found however the tool is started, in-process runs included)
 
 REPO = Path(__file__).resolve().parents[2]
-# AttFuse first: a stage cut at its limit keeps the rows before, and AttFuse is the issue's reference row
+# A stage cut at its limit keeps the rows before: the rows the first lent H200 did not reach (2026-11-30: the
+# capture stage's 300 s took 11 of the 16 rows, about 27 s a row) first, then AttFuse, the issue's reference row
 PILLAR_CONFIGS = [f"opv2v/point_pillar_{name}" for name in (
-    "intermediate_fusion", "early_fusion", "where2comm", "fcooper", "v2vnet", "cobevt", "v2xvit", "late_fusion")]
-# issue 52 item 4 (fp16 slower than fp32 on the H200: AttFuse, early fusion, Where2comm) and item 5 (SECOND)
-PROFILE_CONFIGS = ["opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_early_fusion",
-                   "opv2v/point_pillar_where2comm", "opv2v/second_intermediate_fusion"]
+    "v2xvit", "late_fusion", "cobevt", "intermediate_fusion", "early_fusion", "where2comm", "fcooper", "v2vnet")]
+# issue 52 item 5 (SECOND, not reached on 2026-11-30: 15 of the 24 rows in 287 s) first, then item 4 (fp16 slower
+# than fp32 on the H200: Where2comm, AttFuse, early fusion)
+PROFILE_CONFIGS = ["opv2v/second_intermediate_fusion", "opv2v/point_pillar_where2comm",
+                   "opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_early_fusion"]
 TOY_CONFIG = "toy/point_pillar_intermediate_fusion"  # the rehearsal's (--device cpu) one config
-STAGE_NAMES = ("venv", "capture", "gpu_tests", "gpu_check", "profile", "acceptance")  # their order (`stages`)
+STAGE_NAMES = ("venv", "gpu_tests", "capture", "gpu_check", "profile", "acceptance")  # their order (`stages`)
+# the tests' failures one line each, without the captured logs: on the H200 torch's DEBUG trace records filled
+# the 40 lines of session.md's tail, and the two failures' messages were lost (2026-11-30)
+PYTEST_TAIL = ["--tb=line", "--show-capture=no"]
 # gpu_check's checks that measure nothing of issue 52 (the acceptance stage runs them): the parity and repeat
 # runs, the planner, the loader's worker sweep and the feed run
 NOT_ISSUE_52 = ["--parity_config", "none", "--repeat_configs", "--planner_config", "none", "--loader_config", "none",
@@ -129,11 +135,12 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
                "--configs", *(PROFILE_CONFIGS if cuda else [TOY_CONFIG]), "--data", str(args.work / "toy_opv2v")]
     run = [
         Stage("venv", venv, 180),
+        Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *PYTEST_TAIL,
+                            "tests"], 150),
         Stage("capture", [python, models, "--device", args.device, "--capture", "cudagraphs", "--batch-sizes", "1",
                           "2", "--repeats", "10" if cuda else "2", "--configs", *pillars,
                           "--data", str(args.work / "toy_opv2v"), "--json", str(args.out / "capture.json")],
               300, log="capture.log"),
-        Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests"], 150),
         Stage("gpu_check", [*gpu_check("gc"), *NOT_ISSUE_52, *(["--precisions", "fp32"] if cuda else [])], 300),
         Stage("profile", profile, 300, log="profile.log"),
         Stage("acceptance", gpu_check("acceptance"), 600),
