@@ -47,6 +47,8 @@ def test_every_stage_command_parses_with_its_tools_parser(device, route, tmp_pat
         assert parsed["venv"].wheels == "w.wheels.tar.xz" and run[0].command[0] == sys.executable
     assert parsed["capture"].capture == "cudagraphs" and parsed["capture"].batch_sizes == [1, 2]
     assert parsed["gpu_check"].device == parsed["acceptance"].device == device and parsed["profile"].count
+    # the benchmarks' rows come back as JSON, written after every row (a cut stage keeps its rows)
+    assert parsed["capture"].json.endswith("capture.json") and parsed["profile"].json.endswith("profile.json")
     # issue 52's gpu_check: the parity, repeat, planner, loader and feed checks left to the acceptance stage
     assert parsed["gpu_check"].parity_config == "none" and parsed["gpu_check"].repeat_configs == []
     assert parsed["gpu_check"].precisions == ["fp32"] and parsed["gpu_check"].out != parsed["acceptance"].out
@@ -80,7 +82,7 @@ def test_a_failing_cuda_test_reaches_the_tail_with_its_message(tmp_path):
                     "    assert 1.5 == 2.5, 'the first loss is not eager\\'s'\n")
     stage = gpu_session.Stage("gpu_tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                             *gpu_session.PYTEST_TAIL, str(test)], 60)
-    gpu_session.run_stage(stage, 60, tmp_path)
+    gpu_session.run_stage(stage, 60)
     assert stage.result["status"] == "exit 1"
     assert "AssertionError: the first loss is not eager's" in stage.result["tail"], stage.result["tail"]
     assert "trace 199" not in stage.result["tail"]
@@ -132,3 +134,17 @@ def test_a_stage_whose_program_is_missing_fails_and_the_session_goes_on(tmp_path
 def test_the_target_route_needs_the_wheels(tmp_path, capsys):
     assert gpu_session.main(["--out", str(tmp_path), "--venv", "target"]) == 2
     assert capsys.readouterr().err.startswith("error: --venv target unpacks --wheels")
+
+
+def test_benchmark_rows_reach_the_json_one_by_one(toy_small, tmp_path):
+    """A lent GPU's stage is cut at its limit (the capture and profile stages were, 2026-11-30): benchmark_models.py
+    writes --json after every row, so the rows measured before the cut come back. One real row, on the toy world,
+    through run_all alone (main writes the file once more at its end)."""
+    import json
+
+    out = tmp_path / "rows.json"
+    argv = ["--configs", "toy/point_pillar_early_fusion", "--batch-sizes", "1", "--repeats", "1", "--precisions",
+            "fp32", "--data", str(toy_small), "--json", str(out)]
+    rows = benchmark_models.run_all(benchmark_models.parse_args(argv), argv)
+    assert len(rows) == 1 and json.loads(out.read_text()) == rows
+    assert benchmark_models.format_row(rows[0], benchmark_models.parse_args(argv)).count(" | ") == 7

@@ -11,8 +11,10 @@ one command that ends in time, whatever a stage costs there. The stages run in S
 limit: its own cap or what is left of ``--budget``, whichever is less (its process group is killed at the limit,
 and what it wrote stays); a stage that would have under MIN_STAGE_S is left out. ``session.md`` in ``--out``
 says what each stage did, how long it took and its output's tail, and is rewritten after every stage, so a call
-cut short returns what it measured. A lent machine returns at most 8 files from ``--out``: the stages write 8
-(session.md, capture.log and .json, gc/ and acceptance/ gpu_check.md and .json, profile.log).
+cut short returns what it measured. A lent machine returns at most 8 files from ``--out``: the stages write 7
+(session.md, capture.json and profile.json, which benchmark_models.py rewrites after every row, so that a stage cut
+at its limit returns its rows with their operators by name; gc/ and acceptance/ gpu_check.md and .json). The
+benchmarks' printed tables are in session.md's tail.
 
 The stages (``--device cpu`` rehearses them on one toy config, without what needs CUDA):
 
@@ -72,7 +74,7 @@ NOT_ISSUE_52 = ["--parity_config", "none", "--repeat_configs", "--planner_config
                 "--feed_config", "none"]
 MIN_STAGE_S = 30  # a stage is not started with less time left than this
 ROUTES = ("layer", "target")  # how the venv stage gives the others the project's requirements (the docstring)
-TAIL_LINES = 40  # of each stage's output, in session.md
+TAIL_LINES = 60  # of each stage's output, in session.md: the capture stage's table of 16 rows and its ratios
 
 
 @dataclass
@@ -80,7 +82,6 @@ class Stage:
     name: str
     command: List[str]
     cap_s: int
-    log: Optional[str] = None  # the file in --out that keeps the whole output (None: its tail in session.md only)
     env: Dict[str, str] = field(default_factory=dict)  # set over the session's environment
     result: dict = field(default_factory=dict)
 
@@ -132,7 +133,8 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
 
     profile = [python, models, "--device", args.device, "--count", "--batch-sizes", "1", "2", "--repeats", "5",
                "--precisions", "fp32", "bf16", *(["fp16", "--profile"] if cuda else []),
-               "--configs", *(PROFILE_CONFIGS if cuda else [TOY_CONFIG]), "--data", str(args.work / "toy_opv2v")]
+               "--configs", *(PROFILE_CONFIGS if cuda else [TOY_CONFIG]), "--data", str(args.work / "toy_opv2v"),
+               "--json", str(args.out / "profile.json")]
     run = [
         Stage("venv", venv, 180),
         Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *PYTEST_TAIL,
@@ -140,9 +142,9 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
         Stage("capture", [python, models, "--device", args.device, "--capture", "cudagraphs", "--batch-sizes", "1",
                           "2", "--repeats", "10" if cuda else "2", "--configs", *pillars,
                           "--data", str(args.work / "toy_opv2v"), "--json", str(args.out / "capture.json")],
-              300, log="capture.log"),
+              300),
         Stage("gpu_check", [*gpu_check("gc"), *NOT_ISSUE_52, *(["--precisions", "fp32"] if cuda else [])], 300),
-        Stage("profile", profile, 300, log="profile.log"),
+        Stage("profile", profile, 300),
         Stage("acceptance", gpu_check("acceptance"), 600),
     ]
     assert tuple(stage.name for stage in run) == STAGE_NAMES
@@ -151,7 +153,7 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
     return run
 
 
-def run_stage(stage: Stage, limit_s: float, out: Path) -> None:
+def run_stage(stage: Stage, limit_s: float) -> None:
     """`stage` under `limit_s` seconds, in a process group of its own (the tools start processes: torchrun's, one
     per benchmark row), killed whole at the limit."""
     started = time.monotonic()
@@ -169,8 +171,6 @@ def run_stage(stage: Stage, limit_s: float, out: Path) -> None:
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         status = f"cut at its limit ({limit_s:.0f} s)"
-    if stage.log:
-        (out / stage.log).write_text(output)
     stage.result = {"status": status, "seconds": time.monotonic() - started,
                     "tail": "\n".join(output.splitlines()[-TAIL_LINES:])}
 
@@ -178,9 +178,8 @@ def run_stage(stage: Stage, limit_s: float, out: Path) -> None:
 def report(run: Sequence[Stage], args: argparse.Namespace, started: float) -> str:
     lines = [f"# gpu_session: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}",
              f"device {args.device}, budget {args.budget:.0f} s, {time.monotonic() - started:.0f} s used", "",
-             "| stage | result | seconds | output |", "|---|---|---:|---|"]
-    lines += [f"| {s.name} | {s.result.get('status', 'not run')} | {s.result.get('seconds', 0):.0f} | "
-              f"{s.log or 'tail below'} |" for s in run]
+             "| stage | result | seconds |", "|---|---|---:|"]
+    lines += [f"| {s.name} | {s.result.get('status', 'not run')} | {s.result.get('seconds', 0):.0f} |" for s in run]
     for stage in run:
         if "tail" in stage.result:
             lines += ["", f"## {stage.name}: `{command_line(stage)}`", "", "```", stage.result["tail"], "```"]
@@ -217,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if left < MIN_STAGE_S:
             stage.result = {"status": f"left out: {left:.0f} s left"}
         else:
-            run_stage(stage, min(stage.cap_s, left), args.out)
+            run_stage(stage, min(stage.cap_s, left))
         done.append(stage)
         (args.out / "session.md").write_text(report(done + todo, args, started))
         print(f"{stage.name}: {stage.result['status']}", flush=True)
