@@ -84,7 +84,8 @@ def load_hypes(path: str | os.PathLike) -> dict:
 HYPES_FIX = "fix the hypes (in training also --set key=value)"
 
 
-def _split_override(text: str) -> tuple[list[str], Any]:
+def split_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` -> (['a', 'b', 'c'], the value read as YAML)."""
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set {text!r} is not of the form key.sub=value")
@@ -120,7 +121,7 @@ def apply_overrides(hypes: dict, overrides: Iterable[str]) -> dict:
     """
     hypes = copy.deepcopy(hypes)
     for text in overrides:
-        parts, value = _split_override(text)
+        parts, value = split_override(text)
         node = hypes
         for depth, part in enumerate(parts[:-1]):
             _open_placeholder(node, part, parts[depth + 1])

@@ -33,6 +33,19 @@ _ANCHOR_GRID = tuple((f"postprocess.anchor_args.{key}", kind) for key, kind in (
     ("vw", "number"), ("vh", "number"), ("vd", "number"), ("W", "int"), ("H", "int"), ("D", "int")))
 
 
+_GRID_SOURCES = ("preprocess.cav_lidar_range", _VOXEL_SIZE[0])
+# Each parser's keys it writes whatever the hypes held, and the keys it computes them from: a `--set` of one of
+# them would be overwritten without a word, so load_parsed_hypes refuses one that the parser changed.
+DERIVED_KEYS = {
+    "load_point_pillar_params": (("model.args.point_pillar_scatter.grid_size",) + tuple(k for k, _ in _ANCHOR_GRID),
+                                 _GRID_SOURCES),
+    "load_voxel_params": (tuple(k for k, _ in _ANCHOR_GRID) + ("model.args.W", "model.args.H", "model.args.D"),
+                          ("postprocess.anchor_args.cav_lidar_range", _VOXEL_SIZE[0])),
+    "load_second_params": (("model.args.grid_size",) + tuple(k for k, _ in _ANCHOR_GRID), _GRID_SOURCES),
+}
+_ABSENT = object()
+
+
 def voxel_grid_cells(lidar_range: Sequence[float], voxel_size: Sequence[float]) -> List[int]:
     """(x, y, z) voxels of a range as spconv's voxel generator counts them, and every voxelizer here with it: the
     float32 extent over the float32 voxel size, rounded half away from zero (C's round). The canvas the pillars
@@ -131,9 +144,47 @@ def load_parsed_hypes(path: str | os.PathLike, overrides: Iterable[str] = ()) ->
     for key in hypes_lib.RUN_KEYS:
         hypes.pop(key, None)
     hypes = run_yaml_parser(hypes, source)
+    check_overrides_kept(hypes, overrides, source)
     hypes_lib.validate(hypes, hypes_lib.ENGINE_KEYS, source, hypes_lib.ENGINE_OPTIONAL_KEYS)
     return hypes
 
 
-__all__ = ["load_point_pillar_params", "load_voxel_params", "load_second_params", "run_yaml_parser",
-           "load_parsed_hypes"]
+def check_overrides_kept(hypes: dict, overrides: Iterable[str], source: str) -> None:
+    """One ConfigError for a `--set` of a key the hypes' yaml_parser derives (DERIVED_KEYS) to another value than
+    the parser gave it: the run would train with the parser's value, not the one asked for. The same value, or a
+    mapping set above such a key without it, is kept."""
+    name = hypes.get("yaml_parser")
+    if name not in DERIVED_KEYS:
+        return
+    keys, sources = DERIVED_KEYS[name]
+    for text in overrides:
+        parts, value = hypes_lib.split_override(text)
+        for key in keys:
+            path = key.split(".")
+            if path[:len(parts)] == parts:  # set at or above the derived key
+                asked, compared = _below(value, path[len(parts):]), path
+            elif parts[:len(path)] == path:  # set inside it: an entry of grid_size
+                asked, compared = value, parts
+            else:
+                continue
+            derived = _below(hypes, compared)
+            if asked is not _ABSENT and asked != derived:
+                raise ConfigError(f"{source}: --set {text.strip()}: yaml_parser {name} derives {key} from "
+                                  f"{' and '.join(sources)} ({'.'.join(compared)} is {derived!r} here); set those "
+                                  f"instead")
+
+
+def _below(node, parts: Sequence[str]):
+    """The value at `parts` under `node` (mapping keys and list indices), or _ABSENT."""
+    for part in parts:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _ABSENT
+    return node
+
+
+__all__ = ["DERIVED_KEYS", "check_overrides_kept", "load_point_pillar_params", "load_voxel_params",
+           "load_second_params", "run_yaml_parser", "load_parsed_hypes"]

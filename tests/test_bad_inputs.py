@@ -267,6 +267,14 @@ def repeats_beyond_count(w: World, world: int) -> Call:
                 not_created=w.tmp / "new_run")
 
 
+def parser_derived_key_set(w: World, world: int) -> Call:
+    """A key the yaml_parser writes whatever the hypes held (was: trained with the parser's 240, without a word)."""
+    return Call(TRAIN, w.toy_args("--set", "postprocess.anchor_args.W=100"),
+                ["--set postprocess.anchor_args.W=100: yaml_parser load_point_pillar_params derives "
+                 "postprocess.anchor_args.W from preprocess.cav_lidar_range and preprocess.args.voxel_size",
+                 "set those instead"], not_created=w.tmp / "new_run")
+
+
 def model_changed_on_resume(w: World, world: int) -> Call:
     """Another model whose weights happen to fit (here: the synthetic task's data seed, a data section) once
     resumed silently (issue 17 item 4)."""
@@ -557,6 +565,7 @@ ROWS = [
     ("size-beyond-memory", size_beyond_memory, (0,), {}),
     ("width-beyond-memory", width_beyond_memory, (0,), {}),
     ("repeats-beyond-count", repeats_beyond_count, (0,), {}),
+    ("parser-derived-key-set", parser_derived_key_set, (0,), {}),
     ("mistyped-key-in-file", mistyped_key_in_file, (0,), {}),
     ("mistyped-key-on-resume", mistyped_key_on_resume, (0,), {}),
     ("model-changed-on-resume", model_changed_on_resume, (0,), {}),

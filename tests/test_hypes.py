@@ -340,6 +340,54 @@ def test_the_grids_inputs_are_named_before_the_parser_computes_from_them(overrid
     assert message.startswith(f"{path}: ") and fragment in message and "anchor_args.W" not in message, message
 
 
+TOY_PILLAR = REPO / "hypes_yaml" / "toy" / "point_pillar_intermediate_fusion.yaml"
+TOY_SECOND = REPO / "hypes_yaml" / "toy" / "second_intermediate_fusion.yaml"
+
+
+@pytest.mark.parametrize("path, override, key", [
+    # each trained with the parser's value, without a word (the last note's "keys the parser recomputes")
+    (TOY_PILLAR, "postprocess.anchor_args.W=100", "postprocess.anchor_args.W"),
+    (TOY_PILLAR, "postprocess.anchor_args.vd=8", "postprocess.anchor_args.vd"),
+    (TOY_PILLAR, "model.args.point_pillar_scatter.grid_size=[100, 50, 1]", "model.args.point_pillar_scatter.grid_size"),
+    (TOY_PILLAR, "postprocess.anchor_args={l: 3.9, w: 1.6, h: 1.56, r: [0, 90], num: 2, feature_stride: 2, "
+                 "cav_lidar_range: [-48, -24, -3, 48, 24, 1], H: 7}", "postprocess.anchor_args.H"),
+    (TOY_SECOND, "model.args.grid_size=[1, 2, 3]", "model.args.grid_size"),
+])
+def test_a_set_of_a_key_the_parser_derives_is_refused_where_the_parser_changes_it(path, override, key):
+    with pytest.raises(ConfigError) as info:
+        YP.load_parsed_hypes(path, [override])
+    message = str(info.value)
+    assert message.startswith(f"{path}: --set {override}: yaml_parser ") and f"derives {key} from " in message
+    assert message.endswith("here); set those instead") and "preprocess.args.voxel_size" in message, message
+
+
+def test_a_set_inside_a_derived_list_of_a_runs_config_is_refused(tmp_path):
+    """A run's config.yaml holds the derived keys (the trainer writes the parsed hypes): an entry of its grid set on
+    resume is refused, naming the entry."""
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(YP.load_parsed_hypes(TOY_SECOND)))
+    with pytest.raises(ConfigError, match=r"--set model.args.grid_size.2=41: yaml_parser load_second_params derives "
+                                          r"model.args.grid_size from .* \(model.args.grid_size.2 is \d+ here\)"):
+        YP.load_parsed_hypes(config, ["model.args.grid_size.2=41"])
+
+
+def test_a_set_the_parser_agrees_with_or_recomputes_from_is_kept():
+    """The parser's own value (a config.yaml holds it), a section set above the derived keys without them, and the
+    keys the grids come from (the derived keys follow them) all load."""
+    derived = YP.load_parsed_hypes(TOY_PILLAR)
+    anchors = derived["postprocess"]["anchor_args"]
+    assert YP.load_parsed_hypes(TOY_PILLAR, [f"postprocess.anchor_args.W={anchors['W']}"]) == derived
+    grid = derived["model"]["args"]["point_pillar_scatter"]["grid_size"]
+    assert YP.load_parsed_hypes(TOY_PILLAR, [f"model.args.point_pillar_scatter.grid_size={grid}"]) == derived
+    above = {k: v for k, v in anchors.items() if k not in ("W", "H", "D", "vw", "vh", "vd")}
+    section = "postprocess.anchor_args={" + ", ".join(f"{k}: {v}" for k, v in above.items()) + "}"
+    assert YP.load_parsed_hypes(TOY_PILLAR, [section]) == derived
+    coarse = YP.load_parsed_hypes(TOY_PILLAR, ["preprocess.args.voxel_size=[0.8, 0.8, 4]"])
+    assert coarse["postprocess"]["anchor_args"]["W"] == (anchors["W"] + 1) // 2
+
+
 def test_validate_int_lr_is_a_number():
     hypes = copy.deepcopy(GOOD)
     hypes["optimizer"]["lr"] = 1
