@@ -120,9 +120,13 @@ def test_plan_batch_prints_a_plan_that_reproduces_the_batch(toy_small):
 
 def test_plan_batch_says_when_nothing_fits(toy_small):
     result = _plan(toy_small, "--gpus", "2", "--gpu_mem_gib", "0.001")
-    assert result.returncode == 1 and "no plan fits: even per-GPU batch 1 needs" in result.stdout, explain(result)
+    errors = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(errors) == 1, explain(result)
+    assert errors[0].startswith("error: no plan fits: even per-GPU batch 1 needs"), explain(result)
     result = _plan(toy_small, "--gpus", "3", "--gpu_mem_gib", "64")
-    assert result.returncode == 1 and "cannot be split evenly over 3 GPUs" in result.stdout, explain(result)
+    errors = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(errors) == 1, explain(result)
+    assert errors[0].startswith("error: no plan fits: ") and "cannot be split evenly over 3 GPUs" in errors[0]
     result = _plan(toy_small, "--gpus", "0", "--gpu_mem_gib", "64")
     assert result.returncode == 2 and result.stderr.strip() == "error: --gpus 0: give at least 1", explain(result)
 

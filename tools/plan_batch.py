@@ -103,7 +103,10 @@ def plan(args: argparse.Namespace) -> int:
         print(line)
     chosen = batch_fit.choose(found)
     if chosen is None:
-        print(f"no plan fits: {batch_fit.no_plan_message(batch_size, args.gpus, model, capacity)}")
+        # the answer is "none": one error line, as train_ddp's --per_gpu_batch auto says it (the table above stays
+        # on stdout)
+        print(f"error: no plan fits: {batch_fit.no_plan_message(batch_size, args.gpus, model, capacity)}",
+              file=sys.stderr)
         return 1
     print(f"plan: {chosen.world} GPU(s) x per-GPU batch {chosen.per_rank} x {chosen.accumulation} accumulation "
           f"step(s) = batch_size {batch_size}, peak about {batch_fit.gib(chosen.predicted_bytes)} per GPU: "
