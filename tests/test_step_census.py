@@ -155,6 +155,41 @@ def test_a_toy_models_step_on_the_cuda_path_runs_no_cpu_only_kernel(cobevt):
     assert "aten::bernoulli_" not in first.by_op
 
 
+PILLAR_MODELS = ["point_pillar_early_fusion", "point_pillar_intermediate_fusion", "point_pillar_fcooper",
+                 "point_pillar_v2vnet", "point_pillar_cobevt", "point_pillar_where2comm", "point_pillar_v2xvit"]
+
+
+def _convolution_inputs(config: str, toy_small) -> list:
+    """(module name, input strides, contiguous) of every 2-D convolution in a toy model's training step."""
+    from zoo import toy_batch
+
+    batch, model, task = toy_batch(REPO / "hypes_yaml" / "toy" / f"{config}.yaml", toy_small, 1)
+    seen = []
+    for name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.ConvTranspose2d)):
+            module.register_forward_hook(lambda m, inputs, out, name=name: seen.append(
+                (name, inputs[0].stride(), inputs[0].is_contiguous())))
+    task.step(model.train(), batch).total.backward()
+    return seen
+
+
+@pytest.mark.parametrize("config", PILLAR_MODELS)
+def test_on_the_cuda_path_every_convolution_reads_a_contiguous_map(config, toy_small):
+    """On CUDA a convolution over a channels-last map gives its weight a channels-last gradient, which AccumulateGrad
+    copies into the weight's layout and DDP's buckets warn about (V2VNet's heads on the H200, 2026-11-30): every
+    map a convolution reads is NCHW-contiguous on the CUDA path."""
+    with cuda_kernels_on_cpu():
+        seen = _convolution_inputs(config, toy_small)
+    assert seen and all(contiguous for _, _, contiguous in seen), [s for s in seen if not s[2]]
+
+
+def test_on_the_cpus_own_path_the_backbone_reads_channels_last_rows(toy_small):
+    """The control of the hook: on the CPU's own path AttFuse's scatter writes channels-last rows for the accurate
+    batch norm, and the backbone's first convolution reads them so."""
+    name, strides, contiguous = _convolution_inputs("point_pillar_intermediate_fusion", toy_small)[0]
+    assert name == "backbone.blocks.0.1" and not contiguous and strides[1] == 1, (name, strides)
+
+
 def test_the_gpus_busy_time_is_the_union_of_its_activities():
     """By hand, in ns: [0, 10] and [5, 20] overlap (20); [20, 25] touches them (25); [30, 31] after a gap (26);
     [2, 4] lies inside the first (26)."""

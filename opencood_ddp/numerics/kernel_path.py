@@ -13,12 +13,27 @@ import contextlib
 import threading
 from typing import Iterator
 
+import torch
+
 _state = threading.local()
 
 
 def cpu_kernels_enabled() -> bool:
     """Whether the CPU-only kernels may serve a CPU tensor now (False inside ``cuda_kernels_on_cpu``)."""
     return not getattr(_state, "cuda_path", False)
+
+
+def takes_cpu_kernels(x: torch.Tensor) -> bool:
+    """Whether `x` is served by the CPU-only kernels now: a CPU tensor outside ``cuda_kernels_on_cpu``."""
+    return x.device.type == "cpu" and cpu_kernels_enabled()
+
+
+def maps_for_kernels(x: torch.Tensor) -> torch.Tensor:
+    """A (N, C, H, W) map in the layout its path's kernels take: as it is for the CPU-only kernels (the accurate
+    batch norm reads each cell's channels as one row: channels-last), contiguous NCHW on the CUDA path, where a
+    convolution over a channels-last map gives its weight a channels-last gradient that AccumulateGrad copies into
+    the weight's layout, and DDP's buckets warn of the mismatch (the H200's gpu_check, 2026-11-30: V2VNet's heads)."""
+    return x if takes_cpu_kernels(x) else x.contiguous()
 
 
 @contextlib.contextmanager

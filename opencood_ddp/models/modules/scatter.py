@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.models.modules.cav_layout import maps_of_coords
-from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
+from opencood_ddp.numerics.kernel_path import takes_cpu_kernels
 
 
 class PointPillarScatter(nn.Module):
@@ -37,7 +37,7 @@ class PointPillarScatter(nn.Module):
         if num_images is None:
             num_images = maps_of_coords(coords)
         cell = coords[:, 1] * self.ny * self.nx + coords[:, 2] * self.nx + coords[:, 3]
-        if pillars.device.type == "cpu" and cpu_kernels_enabled():
+        if takes_cpu_kernels(pillars):
             image = self._channels_last(pillars, coords[:, 0], cell, num_images)
         else:
             image = self._channels_first(pillars, coords[:, 0], cell, num_images)

@@ -16,6 +16,7 @@ from torch import nn
 from opencood_ddp.models.modules.biased_attention import biased_attention, use_head_loop
 from opencood_ddp.models.modules.precision import in_full_precision
 from opencood_ddp.numerics.dropout import Dropout
+from opencood_ddp.numerics.kernel_path import maps_for_kernels
 
 
 def relative_position_index(agents: int, window: int) -> torch.Tensor:
@@ -240,7 +241,7 @@ class SlotMeanHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cells = x.mean(dim=1)  # (B, H, W, C)
         norm, linear = self._modules["2"], self._modules["3"]
-        return linear(norm(cells)).permute(0, 3, 1, 2)
+        return maps_for_kernels(linear(norm(cells)).permute(0, 3, 1, 2))
 
 
 class SwapFusionEncoder(nn.Module):

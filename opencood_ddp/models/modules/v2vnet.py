@@ -38,6 +38,7 @@ from opencood_ddp.models.modules.cav_layout import device_constant, to_device
 from opencood_ddp.models.modules.fusion import regroup
 from opencood_ddp.models.modules.grid_sampling import grid_sample
 from opencood_ddp.models.modules.precision import in_full_precision
+from opencood_ddp.numerics.kernel_path import maps_for_kernels
 
 AGGREGATORS = ("avg", "max")
 
@@ -234,4 +235,4 @@ class V2VNetFusion(nn.Module):
                 nodes = self.update(nodes, theta, mask)
             egos.append(nodes[0])
         fused = torch.stack(egos, dim=0)
-        return self.mlp(fused.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return maps_for_kernels(self.mlp(fused.permute(0, 2, 3, 1)).permute(0, 3, 1, 2))
