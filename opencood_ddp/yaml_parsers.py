@@ -31,18 +31,18 @@ _ANCHOR_ARGS = ("postprocess.anchor_args", "dict")
 # What _anchor_grid writes: declared so that the schema (opencood_ddp/schema.py) knows them in a config.yaml.
 _ANCHOR_GRID = tuple((f"postprocess.anchor_args.{key}", kind) for key, kind in (
     ("vw", "number"), ("vh", "number"), ("vd", "number"), ("W", "int"), ("H", "int"), ("D", "int")))
-
-
+# Each parser's keys it writes whatever the hypes held: its optional keys in the registry (the schema's), and the
+# keys a `--set` may not change (DERIVED_KEYS).
+_PILLAR_DERIVED = _ANCHOR_GRID + (("model.args.point_pillar_scatter.grid_size", "list"),)
+_VOXEL_DERIVED = (("model.args.W", "int"), ("model.args.H", "int"), ("model.args.D", "int")) + _ANCHOR_GRID
+_SECOND_DERIVED = _ANCHOR_GRID + (("model.args.grid_size", "list"),)
 _GRID_SOURCES = ("preprocess.cav_lidar_range", _VOXEL_SIZE[0])
-# Each parser's keys it writes whatever the hypes held, and the keys it computes them from: a `--set` of one of
-# them would be overwritten without a word, so load_parsed_hypes refuses one that the parser changed.
-DERIVED_KEYS = {
-    "load_point_pillar_params": (("model.args.point_pillar_scatter.grid_size",) + tuple(k for k, _ in _ANCHOR_GRID),
-                                 _GRID_SOURCES),
-    "load_voxel_params": (tuple(k for k, _ in _ANCHOR_GRID) + ("model.args.W", "model.args.H", "model.args.D"),
-                          ("postprocess.anchor_args.cav_lidar_range", _VOXEL_SIZE[0])),
-    "load_second_params": (("model.args.grid_size",) + tuple(k for k, _ in _ANCHOR_GRID), _GRID_SOURCES),
-}
+# parser -> (the keys it derives, the keys it computes them from): a `--set` of a derived key would be overwritten
+# without a word, so load_parsed_hypes refuses one that the parser changed.
+DERIVED_KEYS = {name: (tuple(key for key, _ in derived), sources) for name, derived, sources in (
+    ("load_point_pillar_params", _PILLAR_DERIVED, _GRID_SOURCES),
+    ("load_voxel_params", _VOXEL_DERIVED, ("postprocess.anchor_args.cav_lidar_range", _VOXEL_SIZE[0])),
+    ("load_second_params", _SECOND_DERIVED, _GRID_SOURCES))}
 _ABSENT = object()
 
 
@@ -73,7 +73,7 @@ def _anchor_grid(hypes: dict, lidar_range: Sequence[float]) -> dict:
 
 @YAML_PARSERS.register("load_point_pillar_params", required=(
         ("preprocess.cav_lidar_range", "list"), _VOXEL_SIZE, ("model.args.point_pillar_scatter", "dict"),
-        _ANCHOR_ARGS), optional=_ANCHOR_GRID + (("model.args.point_pillar_scatter.grid_size", "list"),))
+        _ANCHOR_ARGS), optional=_PILLAR_DERIVED)
 def load_point_pillar_params(hypes: dict) -> dict:
     lidar_range = hypes["preprocess"]["cav_lidar_range"]
     voxel_size = hypes["preprocess"]["args"]["voxel_size"]
@@ -84,8 +84,7 @@ def load_point_pillar_params(hypes: dict) -> dict:
 
 @YAML_PARSERS.register("load_voxel_params", required=(
         _VOXEL_SIZE, _ANCHOR_ARGS, ("postprocess.anchor_args.cav_lidar_range", "list")),
-        optional=(("model.args", "dict"), ("model.args.W", "int"), ("model.args.H", "int"), ("model.args.D", "int"))
-        + _ANCHOR_GRID)
+        optional=(("model.args", "dict"),) + _VOXEL_DERIVED)
 def load_voxel_params(hypes: dict) -> dict:
     anchor_args = _anchor_grid(hypes, hypes["postprocess"]["anchor_args"]["cav_lidar_range"])
     if "model" in hypes:  # upstream allows hypes without a model (data visualisation)
@@ -95,7 +94,7 @@ def load_voxel_params(hypes: dict) -> dict:
 
 @YAML_PARSERS.register("load_second_params", required=(
         ("preprocess.cav_lidar_range", "list"), _VOXEL_SIZE, ("model.args", "dict"), _ANCHOR_ARGS),
-        optional=_ANCHOR_GRID + (("model.args.grid_size", "list"),))
+        optional=_SECOND_DERIVED)
 def load_second_params(hypes: dict) -> dict:
     lidar_range = hypes["preprocess"]["cav_lidar_range"]
     voxel_size = hypes["preprocess"]["args"]["voxel_size"]
