@@ -36,7 +36,7 @@ from torch import nn
 
 from opencood_ddp.numerics.autocast import HALF_DTYPES
 from opencood_ddp.numerics.jit import jit
-from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
+from opencood_ddp.numerics.kernel_path import takes_cpu_kernels
 from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
 
 
@@ -134,7 +134,7 @@ def _rows_for_kernel(x: torch.Tensor) -> Optional[np.ndarray]:
     """x's rows for the compiled kernels, or None where they do not serve it. The cheap tests come first: on CUDA
     and inside kernel_path.cuda_kernels_on_cpu the row view's permute and reshape would be dispatched for nothing,
     two operators per batch norm that the CUDA step does not run (docs/benchmarks.md, issue 52)."""
-    if x.dtype not in _COMPILED_DTYPES or x.device.type != "cpu" or not cpu_kernels_enabled():
+    if x.dtype not in _COMPILED_DTYPES or not takes_cpu_kernels(x):
         return None
     rows = row_view(x)
     return None if rows is None else rows.detach().numpy()

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.numerics.jit import jit
-from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
+from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled, takes_cpu_kernels
 from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
 
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
@@ -125,7 +125,7 @@ def hashed_dropout(x: torch.Tensor, p: float, inplace: bool = False) -> torch.Te
 def applies(x: torch.Tensor, p: float) -> bool:
     """Whether the hashed kernel serves this call: a CPU float32/float64 tensor and 0 < p < 1 (autocast casts
     no dropout input, so it makes no difference here)."""
-    return x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and 0.0 < p < 1.0 and cpu_kernels_enabled()
+    return takes_cpu_kernels(x) and x.dtype in _KERNEL_DTYPES and 0.0 < p < 1.0
 
 
 def fused_applies(x: torch.Tensor, p: float) -> bool:

@@ -22,15 +22,14 @@ from typing import Callable
 
 import torch
 
-from opencood_ddp.numerics.kernel_path import cpu_kernels_enabled
+from opencood_ddp.numerics.kernel_path import takes_cpu_kernels
 
 _DTYPES = (torch.float32, torch.float64)
 
 
 def use_head_loop(qkv: torch.Tensor) -> bool:
     """Whether ``biased_attention`` serves this input: a CPU float32/float64 tensor with autocast off."""
-    return (qkv.device.type == "cpu" and qkv.dtype in _DTYPES and not torch.is_autocast_enabled("cpu")
-            and cpu_kernels_enabled())
+    return takes_cpu_kernels(qkv) and qkv.dtype in _DTYPES and not torch.is_autocast_enabled("cpu")
 
 
 def _head(qkv: torch.Tensor, part: int, head: int, heads: int, parts: int = 3) -> torch.Tensor:
