@@ -20,7 +20,7 @@ from upstream_loop import upstream_step_lrs
 
 from opencood_ddp.checkpoint_files import load_file
 from opencood_ddp.distributed.launch import launcher_prefix
-from opencood_ddp.engine.parity import global_relative_difference, relative_differences
+from opencood_ddp.engine.parity import global_relative_difference, relative_differences, step_relative_difference
 from opencood_ddp.engine.logs import read_step_log
 from opencood_ddp.toy.manifest import read_toy_manifest
 
@@ -53,6 +53,11 @@ def test_parity_check_passes_for_one_and_two_processes(parity_runs):
     rows = {line.split("|")[0].strip(): line for line in result.stdout.splitlines() if "|" in line}
     assert "same training" in rows["world2"]
     assert "noise floor" in rows["world1_reversed"] and "noise floor" in rows["world1_rotated"]
+    assert f"step {STEPS} gap" in rows["run"]
+    # the step check's folders: world1's state after step K-1, and step K from it for every other run
+    kept = {folder.name for folder in work.iterdir() if folder.is_dir()}
+    assert {f"world1_step{STEPS - 1}", *(f"{run}_step{STEPS}" for run in ("world2", "world1_reversed",
+                                                                        "world1_rotated"))} <= kept
 
 
 def test_parity_check_runs_every_world_size_at_the_thread_count_torchrun_gives_a_rank():
@@ -86,6 +91,13 @@ def test_train_ddp_on_one_and_two_processes_saves_the_same_weights(parity_runs):
     assert len(losses[1]) == len(losses[2]) == STEPS
     # Step 1 is before any update: same weights, same samples, SyncBN over the global batch -> the same loss.
     assert losses[2][0] == pytest.approx(losses[1][0], rel=1e-4)
+    # Step K from world1's own state after step K-1: no drift to blur it, the 2-process step is the 1-process step
+    # as closely as a reordered batch's step is.
+    start = load_file(work / f"world1_step{STEPS - 1}" / f"net_step{STEPS - 1}.pth")
+    two_step, *noise_steps = (load_file(work / f"{run}_step{STEPS}" / f"net_step{STEPS}.pth")
+                              for run in ("world2", "world1_reversed", "world1_rotated"))
+    assert step_relative_difference(two_step, one, start) <= 5 * max(
+        step_relative_difference(noise, one, start) for noise in noise_steps)
 
 
 def test_a_detector_stopped_and_resumed_on_two_ranks_ends_bit_identical_to_the_straight_run(parity_runs, toy_small,
@@ -137,7 +149,8 @@ def test_parity_check_catches_per_rank_batchnorm(toy_small, tmp_path):
     assert result.returncode == 1, explain(result)
     world2 = next(line for line in result.stdout.splitlines() if line.strip().startswith("world2 |"))
     assert "DIFFERENT" in world2
-    assert "at step 1 is above" in result.stdout  # visible from the first step, not after drift
+    # the step check: thousands of times the reordered runs' gap (0.43 against 4e-5 on the demo's world)
+    assert "step 2 from world1's state lands" in result.stdout
 
 
 def test_parity_check_refuses_a_batch_that_does_not_split(toy_small):
@@ -158,6 +171,8 @@ def test_parity_check_refuses_a_batch_that_does_not_split(toy_small):
     # a run trained outside --work_dir and a traceback reading it back; a negative tolerance passed everything
     (["--train_args=--model_dir RUNS"], "--train_args sets --model_dir, which parity_check sets for every run"),
     (["--tolerance", "-1"], "--tolerance -1: give a number >= 0"),
+    # step K is checked from the state after step K-1: one step has no such state
+    (["--steps", "1"], "--steps 1: give 2 or more optimizer steps"),
 ])
 def test_parity_check_flags_it_cannot_run_are_one_line(toy_small, tmp_path, flags, fragment):
     (tmp_path / "a_file").write_text("notes\n")
@@ -165,7 +180,7 @@ def test_parity_check_flags_it_cannot_run_are_one_line(toy_small, tmp_path, flag
     flags = [names.get(flag, flag) for flag in flags]
     for name, path in names.items():
         fragment = fragment.replace(name, path)
-    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "1",
+    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "2",
                         *split_set_flags(toy_small), *flags)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and fragment in errors[0], explain(result)
@@ -176,7 +191,7 @@ def test_parity_check_keeps_the_log_its_failed_run_names(toy_small):
     """Without --work_dir the runs' temporary folder was removed at exit, also when a run had failed: the error
     line named a log that no longer existed. It now stays until every run has been read; '' as --world_sizes (a
     check of nothing that passed) is refused."""
-    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "1",
+    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "2",
                         *split_set_flags(toy_small), "--train_args=--no_such_flag")
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode == 2 and len(errors) == 1 and "the world1 run failed" in errors[0], explain(result)

@@ -460,7 +460,7 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path, kern
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
     rows = [" ".join(line.split()) for line in lines if line.startswith(("world2 ", "world1_re", "world1_ro"))]
     return (f"2 processes sharing {device} follow 1 ({kernels} kernels): {'; '.join(rows)} (samples/s, loss gap, "
-            f"weight gap, verdict)", {"report": lines[-8:]})
+            f"weight gap, step 4 gap, verdict)", {"report": lines[-8:]})
 
 
 def check_planner(config: str, device: torch.device, data: Path) -> tuple[str, dict]:

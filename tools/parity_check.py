@@ -13,17 +13,23 @@ Training is chaotic: a change of float summation order alone makes two runs drif
 sums in another order. So two more world-size-1 runs feed each batch in another order, reversed and rotated by
 one (the same training in exact arithmetic), and measure that drift: the noise floor, the larger of the two at
 each step. Two draws, since one can be lucky: a gradient near 0 whose sign the rounding flips makes Adam step by
-a whole lr, and the step it first happens at sets the drift (on an AVX2 CPU the reversed toy AttFuse run had
-none for three steps; the rotated run and 2 ranks flipped the same weight at the first). A world size passes
-when, at every step, its loss gap stays within --noise_factor times the noise floor so far (or under
---loss_tolerance), and its weight gap within --noise_factor times the noise runs' (or under --tolerance). A
-wrong batch split, a missing SyncBN or unsynchronised gradients show from the first steps, orders of magnitude
-above the floor.
+a whole lr, and the step it first happens at sets the drift. That step is a draw, not a property of the world
+size: on an AVX2 CPU 2 ranks on the demo's world drifted one step before any reordered run, though each of
+their steps was as close to the 1-process step as a reordered step is.
+So the verdict rests on the step check, which chaos cannot reach: the 1-process run also saves its state after
+step K-1, and every other run trains step K once more from a copy of that state. Its weights after that one step,
+against the 1-process run's, over the size of that step (||w - w1|| / ||w1 - w1(K-1)||), is the step gap. A world
+size passes when its step gap stays within --noise_factor times the reordered runs' (or under --tolerance), its
+loss curve stays within --noise_factor times the largest gap the reordered runs reach in the whole run (or under
+--loss_tolerance) and its final weight gap within --noise_factor times theirs (or under --tolerance). A wrong
+batch split, a missing SyncBN or unsynchronised gradients make a step gap thousands of times the reordered
+runs' (per-rank BatchNorm on the toy AttFuse: 0.15 against 2e-5).
 Every run's processes compute at the thread count torchrun gives a rank (OMP_NUM_THREADS=1 unless it is set):
 a CPU kernel's float sums can follow its thread count, and a world-size-1 run on two threads against ranks on one
 would count that difference as the world size's (on a toy AttFuse run, the loss at step 5 moves in the third
 digit between one and two threads).
-Run it on a small subset before a long job. Exit status: 0 when every world size passes, 1 when one does
+It needs --steps 2 or more (step K starts from a state after step K-1). Run it on a small subset before a long
+job. Exit status: 0 when every world size passes, 1 when one does
 not, 2 on a bad input or a failed run.
 """
 from __future__ import annotations
@@ -50,7 +56,7 @@ from opencood_ddp.distributed.launch import launcher_prefix, parse_world_sizes
 from opencood_ddp.engine.inference import choose_checkpoint
 from opencood_ddp.engine.logs import STEP_LOG_NAME, read_step_log
 from opencood_ddp.engine.options import train_argv, train_options_of, training_flags
-from opencood_ddp.engine.parity import global_relative_difference, relative_differences
+from opencood_ddp.engine.parity import global_relative_difference, relative_differences, step_relative_difference
 from opencood_ddp.errors import CheckpointError, ConfigError, OpencoodDdpError
 from opencood_ddp.yaml_parsers import load_parsed_hypes
 
@@ -68,12 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      parents=[training_flags(*TRAINING_FLAGS, required=("hypes_yaml",))])
     parser.add_argument("--world_sizes", default="1,2", help="comma-separated; world size 1 is added as reference")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    parser.add_argument("--steps", type=int, default=10,
+                        help="optimizer steps per run, 2 or more; the last is the checked step (default 10)")
     parser.add_argument("--train_args", default="", metavar="'FLAGS'",
                         help="more tools/train_ddp.py flags for every run, e.g. --train_args='--no_sync_bn' to "
                              "see the gap that per-rank BatchNorm makes")
     parser.add_argument("--tolerance", type=float, default=1e-4,
-                        help="a weight gap below this passes whatever the noise (default 1e-4)")
+                        help="a weight gap or step gap below this passes whatever the noise (default 1e-4)")
     parser.add_argument("--loss_tolerance", type=float, default=1e-4,
                         help="a per-step relative loss gap below this passes whatever the noise (default 1e-4)")
     parser.add_argument("--noise_factor", type=float, default=5.0,
@@ -99,11 +106,11 @@ def check_batch_splits(args: argparse.Namespace, world_sizes: list[int]) -> int:
     return batch
 
 
-def command(world: int, args: argparse.Namespace, run_dir: Path, order: str = "sampled") -> list[str]:
+def command(world: int, args: argparse.Namespace, run_dir: Path, order: str, steps: int) -> list[str]:
     options = train_options_of(args)
     options = dataclasses.replace(
         options, run=dataclasses.replace(options.run, model_dir=str(run_dir)),
-        loop=dataclasses.replace(options.loop, max_steps=args.steps, batch_order=order))
+        loop=dataclasses.replace(options.loop, max_steps=steps, batch_order=order))
     return launcher_prefix(world, torchrun=world > 1) + [str(TRAIN), *train_argv(options),
                                                          *shlex.split(args.train_args)]
 
@@ -125,13 +132,15 @@ def stop(process: subprocess.Popen, grace_s: float = 60) -> None:
         process.wait()
 
 
-def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, order: str = "sampled") -> Path:
+def run_world(name: str, world: int, args: argparse.Namespace, work_dir: Path, order: str = "sampled",
+              steps: Optional[int] = None) -> Path:
+    """Train (or, where work_dir/name holds a run, resume) the run `name` up to `steps` (default --steps)."""
     run_dir, log_path = work_dir / name, work_dir / f"{name}.log"
-    cmd = command(world, args, run_dir, order)
+    cmd = command(world, args, run_dir, order, args.steps if steps is None else steps)
     shown = " ".join(cmd[1:] if world > 1 else ["python"] + cmd[1:])
     print(f"{name}: {shown}", flush=True)
     started = time.perf_counter()
-    with open(log_path, "w") as log:
+    with open(log_path, "a") as log:  # a resumed run's output follows its first part's
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=run_environ(os.environ))
         try:
             returncode = process.wait(timeout=args.timeout)
@@ -158,6 +167,7 @@ class RunResult:
     losses: list[float]  # all-reduced loss per optimizer step
     samples_per_s: float  # median over the steps after the first
     weights: dict
+    step_gap: Optional[float] = None  # the step check's gap (step_relative_difference); None for the reference
 
 
 def run_weights(name: str, run_dir: Path, steps: int) -> Path:
@@ -188,59 +198,68 @@ def loss_gaps(losses: list[float], reference: list[float]) -> list[float]:
     return gaps
 
 
-def running_max(values: list[float]) -> list[float]:
-    out, top = [], 0.0
-    for value in values:
-        top = max(top, value)
-        out.append(top)
-    return out
-
-
 @dataclass
 class Verdict:
     loss_gap: float  # the largest per-step loss gap
     loss_step: int  # where it occurs (1-based)
     weight_gap: float
+    step_gap: float
     worst_tensor: tuple  # (per-tensor max relative difference, its name), to find what diverged
     passed: bool
     reason: str
 
 
-def noise_floor(noises: list[RunResult], reference: RunResult) -> tuple[list[float], float]:
-    """(the largest loss gap of any noise run up to each step, the largest weight gap of any noise run)."""
-    per_run = [loss_gaps(noise.losses, reference.losses) for noise in noises]
-    floor = running_max([max(gaps) for gaps in zip(*per_run)])
-    return floor, max(global_relative_difference(noise.weights, reference.weights) for noise in noises)
+@dataclass
+class NoiseFloor:
+    """What reordering each batch changes, the largest over the noise runs: the loss gap over the whole run (the
+    drift's envelope), the final weight gap and the step gap."""
+
+    loss_gap: float
+    weight_gap: float
+    step_gap: float
+
+
+def noise_floor(noises: list[RunResult], reference: RunResult) -> NoiseFloor:
+    return NoiseFloor(max(max(loss_gaps(noise.losses, reference.losses), default=0.0) for noise in noises),
+                      max(global_relative_difference(noise.weights, reference.weights) for noise in noises),
+                      max(noise.step_gap for noise in noises))
+
+
+def verdict_reason(result: RunResult, reference: RunResult, floor: NoiseFloor, weight_gap: float,
+                   args: argparse.Namespace) -> str:
+    """Why `result` is not the reference's training, or '' when it is. The step check comes first: it is the
+    one chaos cannot blur."""
+    factor = args.noise_factor
+    if len(result.losses) != len(reference.losses):
+        return f"ran {len(result.losses)} steps, the reference {len(reference.losses)}"
+    if result.step_gap > max(args.tolerance, factor * floor.step_gap):
+        return (f"step {len(reference.losses)} from world1's state lands {result.step_gap:.2e} of the step away, "
+                f"above {factor:g} x the reordered runs' {floor.step_gap:.2e}")
+    for step, gap in enumerate(loss_gaps(result.losses, reference.losses), start=1):
+        if gap > max(args.loss_tolerance, factor * floor.loss_gap):
+            return (f"loss gap {gap:.2e} at step {step} is above {factor:g} x the largest gap of the reordered "
+                    f"runs {floor.loss_gap:.2e}")
+    if weight_gap > max(args.tolerance, factor * floor.weight_gap):
+        return f"weight gap {weight_gap:.2e} is above {factor:g} x the reordered runs' {floor.weight_gap:.2e}"
+    return ""
 
 
 def judge(result: RunResult, reference: RunResult, noises: list[RunResult], args: argparse.Namespace) -> Verdict:
     gaps = loss_gaps(result.losses, reference.losses)
-    floor, weight_floor = noise_floor(noises, reference)
     weight_gap = global_relative_difference(result.weights, reference.weights)
     worst = relative_differences(result.weights, reference.weights)["parameters"]
     loss_gap = max(gaps, default=0.0)
     at = gaps.index(loss_gap) + 1 if gaps else 0
-    reason = ""
-    if len(result.losses) != len(reference.losses):
-        reason = f"ran {len(result.losses)} steps, the reference {len(reference.losses)}"
-    else:
-        for step, (gap, noise_gap) in enumerate(zip(gaps, floor), start=1):
-            if gap > max(args.loss_tolerance, args.noise_factor * noise_gap):
-                reason = (f"loss gap {gap:.2e} at step {step} is above {args.noise_factor:g} x the noise floor "
-                          f"{noise_gap:.2e}")
-                break
-        else:
-            if weight_gap > max(args.tolerance, args.noise_factor * weight_floor):
-                reason = (f"weight gap {weight_gap:.2e} is above {args.noise_factor:g} x the noise runs' "
-                          f"{weight_floor:.2e}")
-    return Verdict(loss_gap, at, weight_gap, worst, not reason, reason)
+    reason = verdict_reason(result, reference, noise_floor(noises, reference), weight_gap, args)
+    return Verdict(loss_gap, at, weight_gap, result.step_gap, worst, not reason, reason)
 
 
 def report(results: list[RunResult], noises: list[RunResult], args: argparse.Namespace, batch: int) -> bool:
     reference = results[0]
-    print(f"\nparity against world size 1: {args.hypes_yaml}, effective batch {batch}, "
-          f"{len(reference.losses)} steps")
-    print(f"{'run':>16} | {'samples/s':>9} | {'max loss gap':>20} | {'weight gap':>10} | verdict")
+    steps = len(reference.losses)
+    print(f"\nparity against world size 1: {args.hypes_yaml}, effective batch {batch}, {steps} steps")
+    print(f"{'run':>16} | {'samples/s':>9} | {'max loss gap':>20} | {'weight gap':>10} | {f'step {steps} gap':>11} | "
+          f"verdict")
     passed = True
     for result in noises + results[1:]:
         verdict = judge(result, reference, noises, args)
@@ -249,13 +268,16 @@ def report(results: list[RunResult], noises: list[RunResult], args: argparse.Nam
         label = "noise floor" if is_noise else ("same training" if verdict.passed else "DIFFERENT")
         where = f"{verdict.loss_gap:.2e} @ step {verdict.loss_step}" if verdict.loss_step else "-"
         print(f"{result.name:>16} | {result.samples_per_s:>9.1f} | {where:>20} | {verdict.weight_gap:>10.2e} | "
-              f"{label}")
+              f"{verdict.step_gap:>11.2e} | {label}")
         if not verdict.passed and not is_noise:
             print(f"{'':>16}   {verdict.reason}; largest per-tensor gap {verdict.worst_tensor[0]:.2e} in "
                   f"{verdict.worst_tensor[1]}")
     print(f"gaps are relative to world size 1; the noise floor is the larger gap of world size 1 with reversed and "
-          f"with rotated batches (the same training in exact arithmetic).\npass: gap <= max({args.noise_factor:g} x "
-          f"noise floor, tolerance {args.loss_tolerance:g} loss / {args.tolerance:g} weights). "
+          f"with rotated batches (the same training in exact arithmetic). The step gap: step {steps} trained from "
+          f"world1's state after step {steps - 1}, ||w - w1|| / ||w1 - w1({steps - 1})||.\n"
+          f"pass: step gap <= max({args.noise_factor:g} x the noise runs', tolerance {args.tolerance:g}); every "
+          f"loss gap <= max({args.noise_factor:g} x their largest, {args.loss_tolerance:g}); weight gap <= "
+          f"max({args.noise_factor:g} x theirs, {args.tolerance:g}). "
           + ("PASS: every world size follows the 1-process run." if passed else
              "FAIL: see docs/ddp_semantics.md for what must be identical."))
     return passed
@@ -263,8 +285,9 @@ def report(results: list[RunResult], noises: list[RunResult], args: argparse.Nam
 
 def check_flags(args: argparse.Namespace) -> None:
     """What the runs would fail on, said before any folder is made."""
-    if args.steps < 1:
-        raise ConfigError(f"--steps {args.steps}: give a positive number of optimizer steps")
+    if args.steps < 2:
+        raise ConfigError(f"--steps {args.steps}: give 2 or more optimizer steps (the last one is checked from "
+                          f"the 1-process run's state after the one before)")
     if not args.timeout > 0:
         raise ConfigError(f"--timeout {args.timeout:g}: give each run's limit in seconds, above 0")
     for name in ("tolerance", "loss_tolerance", "noise_factor"):
@@ -284,6 +307,36 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--work_dir {args.work_dir} is a file; pick an empty folder")
 
 
+def start_name(steps: int) -> str:
+    """The folder of the 1-process run's state after step K-1, where every step check starts."""
+    return f"world1_step{steps - 1}"
+
+
+def stepped_name(name: str, steps: int) -> str:
+    """The folder of run `name`'s step K from the 1-process run's state after step K-1."""
+    return f"{name}_step{steps}"
+
+
+def run_reference(args: argparse.Namespace, work_dir: Path) -> RunResult:
+    """World size 1 up to step K-1, a copy of that state for the step checks, then on to step K: a resume, which
+    continues as the run without a stop does, to the bit (tests/test_end_to_end.py)."""
+    run_world("world1", 1, args, work_dir, steps=args.steps - 1)
+    shutil.copytree(work_dir / "world1", work_dir / start_name(args.steps))
+    return read_run("world1", run_world("world1", 1, args, work_dir), args.steps)
+
+
+def run_checked(name: str, world: int, order: str, args: argparse.Namespace, work_dir: Path,
+                reference: RunResult, start: dict) -> RunResult:
+    """Run `name` of its own up to step K, then step K once more from a copy of the reference's state after
+    step K-1: its step gap."""
+    result = read_run(name, run_world(name, world, args, work_dir, order), args.steps)
+    stepped = stepped_name(name, args.steps)
+    shutil.copytree(work_dir / start_name(args.steps), work_dir / stepped)
+    weights = ckpt.load_file(run_weights(stepped, run_world(stepped, world, args, work_dir, order), args.steps))
+    result.step_gap = step_relative_difference(weights, reference.weights, start)
+    return result
+
+
 def parity_check(args: argparse.Namespace) -> int:
     world_sizes = parse_world_sizes(args.world_sizes)
     check_flags(args)
@@ -297,13 +350,15 @@ def parity_check(args: argparse.Namespace) -> int:
     except OSError as exc:  # a parent that is a file, or a folder it may not write in
         raise ConfigError(f"--work_dir {work_dir}: cannot make it ({exc.strerror}); pick an empty folder") from None
     names = [f"world{world}" for world in world_sizes] + list(NOISE_RUNS)
-    taken = [name for name in names if (work_dir / name).exists()]
+    folders = [start_name(args.steps)] + names + [stepped_name(name, args.steps) for name in names[1:]]
+    taken = [name for name in folders if (work_dir / name).exists()]
     if taken:
         raise ConfigError(f"--work_dir {work_dir} already holds {', '.join(taken)}; pick an empty folder")
-    results = [read_run(f"world{world}", run_world(f"world{world}", world, args, work_dir), args.steps)
-               for world in world_sizes]
-    noises = [read_run(name, run_world(name, 1, args, work_dir, order), args.steps)
-              for name, order in NOISE_RUNS.items()]
+    reference = run_reference(args, work_dir)
+    start = ckpt.load_file(run_weights(start_name(args.steps), work_dir / start_name(args.steps), args.steps - 1))
+    results = [reference] + [run_checked(f"world{world}", world, "sampled", args, work_dir, reference, start)
+                             for world in world_sizes[1:]]
+    noises = [run_checked(name, 1, order, args, work_dir, reference, start) for name, order in NOISE_RUNS.items()]
     passed = report(results, noises, args, batch)
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -1,7 +1,7 @@
 """How far two state dicts are apart: the measures tools/parity_check.py and the parity tests judge an N-rank
 run by, against the 1-rank run and against the noise floor of a rounding-only change (docs/ddp_semantics.md).
 
-Both read state dicts from any source (a net_epoch{N}.pth, a model's state_dict) and accept a `module.` prefix.
+All three read state dicts from any source (a net_epoch{N}.pth, a model's state_dict) and accept a `module.` prefix.
 """
 from __future__ import annotations
 
@@ -33,17 +33,40 @@ def relative_differences(state: Mapping[str, Any], reference: Mapping[str, Any])
     return worst
 
 
+def _learnable_pairs(state: Mapping[str, Any], reference: Mapping[str, Any]):
+    """(tensor, reference tensor) in float64 for each learnable floating key both hold (BN running statistics
+    are not learnt)."""
+    state = strip_module_prefix(state)
+    for key, ref in strip_module_prefix(reference).items():
+        other = state.get(key)
+        if other is None or not ref.is_floating_point() or "running_" in key:
+            continue
+        yield other.double(), ref.double()
+
+
+def _distance(state: Mapping[str, Any], reference: Mapping[str, Any]) -> float:
+    """||a - b|| over the learnable tensors both hold."""
+    return sum((a - b).pow(2).sum().item() for a, b in _learnable_pairs(state, reference)) ** 0.5
+
+
 def global_relative_difference(state: Mapping[str, Any], reference: Mapping[str, Any]) -> float:
     """||a - b|| / ||b|| over all learnable floating tensors at once (BN running statistics excluded).
 
     Unlike the per-tensor worst case, small tensors that barely train (a BN bias near zero) cannot dominate it.
     """
-    state = strip_module_prefix(state)
-    gap = norm = 0.0
-    for key, ref in strip_module_prefix(reference).items():
-        other = state.get(key)
-        if other is None or not ref.is_floating_point() or "running_" in key:
-            continue
-        gap += (other.double() - ref.double()).pow(2).sum().item()
-        norm += ref.double().pow(2).sum().item()
-    return (gap / norm) ** 0.5 if norm else 0.0
+    norm = sum(b.pow(2).sum().item() for _, b in _learnable_pairs(state, reference)) ** 0.5
+    return _distance(state, reference) / norm if norm else 0.0
+
+
+def step_relative_difference(state: Mapping[str, Any], reference: Mapping[str, Any],
+                             start: Mapping[str, Any]) -> float:
+    """||a - b|| / ||b - start||: how far one optimizer step taken from `start` lands from the reference's step
+    from the same `start`, over the size of the reference's step.
+
+    Unlike the gap of whole runs, it does not grow with chaos: every run starts the step from the same weights
+    and optimizer state, so only the step's own arithmetic differs (tools/parity_check.py's step check).
+    """
+    gap, size = _distance(state, reference), _distance(reference, start)
+    if size == 0.0:
+        return 0.0 if gap == 0.0 else math.inf
+    return gap / size
