@@ -6,7 +6,12 @@ Every comparison runs both sides under numerics/kernel_path.cuda_kernels_on_cpu,
 
 Inductor (--capture compile) fuses and rounds anew, so it cannot equal the eager step; how near it is is a
 measurement, not a test here (an inductor compile takes minutes on 2 cores): tools/benchmarks/benchmark_capture.py
-sets its gap to float64 beside eager float32's, and docs/capture.md keeps the figures and the verdict."""
+sets its gap to float64 beside eager float32's, and docs/capture.md keeps the figures and the verdict. One tiny
+model (a convolution and a deblock) compiles with inductor here, in seconds, for inductor's options.
+
+On CUDA the captured graphs need not round as the eager step does (the GPU's kernels may be chosen otherwise inside
+a graph), so the CUDA tests hold a capture to docs/capture.md's rule for a capture that rounds anew: its gaps to a
+float64 eager run at most 4x eager float32's."""
 from __future__ import annotations
 
 import copy
@@ -56,15 +61,16 @@ def coarse_attfuse(toy_small):
 
 
 def train_steps(task, batches, capture=None, after_step=lambda: None, half=None, scaler=None, device=CPU,
-                accumulate=1, copy_between=True):
+                accumulate=1, copy_between=True, dtype=torch.float32):
     """(losses, model) after one SGD step per `accumulate` batches, eager or through a CaptureModule made by
     `capture(model)`; one loss per batch; `after_step()` is called after each step. The step is the fit loop's
     (engine/trainer.py's _train_step and _micro_step): engine/step.forward_backward per micro-batch, its loss divided
     by `accumulate`, `CaptureModule.gradients_out_of_graphs` after each micro-batch but the step's last (unless not
     `copy_between`), then engine/trainer.optimizer_step, which sets the gradients to None; under `half` (--half's
     value) and with a GradScaler as the fit loop takes them. On `device` (the batches already there) with the
-    kernels a captured step takes there."""
-    model = copy.deepcopy(task.model).to(device)
+    kernels a captured step takes there; model and batches in `dtype` (float64: the reference of `float64_rule`)."""
+    model = copy.deepcopy(task.model).to(device=device, dtype=dtype)
+    batches = [floats_as(batch, dtype) for batch in batches]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     torch.manual_seed(1)  # the same dropout draws on both sides (V2X-ViT's, CoBEVT's)
     module = capture(model) if capture is not None else None
@@ -106,6 +112,43 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def floats_as(value, dtype: torch.dtype):
+    """`value` with every floating tensor of its nested dicts, lists and tuples in `dtype`; integer tensors
+    (record_len, coordinates) and everything else as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):
+        return {key: floats_as(item, dtype) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(floats_as(item, dtype) for item in value)
+    return value
+
+
+FLOAT64_FACTOR = 4  # docs/capture.md: a capture that rounds anew may be 4x as far from float64 as eager float32
+LOSS_ROUNDING = 2.0 ** -24  # float32's own rounding of a loss value: an eager loss gap is floored there
+
+
+def gaps_to(losses: list, model: nn.Module, exact_losses: list, exact: nn.Module) -> dict:
+    """A float32 run's gaps to the float64 run: each loss's (relative), and the weights' and statistics' largest
+    absolute and relative-norm ones."""
+    ours = torch.cat([v.detach().double().flatten() for v in model.state_dict().values() if v.is_floating_point()])
+    theirs = torch.cat([v.detach().flatten() for v in exact.state_dict().values() if v.is_floating_point()])
+    return {"loss": [abs(a.item() - b.item()) / abs(b.item()) for a, b in zip(losses, exact_losses)],
+            "max_abs": (ours - theirs).abs().max().item(), "rel_norm": ((ours - theirs).norm() / theirs.norm()).item()}
+
+
+def assert_float64_rule(task, batches, eager_run: tuple, captured_run: tuple, device, accumulate=1) -> None:
+    """docs/capture.md's rule: each of the captured run's gaps to the float64 eager run (every loss; the weights'
+    largest absolute and relative-norm gap) is at most FLOAT64_FACTOR x eager float32's, an eager loss gap under
+    float32's own rounding floored there."""
+    exact_losses, exact = train_steps(task, batches, device=device, accumulate=accumulate, dtype=torch.float64)
+    eager, captured = (gaps_to(*run, exact_losses, exact) for run in (eager_run, captured_run))
+    for index, (got, floor) in enumerate(zip(captured["loss"], eager["loss"]), start=1):
+        assert got <= FLOAT64_FACTOR * max(floor, LOSS_ROUNDING), ("loss", index, got, floor)
+    for key in ("max_abs", "rel_norm"):
+        assert captured[key] <= FLOAT64_FACTOR * eager[key], (key, captured[key], eager[key])
 
 
 def max_difference(a: nn.Module, b: nn.Module) -> float:
@@ -166,24 +209,21 @@ def test_cudagraphs_capture_is_the_eager_step_and_skips_cuda_graphs_only_for_the
 @pytest.mark.cuda  # CUDA graphs
 def test_cudagraphs_capture_on_cuda_replays_the_eager_step(attfuse):
     """--capture cudagraphs on a GPU: the dense step's graphs, run by the eager kernels, are replayed as CUDA graphs
-    (no skip), and three steps of layout A follow the eager step: the first loss bit for bit (the same forward
-    kernels on the same weights), the weights after the three steps at most as far from the eager run's as a second
-    eager run is (the floor: a kernel whose atomics add in another order differs from itself)."""
+    (no skip), and three steps of layout A follow the eager step by docs/capture.md's float64 rule. On an H200
+    (torch 2.11) the captured first loss was 2e-6 to 1e-5 (relative) from eager's, for most models: inside a
+    graph the GPU may take other kernels, so bit for bit is not the GPU's promise, float32's accuracy is."""
     from opencood_ddp.engine.census import cudagraph_skips
 
     task, (a, _) = attfuse
     cuda = torch.device("cuda")
     batches = [task.move_to(a, cuda)] * 3
     eager_losses, eager = train_steps(task, batches, device=cuda)
-    _, eager_again = train_steps(task, batches, device=cuda)
-    floor = max_difference(eager, eager_again)
     with cudagraph_skips() as skips:
         losses, captured = train_steps(task, batches, lambda model: CaptureModule(model, task.step, "cudagraphs", cuda),
                                        device=cuda)
     assert skips.count == 0, skips.reasons
-    assert losses[0].item() == eager_losses[0].item()
     assert all(torch.isfinite(loss) for loss in losses) and losses[0].item() != losses[2].item()
-    assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
+    assert_float64_rule(task, batches, (eager_losses, eager), (losses, captured), cuda)
 
 
 def test_copy_gradients_moves_each_gradient_to_memory_of_its_own_bit_for_bit():
@@ -204,21 +244,20 @@ def test_copy_gradients_moves_each_gradient_to_memory_of_its_own_bit_for_bit():
 def test_cudagraphs_capture_accumulates_micro_batches_as_the_eager_step(attfuse, device):
     """The fit loop's accumulation under --capture cudagraphs, without DDP (one process, as `python
     tools/train_ddp.py` runs): two steps of two micro-batches (layouts A and A), the gradients copied out of the
-    graphs' memory between them. The losses and the weights follow the eager accumulation: the first loss bit for
-    bit, the weights within the eager run's own repeat (on the CPU, whose graphs run on the eager kernels, that
-    repeat is exact: bit for bit)."""
+    graphs' memory between them. On the CPU, whose graphs run on the eager kernels, the losses and weights are the
+    eager accumulation's bit for bit; on CUDA they follow it by docs/capture.md's float64 rule (which the CPU's
+    bit-for-bit run meets as well)."""
     task, (a, _) = attfuse
     device = torch.device(device)
     micro = [task.move_to(a, device)] * 4  # two steps of two micro-batches
     eager_losses, eager = train_steps(task, micro, device=device, accumulate=2)
-    _, eager_again = train_steps(task, micro, device=device, accumulate=2)
-    floor = max_difference(eager, eager_again)
     losses, captured = train_steps(task, micro, lambda m: CaptureModule(m, task.step, "cudagraphs", device),
                                    device=device, accumulate=2)
-    assert losses[0].item() == eager_losses[0].item()
     assert losses[0].item() != losses[2].item()  # the first step moved the weights
-    assert max_difference(eager, captured) <= floor, (max_difference(eager, captured), floor)
-    assert device.type == "cuda" or floor == 0.0
+    assert_float64_rule(task, micro, (eager_losses, eager), (losses, captured), device, accumulate=2)
+    if device.type == "cpu":
+        assert [loss.item() for loss in losses] == [loss.item() for loss in eager_losses]
+        assert max_difference(eager, captured) == 0.0
 
 
 @pytest.mark.cuda  # what the copy is for
@@ -502,3 +541,69 @@ def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
     # one graph each way (no graph break), every node on meta
     assert sorted(kind for kind, _ in devices) == ["backward", "forward"], devices
     assert all(set(found) == {"meta"} for _, found in devices), devices
+
+
+class TinyDeblock(nn.Module):
+    """The seam around the kind of layer inductor's layout optimization broke on an H200: a convolution, then a
+    stride-4 ConvTranspose2d as the backbone's last deblock, 128 channels in and out."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 128, 3, padding=1)
+        self.deblock = nn.ConvTranspose2d(128, 128, 4, stride=4)
+
+    def front(self, ego):
+        return ego["maps"]
+
+    def layout(self, ego):
+        return {"record_len": ego["record_len"]}
+
+    def dense(self, features, layout):
+        return {"score": self.deblock(self.conv(features).relu()).flatten(1).mean(1)}
+
+    def forward(self, ego):
+        return self.dense(self.front(ego), self.layout(ego))
+
+
+def test_compile_keeps_the_eager_layouts_of_the_convolutions():
+    """--capture compile passes inductor no layout optimization (`inductor_options`), which reaches both graphs:
+    the forward's, compiled on the first call, and the backward's, compiled later outside that call. On the CPU
+    inductor would choose channels-last for any graph with a convolution (its own heuristic), so this compile
+    shows the option at work; inductor re-rounds, so the step matches eager's to float32's rounding."""
+    import torch._inductor.graph as inductor_graph
+
+    from opencood_ddp.engine.capture import inductor_options
+    from opencood_ddp.engine.task import LossOutput
+
+    assert inductor_options(False) == {"layout_optimization": False}
+    assert inductor_options(True) == {"triton.cudagraphs": True, "layout_optimization": False}
+
+    def step(model, batch):
+        return LossOutput(model(batch["ego"])["score"].square().sum(), {})
+
+    torch.manual_seed(0)
+    batch = {"ego": {"maps": torch.randn(2, 4, 8, 8), "record_len": torch.tensor([1, 1])}}
+    eager, model = TinyDeblock(), TinyDeblock()
+    model.load_state_dict(eager.state_dict())
+    decisions = []
+    decide = inductor_graph.GraphLowering.decide_layout_opt  # the real heuristic runs; its answers are recorded
+
+    def recorded(*args, **kwargs):
+        decisions.append(decide(*args, **kwargs))
+        return decisions[-1]
+
+    inductor_graph.GraphLowering.decide_layout_opt = staticmethod(recorded)
+    # no cached graph: a cache hit (this test's own graphs from an earlier run) lowers nothing, decides nothing
+    no_caches = (torch._inductor.config.patch(fx_graph_cache=False),
+                 torch._functorch.config.patch(enable_autograd_cache=False))
+    try:
+        with no_caches[0], no_caches[1]:
+            expected, got = step(eager, batch), CaptureModule(model, step, "compile", CPU)(batch)
+            expected.total.backward()
+            got.total.backward()
+    finally:
+        inductor_graph.GraphLowering.decide_layout_opt = staticmethod(decide)
+    assert decisions == [False, False]  # forward and backward graphs
+    assert got.total.item() == pytest.approx(expected.total.item(), rel=1e-5)
+    for a, b in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6)

@@ -6,7 +6,8 @@ whose input has as many rows as the clouds have pillars, a number that changes e
 compiles the dense part and the task's loss as one function (`dense_step`: forward and, through AOTAutograd,
 backward); the front stays eager, so no pillar is padded. Three modes, the same traced graphs:
 - ``compile``: inductor. On CUDA its mode is "reduce-overhead" (the graphs are replayed as CUDA graphs, cudagraph
-  trees); on the CPU inductor's default. It fuses kernels, so it rounds anew, and compiles for minutes.
+  trees); on the CPU inductor's default; on both without its layout optimization (`inductor_options`). It fuses
+  kernels, so it rounds anew, and compiles for minutes.
 - ``cudagraphs``: the graphs run by torch's eager kernels and, on CUDA, replayed as CUDA graphs (dynamo's
   "cudagraphs" backend, cudagraph trees as inductor's): the launches go, the eager step's kernels and rounding stay,
   and a compile takes seconds. On the CPU no CUDA graph exists: the backend says it skips them ("cpu device") and
@@ -158,6 +159,24 @@ def backward_outside_autocast() -> ContextManager:
     return functorch_config.patch(backward_pass_autocast="off")
 
 
+def inductor_options(cuda_graphs: bool) -> dict:
+    """inductor's options under ``--capture compile``: mode "reduce-overhead"'s where the graphs replay as CUDA
+    graphs, and no layout optimization. That optimization stores the convolutions' weights channels-last in a
+    training graph, while our CUDA path hands every convolution a contiguous map
+    (numerics/kernel_path.maps_for_kernels): on an H200 (torch 2.11) the mix failed inductor's own stride assertion
+    on a (., 128, 4, 4) tensor of the stride-4 deblock, alone and under DDP (docs/benchmarks.md, "The first lent
+    run of gpu_session"). The meta of convolution_backward predicts the weight's layout where the GPU's kernel
+    answers contiguous (pytorch issues 171622 and 197517, the same assertion on ConvTranspose2d). The CPU's
+    inductor would pick channels-last on every graph with a convolution; off, both devices keep the eager
+    layouts. The keys pass as torch.compile(options=...), which inductor applies to the backward's later compile
+    as well."""
+    from torch._inductor import list_mode_options  # inductor's import is heavy: only where --capture compile runs
+
+    options = dict(list_mode_options("reduce-overhead")) if cuda_graphs else {}
+    options["layout_optimization"] = False
+    return options
+
+
 def step_kernels(device: torch.device) -> ContextManager:
     """The kernels a captured step takes on `device`: on the CPU those CUDA takes (the module's docstring says why),
     on CUDA its own."""
@@ -179,9 +198,8 @@ class CaptureModule(nn.Module):
         self.shapes, self.eager_shapes = set(), set()
         allow_recompiles(self.max_shapes)
         self.cuda_graphs = replays_cuda_graphs(mode, self.device)
-        reduce_overhead = mode == "compile" and self.cuda_graphs  # inductor's option; the cudagraphs backend takes none
-        self.compiled = torch.compile(dense_step, backend=BACKENDS[mode],
-                                      mode="reduce-overhead" if reduce_overhead else None, dynamic=False)
+        options = inductor_options(self.cuda_graphs) if mode == "compile" else None  # other backends take none
+        self.compiled = torch.compile(dense_step, backend=BACKENDS[mode], options=options, dynamic=False)
         self.log, self.announce = get_logger(), announce
 
     def kernels(self) -> ContextManager:
