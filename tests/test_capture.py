@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch import REPO, WORKERS, explain, split_set_flags, torchrun, train
+from launch import REPO, WORKERS, explain, load_tool, split_set_flags, torchrun, train
 from opencood_ddp.engine.capture import CapturedStep, CaptureModule, CavCounts, check_capture, step_kernels
 from opencood_ddp.engine.options import parse_train_options, train_argv
 from opencood_ddp.engine.step import Precision, forward_backward
@@ -33,6 +33,7 @@ from zoo import hypes_of
 
 ATTFUSE = "toy/point_pillar_intermediate_fusion"
 CPU = torch.device("cpu")
+floats_as = load_tool("benchmarks/benchmark_numerics.py").floats_as  # a batch's floating tensors in a dtype
 
 
 @pytest.fixture(scope="module")
@@ -112,18 +113,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def floats_as(value, dtype: torch.dtype):
-    """`value` with every floating tensor of its nested dicts, lists and tuples in `dtype`; integer tensors
-    (record_len, coordinates) and everything else as they are."""
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, dict):
-        return {key: floats_as(item, dtype) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(floats_as(item, dtype) for item in value)
-    return value
 
 
 FLOAT64_FACTOR = 4  # docs/capture.md: a capture that rounds anew may be 4x as far from float64 as eager float32
