@@ -187,6 +187,18 @@ def test_parity_check_flags_it_cannot_run_are_one_line(toy_small, tmp_path, flag
     assert (tmp_path / "a_file").read_text() == "notes\n"
 
 
+def test_parity_check_refuses_steps_past_the_hypes_epochs(toy_small, tmp_path):
+    """A reference that the hypes' epochs end before step K leaves no step K to check: the step gap of runs that
+    never took it would be 0 and pass. One error line says how many steps there were."""
+    result = in_process(PARITY, "--hypes_yaml", TOY_ATTFUSE, "--world_sizes", "1", "--steps", "200",
+                        *split_set_flags(toy_small), "--set", "train_params.batch_size=8", "--set",
+                        "train_params.epoches=1", "--work_dir", str(tmp_path / "runs"))
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, explain(result)
+    assert "the world1 run ended after" in errors[0] and "before --steps 200" in errors[0], errors[0]
+    assert "train_params.epoches" in errors[0]
+
+
 def test_parity_check_keeps_the_log_its_failed_run_names(toy_small):
     """Without --work_dir the runs' temporary folder was removed at exit, also when a run had failed: the error
     line named a log that no longer existed. It now stays until every run has been read; '' as --world_sizes (a

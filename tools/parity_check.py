@@ -322,7 +322,13 @@ def run_reference(args: argparse.Namespace, work_dir: Path) -> RunResult:
     continues as the run without a stop does, to the bit (tests/test_end_to_end.py)."""
     run_world("world1", 1, args, work_dir, steps=args.steps - 1)
     shutil.copytree(work_dir / "world1", work_dir / start_name(args.steps))
-    return read_run("world1", run_world("world1", 1, args, work_dir), args.steps)
+    reference = read_run("world1", run_world("world1", 1, args, work_dir), args.steps)
+    done = len(reference.losses)
+    if done < args.steps:  # the hypes' epochs ended it: step K did not run, and its check would check nothing
+        raise ConfigError(f"the world1 run ended after {done} steps, at the hypes' train_params.epoches, before "
+                          f"--steps {args.steps}: give --steps {done} or fewer (2 at least), or more epochs "
+                          f"(--set train_params.epoches=N)")
+    return reference
 
 
 def run_checked(name: str, world: int, order: str, args: argparse.Namespace, work_dir: Path,
