@@ -21,9 +21,9 @@ step K-1, and every other run trains step K once more from a copy of that state.
 against the 1-process run's, over the size of that step (||w - w1|| / ||w1 - w1(K-1)||), is the step gap. A world
 size passes when its step gap stays within --noise_factor times the reordered runs' (or under --tolerance), its
 loss curve stays within --noise_factor times the largest gap the reordered runs reach in the whole run (or under
---loss_tolerance) and its final weight gap within --noise_factor times theirs (or under --tolerance). A wrong
-batch split, a missing SyncBN or unsynchronised gradients make a step gap thousands of times the reordered
-runs' (per-rank BatchNorm on the toy AttFuse: 0.15 against 2e-5).
+--loss_tolerance) and its final weight gap within --noise_factor times theirs (or under --tolerance). Per-rank
+BatchNorm statistics (--train_args=--no_sync_bn) make a step gap thousands of times the reordered runs' (the toy
+AttFuse on the demo's world: 0.15 and 0.43 against 2e-5 and 4e-5).
 Every run's processes compute at the thread count torchrun gives a rank (OMP_NUM_THREADS=1 unless it is set):
 a CPU kernel's float sums can follow its thread count, and a world-size-1 run on two threads against ranks on one
 would count that difference as the world size's (on a toy AttFuse run, the loss at step 5 moves in the third
