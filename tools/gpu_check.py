@@ -458,7 +458,9 @@ def check_parity(config: str, device: torch.device, data: Path, work: Path, kern
     if result.returncode != 0:
         raise RuntimeError(f"parity_check exit {result.returncode}:\n{(result.stdout + result.stderr)[-2000:]}")
     lines = [line.strip() for line in result.stdout.splitlines() if line.strip()]
-    rows = [" ".join(line.split()) for line in lines if line.startswith(("world2 ", "world1_re", "world1_ro"))]
+    # the table's rows only: the runs' progress lines ("world1_reversed_step4: done in 10 s") share the names
+    rows = [" ".join(line.split()) for line in lines
+            if line.split("|")[0].strip() in ("world2", "world1_reversed", "world1_rotated")]
     return (f"2 processes sharing {device} follow 1 ({kernels} kernels): {'; '.join(rows)} (samples/s, loss gap, "
             f"weight gap, step 4 gap, verdict)", {"report": lines[-8:]})
 

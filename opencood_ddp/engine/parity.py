@@ -54,8 +54,11 @@ def global_relative_difference(state: Mapping[str, Any], reference: Mapping[str,
 
     Unlike the per-tensor worst case, small tensors that barely train (a BN bias near zero) cannot dominate it.
     """
-    norm = sum(b.pow(2).sum().item() for _, b in _learnable_pairs(state, reference)) ** 0.5
-    return _distance(state, reference) / norm if norm else 0.0
+    gap = norm = 0.0
+    for a, b in _learnable_pairs(state, reference):  # one pass: each tensor is cast to float64 once
+        gap += (a - b).pow(2).sum().item()
+        norm += b.pow(2).sum().item()
+    return (gap / norm) ** 0.5 if norm else 0.0
 
 
 def step_relative_difference(state: Mapping[str, Any], reference: Mapping[str, Any],
