@@ -17,12 +17,13 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from launch import REPO, WORKERS, explain, load_tool, split_set_flags, torchrun, train
+from launch import REPO, WORKERS, explain, split_set_flags, torchrun, train
 from opencood_ddp.engine.capture import CapturedStep, CaptureModule, CavCounts, check_capture, step_kernels
 from opencood_ddp.engine.options import parse_train_options, train_argv
 from opencood_ddp.engine.step import Precision, forward_backward
@@ -33,7 +34,13 @@ from zoo import hypes_of
 
 ATTFUSE = "toy/point_pillar_intermediate_fusion"
 CPU = torch.device("cpu")
-floats_as = load_tool("benchmarks/benchmark_numerics.py").floats_as  # a batch's floating tensors in a dtype
+
+# The float64 rule's measures are benchmark_capture's own, the tool docs/capture.md's verdict comes from; it imports
+# its folder's benchmark_numerics (floats_as: a batch's floating tensors in a dtype) as a script does.
+sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
+import benchmark_capture  # noqa: E402
+
+floats_as = benchmark_capture.floats_as
 
 
 @pytest.fixture(scope="module")
@@ -116,16 +123,13 @@ def one_thread():
 
 
 FLOAT64_FACTOR = 4  # docs/capture.md: a capture that rounds anew may be 4x as far from float64 as eager float32
-LOSS_ROUNDING = 2.0 ** -24  # float32's own rounding of a loss value: an eager loss gap is floored there
 
 
 def gaps_to(losses: list, model: nn.Module, exact_losses: list, exact: nn.Module) -> dict:
-    """A float32 run's gaps to the float64 run: each loss's (relative), and the weights' and statistics' largest
-    absolute and relative-norm ones."""
-    ours = torch.cat([v.detach().double().flatten() for v in model.state_dict().values() if v.is_floating_point()])
-    theirs = torch.cat([v.detach().flatten() for v in exact.state_dict().values() if v.is_floating_point()])
-    return {"loss": [abs(a.item() - b.item()) / abs(b.item()) for a, b in zip(losses, exact_losses)],
-            "max_abs": (ours - theirs).abs().max().item(), "rel_norm": ((ours - theirs).norm() / theirs.norm()).item()}
+    """A float32 run's gaps to the float64 run, as benchmark_capture measures them: each loss's (relative), and
+    the weights' and statistics' largest absolute and relative-norm ones."""
+    loss_gaps = benchmark_capture.loss_gaps([loss.item() for loss in losses], [loss.item() for loss in exact_losses])
+    return {"loss": loss_gaps, **benchmark_capture.weight_gaps(model, exact)}
 
 
 def assert_float64_rule(task, batches, eager_run: tuple, captured_run: tuple, device, accumulate=1) -> None:
@@ -135,7 +139,7 @@ def assert_float64_rule(task, batches, eager_run: tuple, captured_run: tuple, de
     exact_losses, exact = train_steps(task, batches, device=device, accumulate=accumulate, dtype=torch.float64)
     eager, captured = (gaps_to(*run, exact_losses, exact) for run in (eager_run, captured_run))
     for index, (got, floor) in enumerate(zip(captured["loss"], eager["loss"]), start=1):
-        assert got <= FLOAT64_FACTOR * max(floor, LOSS_ROUNDING), ("loss", index, got, floor)
+        assert got <= FLOAT64_FACTOR * max(floor, benchmark_capture.LOSS_FLOOR), ("loss", index, got, floor)
     for key in ("max_abs", "rel_norm"):
         assert captured[key] <= FLOAT64_FACTOR * eager[key], (key, captured[key], eager[key])
 
