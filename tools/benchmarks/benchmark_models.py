@@ -35,6 +35,14 @@ OpenCOOD's count for the same config, batch and precision: its model and loss cl
 (zero_grad, forward, loss, backward, ``optimizer.step``, or the GradScaler's ``step``/``update`` in fp16) with the
 hypes' optimizer built as ours is for CUDA. An upstream class that fails to build or run is reported in its cell.
 
+``--upstream DIR`` (with or without ``--count``) also times upstream's step on the row's device and batch, as its
+train.py takes it: the same classes and weights, the hypes' optimizer as upstream's ``setup_optimizer`` builds it
+(torch's default kernels: on CUDA the foreach update, where ours is fused). After one warm-up step of its own it
+runs in turns with our eager step (and, with ``--capture``, the captured one), who goes first rotating from round to
+round, each step waited for: the medians of ``--repeats`` rounds give upstream's step over ours, side by side in one
+process (issue 52 asks 1.5 or more at batch 2, in fp32 and in bf16). The rows' own step columns are the timings
+above, taken before upstream's model was built.
+
 ``--capture MODE`` (compile: inductor, with CUDA graphs on CUDA; cudagraphs: the eager kernels replayed as CUDA
 graphs, a compile of seconds; aot_eager: traced, eager kernels) adds, per row,
 the same step with the model's dense part compiled as ``train_ddp.py --capture`` compiles it (engine/capture.py's
@@ -97,15 +105,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                                                             "bf16 on CPU (when --precisions is not given)")
     parser.add_argument("--count", action="store_true", help="also the aten ops per step on the CUDA path, the "
                                                              "FLOPs per step, the rate and the device's peak")
-    parser.add_argument("--upstream", metavar="DIR", help="with --count: upstream OpenCOOD's count beside ours, "
-                                                          "from this checkout")
+    parser.add_argument("--upstream", metavar="DIR", help="upstream OpenCOOD's step beside ours, from this "
+                                                          "checkout: timed in turns with ours (with --count, "
+                                                          "counted too)")
     parser.add_argument("--profile", action="store_true", help="CUDA: also one profiled step per row: the GPU's "
                                                                "kernels, launches and busy time beside the step's")
     parser.add_argument("--json", metavar="PATH", help="also write every row's figures (all op counts) here")
     parser.add_argument("--one", nargs=3, metavar=("CONFIG", "BATCH", "PRECISION"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.upstream and not args.count:
-        parser.error("--upstream goes with --count")
     if args.profile and torch.device(args.device).type != "cuda":
         parser.error("--profile reads what ran on the GPU: it needs --device cuda")
     if not args.precisions:
@@ -174,15 +181,17 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
               "peak_mib": peak / 2 ** 20, "threads": torch.get_num_threads()}
     if args.profile:
         result["gpu"] = gpu_activity(step, device, result["step_s"])
+    timed = {"ours": step}  # the steps timed in turns with upstream's (--upstream)
     if args.capture:
+        timed["captured"] = _trainer_step(hypes, task, initial, batch, precision, device, args.capture)
         with kernels():
-            result["capture"] = captured(_trainer_step(hypes, task, initial, batch, precision, device, args.capture),
-                                         device, args, result["step_s"], first_loss.item())
+            result["capture"] = captured(timed["captured"], device, args, result["step_s"], first_loss.item())
     if args.count:
         result.update(census(hypes, task, model, batch, precision))
         result.update(rate(result["flops"], result["step_s"], device, precision_name))
     if args.upstream:
-        result["upstream"] = upstream_census(args.upstream, hypes, model, batch, precision)
+        with kernels():
+            result["upstream"] = upstream_side(args, hypes, model, batch, batch_size, precision, timed)
     return result
 
 
@@ -280,24 +289,63 @@ def _upstream_step(model, loss_fn, ego, optimizer, precision, scaler):
     return Step(forward_backward, update)
 
 
-def upstream_census(checkout: str, hypes: dict, ours, batch, precision) -> Dict[str, Any]:
-    """Upstream's counts for the same batch, or {"error": ...} where its class fails to build or run."""
+def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size: int, precision,
+                  timed: Dict[str, Any]) -> Dict[str, Any]:
+    """Upstream's step on the same batch and device: its count with --count, and its step timed in turns with
+    `timed` (ours, and the captured step), or {"error": ...} where its class fails to build or run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import benchmark_vs_upstream as vs
-    from opencood_ddp.engine.optim import build_optimizer
 
     try:
-        theirs, loss_fn = vs.build_upstream(checkout, hypes)
+        theirs, loss_fn = vs.build_upstream(args.upstream, upstream_hypes(hypes, batch_size))
         weights = vs.share_weights(ours, theirs)
         theirs = theirs.to(next(ours.parameters()).device).train()
         ego = vs.upstream_input(batch["ego"])
-        # upstream's setup_optimizer takes the trainable parameters only
-        optimizer = build_optimizer(hypes, [p for p in theirs.parameters() if p.requires_grad],
-                                    float(hypes["optimizer"]["lr"]), kernels_for="cuda")
-        return {"weights": weights,
-                **_counted(_upstream_step(theirs, loss_fn, ego, optimizer, precision, precision.new_scaler()))}
-    except (Exception, SystemExit) as exc:  # noqa: BLE001  the cell says what broke; our count stands
+        result = {"weights": weights}
+        if args.count:  # with fused Adam, as ours is counted: the counts compare the models, not the updates
+            result.update(_counted(_upstream_step(theirs, loss_fn, ego, _upstream_optimizer(hypes, theirs, "cuda"),
+                                                  precision, precision.new_scaler())))
+        step = _upstream_step(theirs, loss_fn, ego, _upstream_optimizer(hypes, theirs, "cpu"), precision,
+                              precision.new_scaler())
+        step()  # its warm-up: allocator, kernels, the optimizer's state
+        seconds = in_turns({**timed, "upstream": step}, torch.device(args.device), args.repeats)
+        result.update({"seconds_in_turns": seconds, "step_s": seconds["upstream"]})
+        result.update({f"over_{name}": seconds["upstream"] / seconds[name] for name in timed})
+        return result
+    except (Exception, SystemExit) as exc:  # noqa: BLE001  the cell says what broke; our figures stand
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+
+
+def upstream_hypes(hypes: dict, batch_size: int) -> dict:
+    """The hypes as upstream's user writes them for this batch: upstream's SECOND makes ``model.args.batch_size``
+    maps whatever the batch holds (ours reads the batch), so the key is the row's batch where the config has it."""
+    args = hypes["model"].get("args", {})
+    if "batch_size" not in args:
+        return hypes
+    return {**hypes, "model": {**hypes["model"], "args": {**args, "batch_size": batch_size}}}
+
+
+def _upstream_optimizer(hypes: dict, model, kernels_for: str):
+    """The hypes' optimizer over upstream's trainable parameters (its setup_optimizer filters on requires_grad).
+    kernels_for "cpu" leaves torch's default kernels, as upstream's own code does (on CUDA the foreach update);
+    "cuda" takes ours (fused Adam)."""
+    from opencood_ddp.engine.optim import build_optimizer
+
+    return build_optimizer(hypes, [p for p in model.parameters() if p.requires_grad],
+                           float(hypes["optimizer"]["lr"]), kernels_for=kernels_for)
+
+
+def in_turns(steps: Dict[str, Any], device: torch.device, rounds: int) -> Dict[str, float]:
+    """The median seconds of each step over `rounds` rounds of one step each, the order rotating by one from round
+    to round (who goes first changes), each step waited for: a change in the machine's load falls on all alike."""
+    from opencood_ddp.engine.census import step_seconds
+
+    names, times = list(steps), {name: [] for name in steps}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name] += step_seconds(steps[name], device, 1)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 # ------------------------------------------------------------------------------------------- driver
@@ -345,13 +393,16 @@ def header(args: argparse.Namespace) -> str:
              "peak memory (MiB)", "precision"]
     if args.count:
         cells += ["CAVs", "ops per step (fwd / bwd / opt)", "GFLOP per step", f"TFLOP/s on {on}", "device peak TFLOP/s"]
-    if args.upstream:
+    if args.upstream and args.count:
         cells += ["upstream ops per step (fwd / bwd / opt)"]
     if args.profile:
         cells += ["GPU kernels per step", "GPU busy (ms)", "GPU busy / step"]
     if args.capture:
         cells += [f"captured step ({args.capture}, s)", "capture speed-up", "first step, compile (s)",
                   "first loss gap to eager", "CUDA-graph skips"]
+    if args.upstream:
+        cells += ["upstream step, in turns (s)", "upstream ÷ ours"]
+        cells += ["upstream ÷ captured"] if args.capture else []
     align = "|---|---|---:|---:|---:|---:|---:|---|" + "---:|" * (len(cells) - 8)
     return "| " + " | ".join(cells) + " |\n" + align
 
@@ -376,7 +427,7 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
              _seconds(r["per_sample_s"]), f"{r['peak_mib']:.0f}", r["precision"]]
     if args.count:
         cells += [r["cavs"], _ops_cell(r), f"{r['flops'] / 1e9:,.1f}", f"{r['tflops_per_s']:.3f}", r["peak"] or "-"]
-    if args.upstream:
+    if args.upstream and args.count:
         cells += [_ops_cell(r["upstream"])]
     if args.profile:
         gpu = r["gpu"]
@@ -385,7 +436,17 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
         c = r["capture"]
         cells += [_seconds(c["step_s"]), f"{c['speedup']:.2f}", f"{c['compile_s']:.1f}", f"{c['first_loss_gap']:.2g}",
                   c["cudagraph_skips"]]
+    if args.upstream:
+        cells += _upstream_time_cells(r["upstream"], args)
     return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def _upstream_time_cells(upstream: Dict[str, Any], args: argparse.Namespace) -> List[str]:
+    names = ["ours"] + (["captured"] if args.capture else [])
+    if "error" in upstream:
+        return [upstream["error"].replace("|", "/")] + ["-"] * len(names)
+    weights = "" if upstream["weights"] == "same" else f" ({upstream['weights']})"
+    return [_seconds(upstream["step_s"]) + weights] + [f"{upstream[f'over_{name}']:.2f}" for name in names]
 
 
 def _ops_list(pairs) -> str:
