@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ PARSERS = {"benchmark_models.py": benchmark_models.parse_args, "gpu_check.py": g
 
 @pytest.mark.parametrize("device,route", [("cuda", "layer"), ("cuda", "target"), ("cpu", "layer")])
 def test_every_stage_command_parses_with_its_tools_parser(device, route, tmp_path):
-    args = gpu_session.parse_args(["--out", str(tmp_path), "--device", device,
+    args = gpu_session.parse_args(["--out", str(tmp_path), "--device", device, "--upstream", "opencood_checkout",
                                    *(["--wheels", "w.wheels.tar.xz"] if device == "cuda" else [])])
     parsed = {}
     run = gpu_session.stages(args, route)
@@ -47,6 +48,9 @@ def test_every_stage_command_parses_with_its_tools_parser(device, route, tmp_pat
         assert parsed["venv"].wheels == "w.wheels.tar.xz" and run[0].command[0] == sys.executable
     assert parsed["capture"].capture == "cudagraphs" and parsed["capture"].batch_sizes == [1, 2]
     assert parsed["gpu_check"].device == parsed["acceptance"].device == device and parsed["profile"].count
+    # upstream's step beside ours where a checkout came with the call (an absolute path: the stages' cwd is theirs)
+    assert parsed["capture"].upstream == parsed["profile"].upstream == str((Path.cwd() / "opencood_checkout"))
+    assert gpu_session.stages(gpu_session.parse_args(["--out", str(tmp_path)]))[2].command.count("--upstream") == 0
     # the benchmarks' rows come back as JSON, written after every row (a cut stage keeps its rows)
     assert parsed["capture"].json.endswith("capture.json") and parsed["profile"].json.endswith("profile.json")
     # issue 52's gpu_check: the parity, repeat, planner, loader and feed checks left to the acceptance stage

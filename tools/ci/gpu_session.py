@@ -29,6 +29,8 @@ The stages (``--device cpu`` rehearses them on one toy config, without what need
   first after the venv: a minute, and what failed there on the first lent H200 (2026-11-30) is the next question;
 - capture: ``benchmark_models.py --capture cudagraphs`` for the eight PointPillar configs at per-GPU batch 1
   and 2: the eager step and the step replayed as CUDA graphs, and batch 1 over batch 2 (the issue's first figure);
+  with ``--upstream DIR`` (a checkout of upstream OpenCOOD carried with the call) also upstream's step, timed in
+  turns with both (the issue's second figure), here and in the profile stage;
 - gpu_check: ``tools/gpu_check.py``'s checks of issue 52 (NOT_ISSUE_52 left out, fp32): the nine toy models'
   training with the model table's step at batch 1 and 2, rates and DDP step, host syncs, the captured
   accumulation, the capture checks in both modes and in DDP;
@@ -99,6 +101,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="cpu: rehearse the stages on the toy config")
     parser.add_argument("--work", type=Path, default=Path("/tmp/gpu_session"),
                         help="runs' folders and toy worlds, outside --out")
+    parser.add_argument("--upstream", type=Path, help="a checkout of upstream OpenCOOD (its opencood/ folder): the "
+                        "capture and profile stages time its step in turns with ours (benchmark_models.py --upstream)")
     parser.add_argument("--dry-run", action="store_true", help="print the stages' commands and run nothing")
     return parser.parse_args(argv)
 
@@ -131,7 +135,10 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
                         "strict", "--capture_configs", TOY_CONFIG]
         return command
 
-    profile = [python, models, "--device", args.device, "--count", "--batch-sizes", "1", "2", "--repeats", "5",
+    # issue 52's second figure, ours over upstream's step, where a checkout came with the call
+    upstream = ["--upstream", str(args.upstream.resolve())] if args.upstream else []
+    profile = [python, models, "--device", args.device, "--count", *upstream, "--batch-sizes", "1", "2",
+               "--repeats", "5",
                "--precisions", "fp32", "bf16", *(["fp16", "--profile"] if cuda else []),
                "--configs", *(PROFILE_CONFIGS if cuda else [TOY_CONFIG]), "--data", str(args.work / "toy_opv2v"),
                "--json", str(args.out / "profile.json")]
@@ -139,8 +146,8 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
         Stage("venv", venv, 180),
         Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *PYTEST_TAIL,
                             "tests"], 150),
-        Stage("capture", [python, models, "--device", args.device, "--capture", "cudagraphs", "--batch-sizes", "1",
-                          "2", "--repeats", "10" if cuda else "2", "--configs", *pillars,
+        Stage("capture", [python, models, "--device", args.device, "--capture", "cudagraphs", *upstream,
+                          "--batch-sizes", "1", "2", "--repeats", "10" if cuda else "2", "--configs", *pillars,
                           "--data", str(args.work / "toy_opv2v"), "--json", str(args.out / "capture.json")],
               300),
         Stage("gpu_check", [*gpu_check("gc"), *NOT_ISSUE_52, *(["--precisions", "fp32"] if cuda else [])], 300),
