@@ -3,13 +3,13 @@
 Upstream's code is not a test's reference (its figures come from a checkout on a machine that has one, docs/
 benchmarks.md). What is tested here is the tool's own work: a checkout is read the way upstream's train_utils reads
 its classes, our weights go into its model, and its train.py's step runs in turns with our eager and captured steps,
-whose medians make the ratios. The checkout is a stand-in written here, in upstream's layout, whose classes are ours
-under upstream's names: so the two sides are one computation, and what differs is only the tool's handling."""
+whose medians make the ratios (engine/census.seconds_in_turns, tests/test_step_census.py). The checkout is a
+stand-in written here, in upstream's layout, whose classes are ours under upstream's names: so the two sides are one
+computation, and what differs is only the tool's handling."""
 import json
 import textwrap
 
 import pytest
-import torch
 
 from launch import REPO, explain, python
 
@@ -90,17 +90,3 @@ def test_an_upstream_class_that_does_not_take_our_weights_is_reported_in_its_cel
     (row,) = json.loads(out.read_text())
     assert row["step_s"] > 0 and set(row["upstream"]) == {"error"}
     assert "has no opencood/loss/point_pillar_loss.py" in row["upstream"]["error"]
-
-
-def test_in_turns_rotates_who_goes_first():
-    """Three steps over three rounds: each goes first once, each runs once a round, each gets its median."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "tools" / "benchmarks"))
-    from benchmark_models import in_turns
-
-    order = []
-    medians = in_turns({name: (lambda name=name: order.append(name)) for name in "abc"}, torch.device("cpu"),
-                       rounds=3)
-    assert order == list("abc") + list("bca") + list("cab")
-    assert set(medians) == set("abc") and all(seconds >= 0 for seconds in medians.values())

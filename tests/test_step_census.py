@@ -12,7 +12,8 @@ import torch
 
 from launch import REPO
 from opencood_ddp.engine.census import (Step, activity_kind, activity_of, busy_seconds, count_flops, count_ops,
-                                        cuda_path_on_cpu, cudagraph_skips, peak_tflops, trainer_step)
+                                        cuda_path_on_cpu, cudagraph_skips, peak_tflops, seconds_in_turns,
+                                        trainer_step)
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -280,3 +281,12 @@ def test_cudagraph_skips_hears_inductors_reasons_and_counts_them():
     log_cudagraph_skip_and_bump_counter("skipping cudagraphs due to a later graph")
     assert skips.count == 1
     assert skips.reasons == ["skipping cudagraphs due to mutated inputs (1 instances). Found from :"]
+
+
+def test_seconds_in_turns_rotates_who_goes_first():
+    """Three steps over three rounds: each goes first once, each runs once a round, each gets its median."""
+    order = []
+    medians = seconds_in_turns({name: (lambda name=name: order.append(name)) for name in "abc"},
+                               torch.device("cpu"), rounds=3)
+    assert order == list("abc") + list("bca") + list("cab")
+    assert set(medians) == set("abc") and all(seconds >= 0 for seconds in medians.values())

@@ -107,6 +107,7 @@ STEP_BATCHES = (1, 2)  # the per-GPU batches of the model table's step times and
 # --capture's modes of the capture check on CUDA: the eager kernels replayed as CUDA graphs (a compile of seconds)
 # first, then inductor's (minutes)
 CAPTURE_CHECK_MODES = ("cudagraphs", "compile")
+CAPTURE_WARMUPS = 2  # captured steps after the compiling one and before the timed ones (graph trees record late)
 
 
 @dataclass
@@ -760,19 +761,17 @@ def check_capture_ddp(config: str, mode: str, device: torch.device, data: Path, 
 def _captured_steps(config: str, mode: str, device: torch.device, data: Path, steps: dict) -> dict:
     """For each key -> (per-GPU batch, in DDP) of `steps`: the trainer's step under --capture `mode` beside the eager
     step, both in DDP as the trainer wraps them when asked (at world size 1), from the same weights on the same
-    batch: their ms (median of 5 after the first, which compiles), the speed-up, the first loss's relative gap to
-    eager's (on the CPU a mode of eager kernels must give it bit for bit), and the graphs not replayed as CUDA
-    graphs, with torch's reasons."""
+    batch: their ms (after the first steps, the captured one's compiling, and CAPTURE_WARMUPS more of the captured
+    step, since CUDA graph trees record a graph on a later call; then medians of 5 rounds in turns,
+    engine/census.seconds_in_turns), the speed-up, the first loss's relative gap to eager's (on the CPU a mode of
+    eager kernels must give it bit for bit), and the graphs not replayed as CUDA graphs, with torch's reasons."""
     from opencood_ddp.engine.capture import step_kernels
-    from opencood_ddp.engine.census import cudagraph_skips, step_seconds
+    from opencood_ddp.engine.census import cudagraph_skips, seconds_in_turns
 
     skip_without_sparse_conv(config, device)
     task, hypes = _task_of(config, data)
     figures: dict = {"mode": mode}
     repeats = 5 if device.type == "cuda" else 1
-
-    def median_ms(step) -> float:
-        return round(1e3 * statistics.median(step_seconds(step, device, repeats)), 2)
 
     dist, comm = _one_rank_group(device)
     try:
@@ -788,8 +787,12 @@ def _captured_steps(config: str, mode: str, device: torch.device, data: Path, st
                 # on the CPU a mode of eager kernels repeats eager's first loss; inductor rounds anew
                 assert mode == "compile" or device.type == "cuda" or gap == 0, \
                     f"{mode}'s first loss {loss} ({key}) is not eager's {eager_loss}"
-                figures.update({f"first_loss_gap_{key}": float(f"{gap:.3g}"), f"eager_ms_{key}": median_ms(eager),
-                                f"captured_ms_{key}": median_ms(captured)})
+                for _ in range(CAPTURE_WARMUPS):
+                    captured()
+                seconds = seconds_in_turns({"eager": eager, "captured": captured}, device, repeats)
+                figures.update({f"first_loss_gap_{key}": float(f"{gap:.3g}"),
+                                f"eager_ms_{key}": round(seconds["eager"] * 1e3, 2),
+                                f"captured_ms_{key}": round(seconds["captured"] * 1e3, 2)})
                 figures[f"speedup_{key}"] = round(figures[f"eager_ms_{key}"] / figures[f"captured_ms_{key}"], 2)
     finally:
         _close_group(dist, comm)

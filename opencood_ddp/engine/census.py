@@ -192,6 +192,18 @@ def median_step_seconds(step: Step, device: torch.device, repeats: int = 3) -> f
     return statistics.median(step_seconds(step, device, repeats))
 
 
+def seconds_in_turns(steps: Dict[str, Callable[[], object]], device: torch.device, rounds: int) -> Dict[str, float]:
+    """The median wall seconds of each of `steps` over `rounds` rounds of one step each, the order rotating by one
+    from round to round (who goes first changes), each step waited for on a GPU: a change in a shared machine's
+    load falls on all of them alike, so their ratios are measured side by side. No warm-up: take them before."""
+    names, times = list(steps), {name: [] for name in steps}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name] += step_seconds(steps[name], device, 1)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def _synchronize(device: torch.device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -352,4 +364,4 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
 __all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step",
            "activity_kind", "activity_of", "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu",
            "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds", "peak_tflops",
-           "python_functions", "step_seconds", "trainer_step"]
+           "python_functions", "seconds_in_turns", "step_seconds", "trainer_step"]

@@ -44,15 +44,15 @@ process (issue 52 asks 1.5 or more at batch 2, in fp32 and in bf16). The rows' o
 above, taken before upstream's model was built.
 
 ``--capture MODE`` (compile: inductor, with CUDA graphs on CUDA; cudagraphs: the eager kernels replayed as CUDA
-graphs, a compile of seconds; aot_eager: traced, eager kernels) adds, per row,
-the same step with the model's dense part compiled as ``train_ddp.py --capture`` compiles it (engine/capture.py's
-CaptureModule) from the same initial weights on the same batch, timed beside the eager step in the same process:
-the first step's seconds (the compile), the median of ``--repeats`` steps after CAPTURE_WARMUPS more (CUDA graph
-trees record a graph on a later call than the first), the speed-up over the row's eager step, the first loss's
-relative gap to eager's, and the graphs not replayed as CUDA graphs. Both sides then run under the
-kernels a captured step takes (engine/capture.step_kernels: CUDA's own on CUDA, CUDA's kernels on the CPU). With
-batches 1 and 2 a last table gives each config's step at batch 1 over its step at batch 2, eager and captured:
-issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1 GPU at batch 2 by 1.6x.
+graphs, a compile of seconds; aot_eager: traced, eager kernels) adds, per row, the same step with the model's dense
+part compiled as ``train_ddp.py --capture`` compiles it (engine/capture.py's CaptureModule) from the same initial
+weights on the same batch, in the same process: the first step's seconds (the compile), then CAPTURE_WARMUPS more
+(CUDA graph trees record a graph on a later call than the first), then ``--repeats`` rounds in turns with the row's
+eager step (engine/census.py's ``seconds_in_turns``): the captured step's median, and the speed-up, eager's median
+over it, side by side; the first loss's relative gap to eager's, and the graphs not replayed as CUDA graphs. Both
+sides then run under the kernels a captured step takes (engine/capture.step_kernels: CUDA's own on CUDA, CUDA's
+kernels on the CPU). With batches 1 and 2 a last table gives each config's step at batch 1 over its step at batch
+2, eager and captured: issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1 GPU at batch 2 by 1.6x.
 
 ``--profile`` (CUDA) adds, per row, one more step under torch's profiler (engine/census.py's device_activity): the
 kernels it launched, the time the GPU was busy (the union of its kernels, copies and fills) and that time over the
@@ -185,7 +185,7 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
     if args.capture:
         timed["captured"] = _trainer_step(hypes, task, initial, batch, precision, device, args.capture)
         with kernels():
-            result["capture"] = captured(timed["captured"], device, args, result["step_s"], first_loss.item())
+            result["capture"] = captured(timed["captured"], step, device, args, first_loss.item())
     if args.count:
         result.update(census(hypes, task, model, batch, precision))
         result.update(rate(result["flops"], result["step_s"], device, precision_name))
@@ -196,9 +196,11 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
 
 
 # ------------------------------------------------------------------------------------------- --capture
-def captured(step, device: torch.device, args: argparse.Namespace, eager_s: float, eager_loss: float) -> Dict[str, Any]:
-    """The captured step's figures (the module docstring, --capture); its first step compiles."""
-    from opencood_ddp.engine.census import cudagraph_skips, step_seconds
+def captured(step, eager, device: torch.device, args: argparse.Namespace, eager_loss: float) -> Dict[str, Any]:
+    """The captured step's figures (the module docstring, --capture); its first step compiles. After its warm-ups
+    it runs in turns with the `eager` step (engine/census.seconds_in_turns): the speed-up is the ratio of their
+    medians side by side."""
+    from opencood_ddp.engine.census import cudagraph_skips, seconds_in_turns
 
     with cudagraph_skips() as skips:
         if device.type == "cuda":
@@ -208,8 +210,9 @@ def captured(step, device: torch.device, args: argparse.Namespace, eager_s: floa
         compile_s = time.perf_counter() - started
         for _ in range(CAPTURE_WARMUPS):
             step()
-        step_s = statistics.median(step_seconds(step, device, args.repeats))
-    return {"mode": args.capture, "compile_s": compile_s, "step_s": step_s, "speedup": eager_s / step_s,
+        seconds = seconds_in_turns({"eager": eager, "captured": step}, device, args.repeats)
+    return {"mode": args.capture, "compile_s": compile_s, "step_s": seconds["captured"],
+            "eager_in_turns_s": seconds["eager"], "speedup": seconds["eager"] / seconds["captured"],
             "first_loss_gap": abs(loss - eager_loss) / max(abs(eager_loss), 1e-30), "cudagraph_skips": skips.count}
 
 
@@ -295,6 +298,7 @@ def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size
     `timed` (ours, and the captured step), or {"error": ...} where its class fails to build or run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import benchmark_vs_upstream as vs
+    from opencood_ddp.engine.census import seconds_in_turns
 
     try:
         theirs, loss_fn = vs.build_upstream(args.upstream, upstream_hypes(hypes, batch_size))
@@ -308,7 +312,7 @@ def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size
         step = _upstream_step(theirs, loss_fn, ego, _upstream_optimizer(hypes, theirs, "cpu"), precision,
                               precision.new_scaler())
         step()  # its warm-up: allocator, kernels, the optimizer's state
-        seconds = in_turns({**timed, "upstream": step}, torch.device(args.device), args.repeats)
+        seconds = seconds_in_turns({**timed, "upstream": step}, torch.device(args.device), args.repeats)
         result.update({"seconds_in_turns": seconds, "step_s": seconds["upstream"]})
         result.update({f"over_{name}": seconds["upstream"] / seconds[name] for name in timed})
         return result
@@ -333,19 +337,6 @@ def _upstream_optimizer(hypes: dict, model, kernels_for: str):
 
     return build_optimizer(hypes, [p for p in model.parameters() if p.requires_grad],
                            float(hypes["optimizer"]["lr"]), kernels_for=kernels_for)
-
-
-def in_turns(steps: Dict[str, Any], device: torch.device, rounds: int) -> Dict[str, float]:
-    """The median seconds of each step over `rounds` rounds of one step each, the order rotating by one from round
-    to round (who goes first changes), each step waited for: a change in the machine's load falls on all alike."""
-    from opencood_ddp.engine.census import step_seconds
-
-    names, times = list(steps), {name: [] for name in steps}
-    for round_ in range(rounds):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name] += step_seconds(steps[name], device, 1)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 # ------------------------------------------------------------------------------------------- driver
