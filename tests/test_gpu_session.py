@@ -49,7 +49,7 @@ def test_every_stage_command_parses_with_its_tools_parser(device, route, tmp_pat
     assert parsed["capture"].capture == "cudagraphs" and parsed["capture"].batch_sizes == [1, 2]
     assert parsed["gpu_check"].device == parsed["acceptance"].device == device and parsed["profile"].count
     # upstream's step beside ours where a checkout came with the call (an absolute path: the stages' cwd is theirs)
-    assert parsed["capture"].upstream == parsed["profile"].upstream == str((Path.cwd() / "opencood_checkout"))
+    assert parsed["capture"].upstream == parsed["profile"].upstream == str(Path.cwd() / "opencood_checkout")
     assert gpu_session.stages(gpu_session.parse_args(["--out", str(tmp_path)]))[2].command.count("--upstream") == 0
     # the benchmarks' rows come back as JSON, written after every row (a cut stage keeps its rows)
     assert parsed["capture"].json.endswith("capture.json") and parsed["profile"].json.endswith("profile.json")

@@ -85,7 +85,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from opencood_ddp.engine.capture import CAPTURE_MODES
+from opencood_ddp.engine.capture import CAPTURE_MODES, TIMING_WARMUPS
 from opencood_ddp.toy.config import SCALES, split_overrides, split_set_flags
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +107,6 @@ STEP_BATCHES = (1, 2)  # the per-GPU batches of the model table's step times and
 # --capture's modes of the capture check on CUDA: the eager kernels replayed as CUDA graphs (a compile of seconds)
 # first, then inductor's (minutes)
 CAPTURE_CHECK_MODES = ("cudagraphs", "compile")
-CAPTURE_WARMUPS = 2  # captured steps after the compiling one and before the timed ones (graph trees record late)
 
 
 @dataclass
@@ -761,7 +760,7 @@ def check_capture_ddp(config: str, mode: str, device: torch.device, data: Path, 
 def _captured_steps(config: str, mode: str, device: torch.device, data: Path, steps: dict) -> dict:
     """For each key -> (per-GPU batch, in DDP) of `steps`: the trainer's step under --capture `mode` beside the eager
     step, both in DDP as the trainer wraps them when asked (at world size 1), from the same weights on the same
-    batch: their ms (after the first steps, the captured one's compiling, and CAPTURE_WARMUPS more of the captured
+    batch: their ms (after the first steps, the captured one's compiling, and TIMING_WARMUPS more of the captured
     step, since CUDA graph trees record a graph on a later call; then medians of 5 rounds in turns,
     engine/census.seconds_in_turns), the speed-up, the first loss's relative gap to eager's (on the CPU a mode of
     eager kernels must give it bit for bit), and the graphs not replayed as CUDA graphs, with torch's reasons."""
@@ -787,7 +786,7 @@ def _captured_steps(config: str, mode: str, device: torch.device, data: Path, st
                 # on the CPU a mode of eager kernels repeats eager's first loss; inductor rounds anew
                 assert mode == "compile" or device.type == "cuda" or gap == 0, \
                     f"{mode}'s first loss {loss} ({key}) is not eager's {eager_loss}"
-                for _ in range(CAPTURE_WARMUPS):
+                for _ in range(TIMING_WARMUPS):
                     captured()
                 seconds = seconds_in_turns({"eager": eager, "captured": captured}, device, repeats)
                 figures.update({f"first_loss_gap_{key}": float(f"{gap:.3g}"),

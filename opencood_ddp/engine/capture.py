@@ -80,6 +80,9 @@ BACKENDS = {"compile": "inductor", "cudagraphs": "cudagraphs", "aot_eager": "aot
 # Dynamo's own recompile limit is raised past them (`allow_recompiles`), so the fallback is this module's, with its
 # log line, never dynamo's silent one.
 MAX_SHAPES = {"compile": 6, "cudagraphs": 49, "aot_eager": 49}
+# Captured steps a timing takes after the compiling one and before it times any: CUDA graph trees record a graph on
+# a later call than the first (benchmark_models.py --capture, gpu_check's capture checks).
+TIMING_WARMUPS = 2
 
 
 class CavCounts(tuple):
@@ -270,4 +273,4 @@ class CapturedStep:
 
 __all__ = ["backward_outside_autocast", "BACKENDS", "CAPTURE_MODES", "CaptureMode", "CaptureModule", "CapturedStep",
            "CavCounts", "allow_recompiles", "check_capture", "copy_gradients", "not_capturable", "MAX_SHAPES",
-           "replays_cuda_graphs", "step_kernels"]
+           "replays_cuda_graphs", "step_kernels", "TIMING_WARMUPS"]

@@ -46,13 +46,14 @@ above, taken before upstream's model was built.
 ``--capture MODE`` (compile: inductor, with CUDA graphs on CUDA; cudagraphs: the eager kernels replayed as CUDA
 graphs, a compile of seconds; aot_eager: traced, eager kernels) adds, per row, the same step with the model's dense
 part compiled as ``train_ddp.py --capture`` compiles it (engine/capture.py's CaptureModule) from the same initial
-weights on the same batch, in the same process: the first step's seconds (the compile), then CAPTURE_WARMUPS more
-(CUDA graph trees record a graph on a later call than the first), then ``--repeats`` rounds in turns with the row's
-eager step (engine/census.py's ``seconds_in_turns``): the captured step's median, and the speed-up, eager's median
-over it, side by side; the first loss's relative gap to eager's, and the graphs not replayed as CUDA graphs. Both
-sides then run under the kernels a captured step takes (engine/capture.step_kernels: CUDA's own on CUDA, CUDA's
-kernels on the CPU). With batches 1 and 2 a last table gives each config's step at batch 1 over its step at batch
-2, eager and captured: issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1 GPU at batch 2 by 1.6x.
+weights on the same batch, in the same process: the first step's seconds (the compile), then engine/capture.py's
+TIMING_WARMUPS more (CUDA graph trees record a graph on a later call than the first), then ``--repeats`` rounds in
+turns with the row's eager step (engine/census.py's ``seconds_in_turns``): the captured step's median, and the
+speed-up, eager's median over it, side by side; the first loss's relative gap to eager's, and the graphs not
+replayed as CUDA graphs. Both sides then run under the kernels a captured step takes (engine/capture.step_kernels:
+CUDA's own on CUDA, CUDA's kernels on the CPU). With batches 1 and 2 a last table gives each config's step at
+batch 1 over its step at batch 2, eager and captured: issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1
+GPU at batch 2 by 1.6x.
 
 ``--profile`` (CUDA) adds, per row, one more step under torch's profiler (engine/census.py's device_activity): the
 kernels it launched, the time the GPU was busy (the union of its kernels, copies and fills) and that time over the
@@ -83,7 +84,6 @@ DEFAULT_CONFIGS = ["toy/point_pillar_early_fusion", "toy/point_pillar_late_fusio
                    "opv2v/point_pillar_early_fusion", "opv2v/point_pillar_late_fusion",
                    "opv2v/point_pillar_intermediate_fusion", "opv2v/point_pillar_fcooper"]
 HALF = {"fp32": None, "bf16": "bf16", "fp16": "fp16"}  # --precisions -> engine.step.Precision's half
-CAPTURE_WARMUPS = 2  # captured steps after the compiling one and before the timed ones
 # Flags whose values name the rows: the driver hands each subprocess one row instead.
 ROW_FLAGS = ("--configs", "--batch-sizes", "--batch-size", "--precisions", "--half")
 
@@ -200,6 +200,7 @@ def captured(step, eager, device: torch.device, args: argparse.Namespace, eager_
     """The captured step's figures (the module docstring, --capture); its first step compiles. After its warm-ups
     it runs in turns with the `eager` step (engine/census.seconds_in_turns): the speed-up is the ratio of their
     medians side by side."""
+    from opencood_ddp.engine.capture import TIMING_WARMUPS
     from opencood_ddp.engine.census import cudagraph_skips, seconds_in_turns
 
     with cudagraph_skips() as skips:
@@ -208,7 +209,7 @@ def captured(step, eager, device: torch.device, args: argparse.Namespace, eager_
         started = time.perf_counter()
         loss = step().item()  # waits for the whole step: the optimizer's kernels were queued before it
         compile_s = time.perf_counter() - started
-        for _ in range(CAPTURE_WARMUPS):
+        for _ in range(TIMING_WARMUPS):
             step()
         seconds = seconds_in_turns({"eager": eager, "captured": step}, device, args.repeats)
     return {"mode": args.capture, "compile_s": compile_s, "step_s": seconds["captured"],
