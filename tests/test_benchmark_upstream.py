@@ -66,6 +66,9 @@ def test_upstream_step_is_timed_in_turns_with_the_eager_and_captured_steps(stand
     assert upstream["step_s"] == seconds["upstream"]
     assert upstream["over_ours"] == seconds["upstream"] / seconds["ours"]
     assert upstream["over_captured"] == seconds["upstream"] / seconds["captured"]
+    capture = row["capture"]  # the same rounds gave the capture's speed-up: no second set of steps
+    assert (capture["eager_in_turns_s"], capture["step_s"]) == (seconds["ours"], seconds["captured"])
+    assert capture["speedup"] == seconds["ours"] / seconds["captured"] and capture["cudagraph_skips"] == 0
     assert "ops" not in upstream  # counted only with --count
     header, _, line = result.stdout.split("| config |", 1)[1].splitlines()[:3]
     assert "upstream ÷ ours" in header and "upstream ÷ captured" in header

@@ -40,8 +40,9 @@ train.py takes it: the same classes and weights, the hypes' optimizer as upstrea
 (torch's default kernels: on CUDA the foreach update, where ours is fused). After one warm-up step of its own it
 runs in turns with our eager step (and, with ``--capture``, the captured one), who goes first rotating from round to
 round, each step waited for: the medians of ``--repeats`` rounds give upstream's step over ours, side by side in one
-process (issue 52 asks 1.5 or more at batch 2, in fp32 and in bf16). The rows' own step columns are the timings
-above, taken before upstream's model was built.
+process (issue 52 asks 1.5 or more at batch 2, in fp32 and in bf16). With ``--capture`` the three share one set of
+rounds, which gives the capture's figures too. The rows' own step columns are the timings above, taken before
+upstream's model was built.
 
 ``--capture MODE`` (compile: inductor, with CUDA graphs on CUDA; cudagraphs: the eager kernels replayed as CUDA
 graphs, a compile of seconds; aot_eager: traced, eager kernels) adds, per row, the same step with the model's dense
@@ -150,7 +151,7 @@ def _trainer_step(hypes: dict, task, model, batch, precision, kernels_for, captu
 
 def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Namespace) -> Dict[str, object]:
     from opencood_ddp.engine.capture import step_kernels
-    from opencood_ddp.engine.census import step_seconds
+    from opencood_ddp.engine.census import seconds_in_turns, step_seconds
     from opencood_ddp.engine.memory import PeakMemory
     from opencood_ddp.engine.step import Precision
 
@@ -181,40 +182,62 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
               "peak_mib": peak / 2 ** 20, "threads": torch.get_num_threads()}
     if args.profile:
         result["gpu"] = gpu_activity(step, device, result["step_s"])
-    timed = {"ours": step}  # the steps timed in turns with upstream's (--upstream)
-    if args.capture:
-        timed["captured"] = _trainer_step(hypes, task, initial, batch, precision, device, args.capture)
-        with kernels():
-            result["capture"] = captured(timed["captured"], step, device, args, first_loss.item())
     if args.count:
         result.update(census(hypes, task, model, batch, precision))
         result.update(rate(result["flops"], result["step_s"], device, precision_name))
-    if args.upstream:
-        with kernels():
-            result["upstream"] = upstream_side(args, hypes, model, batch, batch_size, precision, timed)
+    timed = {"ours": step}  # the steps timed in turns: ours, the captured step (--capture), upstream's (--upstream)
+    with kernels(), _skips_counted(args.capture) as skips:
+        if args.capture:
+            timed["captured"] = _trainer_step(hypes, task, initial, batch, precision, device, args.capture)
+            result["capture"] = compiled(timed["captured"], device, args.capture, first_loss.item())
+        if args.upstream:
+            result["upstream"] = upstream_side(args, hypes, model, batch, batch_size, precision)
+            if "error" not in result["upstream"]:
+                timed["upstream"] = result["upstream"].pop("step")
+        # one set of rounds for all of them: each ratio below is of medians taken side by side
+        seconds = seconds_in_turns(timed, device, args.repeats) if len(timed) > 1 else {}
+    if args.capture:
+        result["capture"].update(in_turns_with_eager(seconds, skips.count))
+    if "upstream" in timed:
+        result["upstream"].update(upstream_in_turns(seconds))
     return result
 
 
-# ------------------------------------------------------------------------------------------- --capture
-def captured(step, eager, device: torch.device, args: argparse.Namespace, eager_loss: float) -> Dict[str, Any]:
-    """The captured step's figures (the module docstring, --capture); its first step compiles. After its warm-ups
-    it runs in turns with the `eager` step (engine/census.seconds_in_turns): the speed-up is the ratio of their
-    medians side by side."""
-    from opencood_ddp.engine.capture import TIMING_WARMUPS
-    from opencood_ddp.engine.census import cudagraph_skips, seconds_in_turns
+@contextlib.contextmanager
+def _skips_counted(capture: Optional[str]):
+    """engine/census.py's cudagraph_skips around the captured step's compile, warm-ups and timed steps; nothing
+    without --capture (its import brings in dynamo)."""
+    if capture is None:
+        yield None
+        return
+    from opencood_ddp.engine.census import cudagraph_skips
 
     with cudagraph_skips() as skips:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        loss = step().item()  # waits for the whole step: the optimizer's kernels were queued before it
-        compile_s = time.perf_counter() - started
-        for _ in range(TIMING_WARMUPS):
-            step()
-        seconds = seconds_in_turns({"eager": eager, "captured": step}, device, args.repeats)
-    return {"mode": args.capture, "compile_s": compile_s, "step_s": seconds["captured"],
-            "eager_in_turns_s": seconds["eager"], "speedup": seconds["eager"] / seconds["captured"],
-            "first_loss_gap": abs(loss - eager_loss) / max(abs(eager_loss), 1e-30), "cudagraph_skips": skips.count}
+        yield skips
+
+
+# ------------------------------------------------------------------------------------------- --capture
+def compiled(step, device: torch.device, mode: str, eager_loss: float) -> Dict[str, Any]:
+    """The captured step's first call (the compile) and its warm-ups: CUDA graph trees record on a later call than
+    the first. Its time is taken after, in turns with the eager step (in_turns_with_eager)."""
+    from opencood_ddp.engine.capture import TIMING_WARMUPS
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    loss = step().item()  # waits for the whole step: the optimizer's kernels were queued before it
+    compile_s = time.perf_counter() - started
+    for _ in range(TIMING_WARMUPS):
+        step()
+    return {"mode": mode, "compile_s": compile_s,
+            "first_loss_gap": abs(loss - eager_loss) / max(abs(eager_loss), 1e-30)}
+
+
+def in_turns_with_eager(seconds: Dict[str, float], skips: int) -> Dict[str, Any]:
+    """The captured step's median beside the eager step's from the same rounds (engine/census.seconds_in_turns),
+    and the graphs that did not replay as CUDA graphs over the compile, warm-ups and timed steps."""
+    return {"step_s": seconds["captured"], "eager_in_turns_s": seconds["ours"],
+            "speedup": seconds["ours"] / seconds["captured"], "cudagraph_skips": skips}
 
 
 # ------------------------------------------------------------------------------------------- --profile
@@ -293,13 +316,11 @@ def _upstream_step(model, loss_fn, ego, optimizer, precision, scaler):
     return Step(forward_backward, update)
 
 
-def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size: int, precision,
-                  timed: Dict[str, Any]) -> Dict[str, Any]:
-    """Upstream's step on the same batch and device: its count with --count, and its step timed in turns with
-    `timed` (ours, and the captured step), or {"error": ...} where its class fails to build or run."""
+def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size: int, precision) -> Dict[str, Any]:
+    """Upstream's step on the same batch and device, built and warmed up under "step" (run_one times it in turns
+    with ours), with its count under --count; or {"error": ...} where its class fails to build or run."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import benchmark_vs_upstream as vs
-    from opencood_ddp.engine.census import seconds_in_turns
 
     try:
         theirs, loss_fn = vs.build_upstream(args.upstream, upstream_hypes(hypes, batch_size))
@@ -313,12 +334,16 @@ def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size
         step = _upstream_step(theirs, loss_fn, ego, _upstream_optimizer(hypes, theirs, "cpu"), precision,
                               precision.new_scaler())
         step()  # its warm-up: allocator, kernels, the optimizer's state
-        seconds = seconds_in_turns({**timed, "upstream": step}, torch.device(args.device), args.repeats)
-        result.update({"seconds_in_turns": seconds, "step_s": seconds["upstream"]})
-        result.update({f"over_{name}": seconds["upstream"] / seconds[name] for name in timed})
-        return result
+        return {**result, "step": step}
     except (Exception, SystemExit) as exc:  # noqa: BLE001  the cell says what broke; our figures stand
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+
+
+def upstream_in_turns(seconds: Dict[str, float]) -> Dict[str, Any]:
+    """Upstream's median from the rounds it ran in with ours (and the captured step), and its ratio to each."""
+    others = {name: value for name, value in seconds.items() if name != "upstream"}
+    return {"seconds_in_turns": seconds, "step_s": seconds["upstream"],
+            **{f"over_{name}": seconds["upstream"] / value for name, value in others.items()}}
 
 
 def upstream_hypes(hypes: dict, batch_size: int) -> dict:
