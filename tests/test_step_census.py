@@ -12,8 +12,8 @@ import torch
 
 from launch import REPO
 from opencood_ddp.engine.census import (Step, activity_kind, activity_of, busy_seconds, count_flops, count_ops,
-                                        cuda_path_on_cpu, cudagraph_skips, peak_tflops, seconds_in_turns,
-                                        trainer_step)
+                                        cuda_path_on_cpu, cudagraph_skips, ops_outside_graphs, peak_tflops,
+                                        seconds_in_turns, trainer_step)
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -290,3 +290,19 @@ def test_seconds_in_turns_rotates_who_goes_first():
                                torch.device("cpu"), rounds=3)
     assert order == list("abc") + list("bca") + list("cab")
     assert set(medians) == set("abc") and all(seconds >= 0 for seconds in medians.values())
+
+
+def test_the_calls_outside_a_compiled_graph_are_the_ones_written_around_it():
+    """A compiled (aot_eager) product, ReLU, scale and sum with eager work around it: outside its graphs stay the
+    `abs` before it, the `add` after it, the gradient seed (`ones_like`) and AccumulateGrad's `detach` of the weight's
+    gradient; the graph's own calls (forward and backward) are inside its ranges, and not counted."""
+    weight = torch.randn(4, 4, requires_grad=True)
+    dense = torch.compile(lambda x: torch.relu(x @ weight).mul(2).sum(), backend="aot_eager")
+    x = torch.randn(3, 4)
+
+    def step() -> None:
+        (dense(x.abs()) + 1).backward()
+        weight.grad = None
+
+    step()  # the compile
+    assert ops_outside_graphs(step) == {"aten::abs": 1, "aten::add": 1, "aten::detach": 1, "aten::ones_like": 1}

@@ -18,6 +18,8 @@ takes. Call the counters inside that context with such an optimizer to count the
   convolutions, a numba loop) is not an aten call and is not counted; the tensors it allocates through torch are.
   Where torch decomposes by device the CPU count is the CPU's: F.dropout in training dispatches empty_like,
   bernoulli_, div_ and mul on a CPU tensor, native_dropout on a CUDA one.
+- `ops_outside_graphs`: of a captured step (--capture), the aten calls made outside its compiled graphs, which
+  the host still launches one at a time when the graphs replay (torch's profiler, not a dispatch mode).
 - `count_flops`: torch's ``FlopCounterMode`` over forward, loss and backward: the matrix products, convolutions
   (forward and backward) and attention kernels it has formulas for. Elementwise work (activations, normalisation,
   the loss's arithmetic, the optimizer's update, which runs outside the counted part) is not in it, nor are kernels
@@ -161,6 +163,29 @@ def count_ops(step: Step, flops: bool = False) -> OpCount:
     calls = {phase: dict(sorted(((op, n) for (p, op), n in counter.calls.items() if p == phase),
                                 key=lambda item: (-item[1], item[0]))) for phase in PHASES}
     return OpCount(calls, python_functions(loss), int(flop_mode.get_total_flops()) if flops else None)
+
+
+def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
+    """The aten calls one run of a captured step (--capture) makes outside its compiled graphs, the most called
+    first: what the host still launches one at a time when the graphs replay (the front before the BEV scatter,
+    AccumulateGrad's detaches, DDP's bucket work, the optimizer). torch's profiler (host activity only) sees them
+    where a dispatch mode cannot: the graphs' own calls run inside its "Torch-Compiled Region", "CompiledFunction"
+    and "CompiledFunctionBackward" ranges, and are left out, as is every aten call made inside another (a
+    composite's parts). Take it after the compile and the warm-ups (engine/capture.py's TIMING_WARMUPS)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.events()
+    graphs = [(e.time_range.start, e.time_range.end) for e in events if "Compiled" in e.name]
+    calls: Counter = Counter()
+    for event in events:
+        parent = event.cpu_parent
+        if not event.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
+            continue
+        if not any(start <= event.time_range.start and event.time_range.end <= end for start, end in graphs):
+            calls[event.name] += 1
+    return dict(sorted(calls.items(), key=lambda item: (-item[1], item[0])))
 
 
 # ------------------------------------------------------------------------------------------- arithmetic
@@ -363,5 +388,5 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
 
 __all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step",
            "activity_kind", "activity_of", "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu",
-           "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds", "peak_tflops",
-           "python_functions", "seconds_in_turns", "step_seconds", "trainer_step"]
+           "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds", "ops_outside_graphs",
+           "peak_tflops", "python_functions", "seconds_in_turns", "step_seconds", "trainer_step"]
