@@ -4,7 +4,7 @@ Upstream's DDP broadcasts every buffer before every forward. With synchronized b
 some four ops per buffer each step for values every rank already holds: SyncBatchNorm's running statistics are the
 global batch's, the same arithmetic on the same gathered numbers on every rank, and the zoo's other buffers are
 index tables made at construction (``constant_buffers``). So the trainer turns the broadcast off exactly when every
-buffer is one of those; that the ranks' buffers then stay equal is proven on real processes
+buffer is one of those, or when there is one rank; that the ranks' buffers then stay equal is proven on real processes
 (tests/workers/zoo_ddp_step_worker.py's ``buffers_equal``, from test_zoo_contracts.py)."""
 from __future__ import annotations
 
@@ -29,11 +29,15 @@ def test_with_sync_bn_no_zoo_buffer_is_broadcast_and_without_it_rank_0s_are(toy_
     assert any(True for _ in model.buffers())
     synced, kind = convert_sync_batchnorm(model, 2, "cpu")
     assert kind == "GlooSyncBatchNorm" and buffers_kept_equal(synced)
-    assert buffer_sync(synced) == {buffer_sync_argument(): False}
+    assert buffer_sync(synced, 2) == {buffer_sync_argument(): False}
     plain, kind = convert_sync_batchnorm(build_task(hypes_of(config, toy_root=toy_small), for_training=True).model,
                                          2, "cpu", enabled=False)  # --no_sync_bn: each rank's own statistics
     assert kind is None and not buffers_kept_equal(plain)
-    assert buffer_sync(plain) == {buffer_sync_argument(): True}
+    assert buffer_sync(plain, 2) == {buffer_sync_argument(): True}
+    # one rank: its buffers are rank 0's, and DDP would broadcast them to itself (a run on 1 GPU keeps plain ones)
+    alone, kind = convert_sync_batchnorm(build_task(hypes_of(config, toy_root=toy_small), for_training=True).model,
+                                         1, "cpu")
+    assert kind is None and buffer_sync(alone, 1) == {buffer_sync_argument(): False}
 
 
 class _Counter(nn.Module):

@@ -84,7 +84,8 @@ def step_config(config: Path, toy: Path, env: DistEnv, extra: tuple[str, ...] = 
     samples = [task.train_set[i] for i in range(env.world_size)]
     reference = copy.deepcopy(task.model)
     model, _ = convert_sync_batchnorm(task.model, env.world_size, env.device)
-    assert buffer_sync(model) == {buffer_sync_argument(): False}  # every buffer kept equal without a broadcast
+    # every buffer kept equal without a broadcast
+    assert buffer_sync(model, env.world_size) == {buffer_sync_argument(): False}
     ddp = wrap_ddp(model, bool(get_key(hypes, "train_params.find_unused_parameters", False)))
     # Where torch's DDP can copy the fresh gradients into a bucket together (2.13), the trainer's build does, and
     # the DDP error below covers that path.
