@@ -279,8 +279,10 @@ def test_start_plan_names_what_the_issue_lists(synthetic_runs):
     log = (synthetic_runs(2) / "logs" / "rank0.log").read_text()
     for words in ("world size 2", "backend gloo", "devices:", "2 process(es) x 4 per rank",
                   "effective batch 8", "lr 0.05", "train 80 samples, validate 37", "optimizer steps per epoch",
-                  "run folder:", "samples/s", "data wait", "step: eager; float32"):
+                  "run folder:", "samples/s", "data wait", "step: eager; float32", "gradients: DDP all-reduce"):
         assert words in log, words
+    one_rank = (synthetic_runs(1) / "logs" / "rank0.log").read_text()  # torchrun on one rank: nothing to reduce
+    assert "world size 1" in one_rank and "gradients: one rank, no DDP" in one_rank
 
 
 # ------------------------------------------------------------------------------------------------ benchmark
@@ -291,11 +293,12 @@ def test_benchmark_ddp_measures_every_world_size(tmp_path):
                     "--steps", "12", "--warmup", "1", "--json", out, timeout=300)
     assert result.returncode == 0, explain(result)
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["world_size"], r["ddp"], r["per_rank"]) for r in rows] == [(1, False, 8), (1, True, 8), (2, True, 4)]
+    assert [(r["world_size"], r["launcher"], r["ddp"], r["per_rank"]) for r in rows] == [
+        (1, "single", False, 8), (1, "torchrun", False, 8), (2, "torchrun", True, 4)]  # one rank: no DDP
     for row in rows:
         assert row["step_s"] > 0 and row["samples_per_s"] > 0 and row["peak_mib"] > 0
         assert 0 <= row["data_wait"] < 1 and row["loader_samples_per_s"] > 0
-    assert "DDP overhead at world size 1" in result.stdout and "world size 2:" in result.stdout
+    assert "torchrun at world size 1" in result.stdout and "world size 2:" in result.stdout
 
 
 # ------------------------------------------------------------------------------------------------ demo

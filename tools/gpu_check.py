@@ -18,8 +18,8 @@ Checks, each ok / failed / skipped with the reason:
   tools' own entry (`engine.train.main`) in this process; samples/s of the resumed steps and the peak memory
   (reserved and allocated) of the whole; then the step alone (the trainer's, on a batch already on the device)
   at per-GPU batch 1 and 2, and the rate its FLOPs (torch's FlopCounterMode, engine/census.py) make beside the
-  device's published peak, and the step at batch 1 in DDP as the trainer wraps it at world size 1 (NCCL on CUDA:
-  the floor of what DDP adds on N GPUs) (issue 52);
+  device's published peak, and the step at batch 1 in DDP as the trainer wraps it on N ranks, here at world size 1
+  (NCCL on CUDA: the floor of what DDP adds on N GPUs; a one-rank run trains without DDP) (issue 52);
 - cpu_weights: a weights file written on the device opened by `torch.load` without map_location (as upstream's
   loader does) in a process that sees no GPU;
 - repeat: the models that warp feature maps (V2VNet, V2X-ViT, CoBEVT) trained twice for 2 steps with
@@ -551,10 +551,11 @@ def step_rates(config: str, precision: str, device: torch.device, data: Path) ->
 
 
 def ddp_step_ms(task, hypes: dict, device: torch.device, half: Optional[str]) -> float:
-    """The step at per-GPU batch 1 in DDP as the trainer wraps it, in a world-size-1 group (NCCL on CUDA): DDP's
-    forward, its hooks and its bucketed all-reduce added to the step, the floor of what N ranks add (issue 52: 2
-    GPUs at batch 1 against 1 GPU at batch 2). Not in it: the synchronized batch norms' collectives, which at world
-    size 1 do not run. Median of 3 after a warm-up (1 on the CPU, as `step_rates`)."""
+    """The step at per-GPU batch 1 in DDP as the trainer wraps it on N ranks, in a world-size-1 group (NCCL on
+    CUDA): DDP's forward, its hooks and its bucketed all-reduce added to the step, the floor of what N ranks add
+    (issue 52: 2 GPUs at batch 1 against 1 GPU at batch 2, which trains without DDP). Not in it: the synchronized
+    batch norms' collectives, which at world size 1 do not run. Median of 3 after a warm-up (1 on the CPU, as
+    `step_rates`)."""
     from opencood_ddp.engine.census import median_step_seconds
 
     dist, comm = _one_rank_group(device)
@@ -742,12 +743,12 @@ def check_capture(config: str, mode: str, device: torch.device, data: Path) -> t
 
 def check_capture_ddp(config: str, mode: str, device: torch.device, data: Path, captured_ms_b2: Optional[float]
                       ) -> tuple[str, dict]:
-    """The captured step at batch 1 in DDP as the trainer wraps it at world size 1 (NCCL on CUDA; its batch norms
-    synchronized, so on N GPUs their collectives are in the graphs), beside the eager step in DDP: 2 GPUs at batch
-    1 against 1 GPU at batch 2, the issue's 1.6x, is the capture check's step at batch 2 (`captured_ms_b2`, None
-    when that check failed) over this one (an N-rank run adds the all-reduce's time over world size 1's). A check of
-    its own, after the capture check: collectives inside CUDA graphs are new ground, and a failure here keeps that
-    check's figures."""
+    """The captured step at batch 1 in DDP as the trainer wraps it on N ranks, here at world size 1 (NCCL on CUDA;
+    its batch norms synchronized, so on N GPUs their collectives are in the graphs), beside the eager step in DDP: 2
+    GPUs at batch 1 against 1 GPU at batch 2 (which trains without DDP), the issue's 1.6x, is the capture check's
+    step at batch 2 (`captured_ms_b2`, None when that check failed) over this one (an N-rank run adds the
+    all-reduce's time over world size 1's). A check of its own, after the capture check: collectives inside CUDA
+    graphs are new ground, and a failure here keeps that check's figures."""
     figures = _captured_steps(config, mode, device, data, {"ddp_b1": (1, True)})
     figures["two_at_b1_over_one_at_b2"] = None if captured_ms_b2 is None else \
         round(captured_ms_b2 / figures["captured_ms_ddp_b1"], 2)
@@ -759,8 +760,8 @@ def check_capture_ddp(config: str, mode: str, device: torch.device, data: Path, 
 
 def _captured_steps(config: str, mode: str, device: torch.device, data: Path, steps: dict) -> dict:
     """For each key -> (per-GPU batch, in DDP) of `steps`: the trainer's step under --capture `mode` beside the eager
-    step, both in DDP as the trainer wraps them when asked (at world size 1), from the same weights on the same
-    batch: their ms (after the first steps, the captured one's compiling, and TIMING_WARMUPS more of the captured
+    step, both in DDP as the trainer wraps them on N ranks when asked (at world size 1), from the same weights on the
+    same batch: their ms (after the first steps, the captured one's compiling, and TIMING_WARMUPS more of the captured
     step, since CUDA graph trees record a graph on a later call; then medians of 5 rounds in turns,
     engine/census.seconds_in_turns), the speed-up, the first loss's relative gap to eager's (on the CPU a mode of
     eager kernels must give it bit for bit), and the graphs not replayed as CUDA graphs, with torch's reasons."""

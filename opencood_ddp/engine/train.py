@@ -151,7 +151,8 @@ def describe_start(env: DistEnv, trainer: Trainer, devices: Sequence[tuple[str, 
         f"devices: {describe_devices(devices)}",
         trainer.plan.describe(),
         f"datasets: {sizes}; {steps}; {describe_workers(trainer.workers, trainer.options.process.num_workers)}",
-        f"sync batch norm: {trainer.sync_bn_kind or 'off'}",
+        f"sync batch norm: {trainer.sync_bn_kind or 'off'}; gradients: "
+        f"{'DDP all-reduce' if trainer.ddp else 'one rank, no DDP'}",
         f"step: {describe_capture(trainer.loop.capture, env.device)}; {describe_precision(trainer.precision)}",
         f"run folder: {setup.run_dir}{' (resuming)' if setup.resume else ''}",
     ])

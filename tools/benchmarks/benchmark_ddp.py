@@ -5,9 +5,10 @@
         --world_sizes 1,2 --steps 20 [--set train_params.batch_size=4] [--json results.json]
 
 The global batch is the hypes' batch_size at every world size (strong scaling: B/N per rank), trained by the
-engine's own Trainer (SyncBN, DDP, accumulation) on real batches. Runs: world size 1 without DDP (plain
-`python`: the baseline), world size 1 under torchrun (DDP-wrapped: the wrapper's overhead), then torchrun at
-each larger world size. Per run, over --steps timed steps after --warmup:
+engine's own Trainer (SyncBN, DDP, accumulation) on real batches. Runs: world size 1 without a launcher (plain
+`python`: the baseline), world size 1 under torchrun (a process group; one rank trains without DDP, so the
+difference is what torchrun's set-up costs a step), then torchrun at each larger world size, in
+DDP. Per run, over --steps timed steps after --warmup:
 - step time (median) and samples/s of the global batch, speed-up and scaling efficiency against the baseline;
 - data wait: the share of the step spent waiting for the DataLoader, and the loader alone (no model) in
   samples/s per rank against what the model consumes, to tell a loader bottleneck;
@@ -81,7 +82,7 @@ def measure(options, args: argparse.Namespace, env) -> None:
         measured = timed_steps(trainer, args.warmup, args.steps)
     result = dict(measured, rank=env.rank, loader_samples_per_s=loader_rate, device=device_name(env.device),
                   per_rank=plan.per_rank, accumulation=plan.accumulation, global_batch=plan.global_batch,
-                  ddp=env.distributed, world_size=env.world_size, workers=trainer.workers)
+                  launcher=env.launcher, ddp=trainer.ddp, world_size=env.world_size, workers=trainer.workers)
     gathered = comm.gather_objects(result)
     if env.is_main:
         Path(args.worker_out).write_text(json.dumps(gathered))
@@ -130,18 +131,18 @@ def device_name(device: str) -> str:
 
 
 # --------------------------------------------------------------------------------------------- driver side
-def worker_command(world: int, ddp: bool, args: argparse.Namespace, out: Path) -> list[str]:
-    return launcher_prefix(world, torchrun=ddp) + [
+def worker_command(world: int, torchrun: bool, args: argparse.Namespace, out: Path) -> list[str]:
+    return launcher_prefix(world, torchrun=torchrun) + [
         str(Path(__file__).resolve()), "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--worker_out", str(out), *train_argv(train_options_of(args))]
 
 
-def run(world: int, ddp: bool, args: argparse.Namespace, scratch: Path) -> list[dict]:
-    out = scratch / f"world{world}_{'ddp' if ddp else 'plain'}.json"
+def run(world: int, torchrun: bool, args: argparse.Namespace, scratch: Path) -> list[dict]:
+    out = scratch / f"world{world}_{'torchrun' if torchrun else 'plain'}.json"
     environ = dict(environ_without_launcher(os.environ), OMP_NUM_THREADS=str(args.threads))
-    label = f"world size {world}" + (" (DDP)" if ddp else " (no DDP)")
+    label = f"world size {world}" + (" (torchrun)" if torchrun else " (plain python)")
     print(f"{label}: running {args.warmup} + {args.steps} steps ...", flush=True)
-    result = subprocess.run(worker_command(world, ddp, args, out), env=environ, cwd=REPO, capture_output=True,
+    result = subprocess.run(worker_command(world, torchrun, args, out), env=environ, cwd=REPO, capture_output=True,
                             text=True)
     if result.returncode != 0 or not out.is_file():
         tail = (result.stderr or result.stdout).strip().splitlines()[-15:]
@@ -155,7 +156,8 @@ def summarise(ranks: list[dict], baseline_step: Optional[float]) -> dict:
     data_share = max(sum(r["data_seconds"]) / sum(r["step_seconds"]) for r in ranks)
     consumed = first["per_rank"] * first["accumulation"] / step  # samples/s each rank's model takes in
     speedup = baseline_step / step if baseline_step else 1.0
-    return {"world_size": first["world_size"], "ddp": first["ddp"], "per_rank": first["per_rank"],
+    return {"world_size": first["world_size"], "launcher": first["launcher"], "ddp": first["ddp"],
+            "per_rank": first["per_rank"],
             "accumulation": first["accumulation"], "global_batch": first["global_batch"], "step_s": step,
             "samples_per_s": first["global_batch"] / step, "speedup": speedup,
             "efficiency": speedup / first["world_size"], "data_wait": data_share,
@@ -167,14 +169,14 @@ def summarise(ranks: list[dict], baseline_step: Optional[float]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| world | DDP | per-rank batch | step (s) | samples/s | speed-up | efficiency | data wait | "
+    lines = ["| world | launcher | DDP | per-rank batch | step (s) | samples/s | speed-up | efficiency | data wait | "
              "loader alone / model, per rank (samples/s) | peak mem per rank (MiB) | growth (MiB) |",
-             "|---:|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---|:---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         batch = f"{r['per_rank']}" + (f" x {r['accumulation']} acc" if r["accumulation"] > 1 else "")
-        lines.append(f"| {r['world_size']} | {'yes' if r['ddp'] else 'no'} | {batch} | {r['step_s']:.3f} | "
-                     f"{r['samples_per_s']:.1f} | {r['speedup']:.2f} | {100 * r['efficiency']:.0f}% | "
-                     f"{100 * r['data_wait']:.0f}% | {r['loader_samples_per_s']:.1f} / "
+        lines.append(f"| {r['world_size']} | {r['launcher']} | {'yes' if r['ddp'] else 'no'} | {batch} | "
+                     f"{r['step_s']:.3f} | {r['samples_per_s']:.1f} | {r['speedup']:.2f} | "
+                     f"{100 * r['efficiency']:.0f}% | {100 * r['data_wait']:.0f}% | {r['loader_samples_per_s']:.1f} / "
                      f"{r['model_samples_per_s']:.1f} | {r['peak_mib']:.0f} | {r['growth_mib']:.0f} |")
     return "\n".join(lines)
 
@@ -194,9 +196,10 @@ def bottleneck(row: dict) -> str:
 
 
 def verdicts(rows: list[dict]) -> list[str]:
-    plain, wrapped = rows[0], rows[1]
-    out = [f"DDP overhead at world size 1: {100 * (wrapped['step_s'] / plain['step_s'] - 1):+.1f}% step time "
-           f"({plain['step_s']:.3f} s plain, {wrapped['step_s']:.3f} s DDP-wrapped)",
+    plain, launched = rows[0], rows[1]
+    out = [f"torchrun at world size 1: {100 * (launched['step_s'] / plain['step_s'] - 1):+.1f}% step time "
+           f"({plain['step_s']:.3f} s plain python, {launched['step_s']:.3f} s under torchrun; one rank runs no "
+           "DDP)",
            f"world size 1: {bottleneck(plain)}"]
     for r in rows[2:]:
         out.append(f"world size {r['world_size']}: {r['speedup']:.2f}x the baseline ({100 * r['efficiency']:.0f}% "
