@@ -54,7 +54,9 @@ speed-up, eager's median over it, side by side; the first loss's relative gap to
 replayed as CUDA graphs. Both sides then run under the kernels a captured step takes (engine/capture.step_kernels:
 CUDA's own on CUDA, CUDA's kernels on the CPU). With batches 1 and 2 a last table gives each config's step at
 batch 1 over its step at batch 2, eager and captured: issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1
-GPU at batch 2 by 1.6x.
+GPU at batch 2 by 1.6x. With ``--count`` too, the captured step's aten calls outside its compiled graphs on the
+CUDA path (engine/census.py's ``ops_outside_graphs``, one more compile of the same step with the optimizer built
+for CUDA): what the host still launches one by one when the graphs replay.
 
 ``--profile`` (CUDA) adds, per row, one more step under torch's profiler (engine/census.py's device_activity): the
 kernels it launched, the time the GPU was busy (the union of its kernels, copies and fills) and that time over the
@@ -198,6 +200,9 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
         seconds = seconds_in_turns(timed, device, args.repeats) if len(timed) > 1 else {}
     if args.capture:
         result["capture"].update(in_turns_with_eager(seconds, skips.count))
+    if args.capture and args.count:
+        result["capture"].update(captured_census(hypes, task, copy.deepcopy(initial), batch, precision, args.capture,
+                                                 device))
     if "upstream" in timed:
         result["upstream"].update(upstream_in_turns(seconds))
     return result
@@ -238,6 +243,25 @@ def in_turns_with_eager(seconds: Dict[str, float], skips: int) -> Dict[str, Any]
     and the graphs that did not replay as CUDA graphs over the compile, warm-ups and timed steps."""
     return {"step_s": seconds["captured"], "eager_in_turns_s": seconds["ours"],
             "speedup": seconds["ours"] / seconds["captured"], "cudagraph_skips": skips}
+
+
+def captured_census(hypes: dict, task, model, batch, precision, mode: str, device: torch.device) -> Dict[str, Any]:
+    """The captured step's aten calls outside its compiled graphs on the CUDA path: the trainer's step under
+    --capture `mode` over `model`, with the optimizer built for CUDA (fused Adam, as the eager count's) and, on the
+    CPU, CUDA's kernels and autocast lists; counted in the step after its compile and warm-ups."""
+    from opencood_ddp.engine.capture import TIMING_WARMUPS, CapturedStep, CaptureModule
+    from opencood_ddp.engine.census import cuda_path_on_cpu, ops_outside_graphs, trainer_step
+    from opencood_ddp.engine.optim import build_optimizer
+
+    optimizer = build_optimizer(hypes, model.parameters(), float(hypes["optimizer"]["lr"]), kernels_for="cuda")
+    step = trainer_step(CapturedStep(), CaptureModule(model, task.step, mode, device), batch, optimizer, precision,
+                        precision.new_scaler())
+    _seeded()
+    with cuda_path_on_cpu():
+        for _ in range(1 + TIMING_WARMUPS):
+            step()
+        calls = ops_outside_graphs(step)
+    return {"ops_outside_graphs": sum(calls.values()), "ops_outside_graphs_by_name": calls}
 
 
 # ------------------------------------------------------------------------------------------- --profile
@@ -417,6 +441,7 @@ def header(args: argparse.Namespace) -> str:
     if args.capture:
         cells += [f"captured step ({args.capture}, s)", "capture speed-up", "first step, compile (s)",
                   "first loss gap to eager", "CUDA-graph skips"]
+        cells += ["captured: ops outside the graphs"] if args.count else []
     if args.upstream:
         cells += ["upstream step, in turns (s)", "upstream ÷ ours"]
         cells += ["upstream ÷ captured"] if args.capture else []
@@ -453,6 +478,7 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
         c = r["capture"]
         cells += [_seconds(c["step_s"]), f"{c['speedup']:.2f}", f"{c['compile_s']:.1f}", f"{c['first_loss_gap']:.2g}",
                   c["cudagraph_skips"]]
+        cells += [f"{c['ops_outside_graphs']:,}"] if args.count else []
     if args.upstream:
         cells += _upstream_time_cells(r["upstream"], args)
     return "| " + " | ".join(map(str, cells)) + " |"
@@ -495,6 +521,19 @@ def print_top_ops(results: Sequence[Dict[str, Any]], rows: int = 12) -> None:
               f"{_ops_list(less[:rows])} |")
 
 
+def print_outside_graphs(results: Sequence[Dict[str, Any]], rows: int = 16) -> None:
+    """The aten ops each counted captured step calls outside its graphs, the most called first (--count --capture)."""
+    counted = [r for r in results if "ops_outside_graphs_by_name" in r.get("capture", {})]
+    if not counted:
+        return
+    print("\nthe captured step's calls outside its graphs (calls), CUDA path")
+    print("| config | batch | precision | calls | ops |\n|---|---:|---|---:|---|")
+    for r in counted:
+        c = r["capture"]
+        print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {c['ops_outside_graphs']:,} | "
+              f"{_ops_list(list(c['ops_outside_graphs_by_name'].items())[:rows])} |")
+
+
 def batch_ratios(results: Sequence[Dict[str, Any]]) -> List[str]:
     """Each config and precision with rows at batch 1 and 2: the step at batch 1 over the step at batch 2, eager and
     (with --capture) captured. Issue 52 asks 0.6 or less: then 2 GPUs at batch 1 beat 1 GPU at batch 2 by 1.6x
@@ -530,6 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = run_all(args, argv)
     if args.count:
         print_top_ops(results)
+        print_outside_graphs(results)
     if args.profile:
         print_top_kernels(results)
     for line in batch_ratios(results):
