@@ -58,6 +58,7 @@ def test_every_stage_command_parses_with_its_tools_parser(device, route, tmp_pat
     assert parsed["gpu_check"].precisions == ["fp32"] and parsed["gpu_check"].out != parsed["acceptance"].out
     if device == "cuda":
         assert parsed["capture"].configs == gpu_session.PILLAR_CONFIGS and parsed["profile"].profile
+        assert parsed["capture"].profile  # the captured step's GPU busy share beside the eager step's
         assert parsed["profile"].precisions == ["fp32", "bf16", "fp16"]
 
 

@@ -56,7 +56,9 @@ CUDA's own on CUDA, CUDA's kernels on the CPU). With batches 1 and 2 a last tabl
 batch 1 over its step at batch 2, eager and captured: issue 52 asks 0.6 or less, so that 2 GPUs at batch 1 beat 1
 GPU at batch 2 by 1.6x. With ``--count`` too, the captured step's aten calls outside its compiled graphs on the
 CUDA path (engine/census.py's ``ops_outside_graphs``, one more compile of the same step with the optimizer built
-for CUDA): what the host still launches one by one when the graphs replay.
+for CUDA): what the host still launches one by one when the graphs replay. With ``--profile`` too, one more
+captured step under the profiler: the GPU's busy time over the captured median step, near 1 where the replayed
+graphs keep the GPU busy.
 
 ``--profile`` (CUDA) adds, per row, one more step under torch's profiler (engine/census.py's device_activity): the
 kernels it launched, the time the GPU was busy (the union of its kernels, copies and fills) and that time over the
@@ -200,6 +202,9 @@ def run_one(config: str, batch_size: int, precision_name: str, args: argparse.Na
         seconds = seconds_in_turns(timed, device, args.repeats) if len(timed) > 1 else {}
     if args.capture:
         result["capture"].update(in_turns_with_eager(seconds, skips.count))
+    if args.capture and args.profile:
+        with kernels():
+            result["capture"]["gpu"] = captured_activity(timed["captured"], device, result["capture"]["step_s"])
     if args.capture and args.count:
         result["capture"].update(captured_census(hypes, task, copy.deepcopy(initial), batch, precision, args.capture,
                                                  device))
@@ -243,6 +248,16 @@ def in_turns_with_eager(seconds: Dict[str, float], skips: int) -> Dict[str, Any]
     and the graphs that did not replay as CUDA graphs over the compile, warm-ups and timed steps."""
     return {"step_s": seconds["captured"], "eager_in_turns_s": seconds["ours"],
             "speedup": seconds["ours"] / seconds["captured"], "cudagraph_skips": skips}
+
+
+def captured_activity(step, device: torch.device, step_s: float) -> Dict[str, Any]:
+    """`gpu_activity` of one more captured step (--capture --profile): its GPU busy share says whether the replayed
+    graphs keep the GPU busy, or the host's residue (the calls outside the graphs, CUDA graph trees' replay work)
+    bounds the step. A profiler that cannot follow the graphs is reported in its cell; the row stands."""
+    try:
+        return gpu_activity(step, device, step_s)
+    except Exception as exc:  # noqa: BLE001  the cell says what broke; the row's other figures stand
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
 
 
 def captured_census(hypes: dict, task, model, batch, precision, mode: str, device: torch.device) -> Dict[str, Any]:
@@ -442,6 +457,7 @@ def header(args: argparse.Namespace) -> str:
         cells += [f"captured step ({args.capture}, s)", "capture speed-up", "first step, compile (s)",
                   "first loss gap to eager", "CUDA-graph skips"]
         cells += ["captured: ops outside the graphs"] if args.count else []
+        cells += ["captured: GPU busy (ms)", "captured: GPU busy / step"] if args.profile else []
     if args.upstream:
         cells += ["upstream step, in turns (s)", "upstream ÷ ours"]
         cells += ["upstream ÷ captured"] if args.capture else []
@@ -479,9 +495,16 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
         cells += [_seconds(c["step_s"]), f"{c['speedup']:.2f}", f"{c['compile_s']:.1f}", f"{c['first_loss_gap']:.2g}",
                   c["cudagraph_skips"]]
         cells += [f"{c['ops_outside_graphs']:,}"] if args.count else []
+        cells += _captured_gpu_cells(c["gpu"]) if args.profile else []
     if args.upstream:
         cells += _upstream_time_cells(r["upstream"], args)
     return "| " + " | ".join(map(str, cells)) + " |"
+
+
+def _captured_gpu_cells(gpu: Dict[str, Any]) -> List[str]:
+    if "error" in gpu:
+        return [gpu["error"].replace("|", "/"), "-"]
+    return [f"{gpu['busy_s'] * 1e3:.2f}", f"{gpu['busy_share']:.2f}"]
 
 
 def _upstream_time_cells(upstream: Dict[str, Any], args: argparse.Namespace) -> List[str]:

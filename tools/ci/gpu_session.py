@@ -30,7 +30,8 @@ The stages (``--device cpu`` rehearses them on one toy config, without what need
 - capture: ``benchmark_models.py --capture cudagraphs`` for the eight PointPillar configs at per-GPU batch 1
   and 2: the eager step and the step replayed as CUDA graphs, and batch 1 over batch 2 (the issue's first figure);
   with ``--upstream DIR`` (a checkout of upstream OpenCOOD carried with the call) also upstream's step, timed in
-  turns with both (the issue's second figure), here and in the profile stage;
+  turns with both (the issue's second figure), here and in the profile stage; on CUDA with ``--profile``: the
+  eager and the captured step's GPU busy share (is the captured step at batch 1 bound by the GPU or the host?);
 - gpu_check: ``tools/gpu_check.py``'s checks of issue 52 (NOT_ISSUE_52 left out, fp32): the nine toy models'
   training with the model table's step at batch 1 and 2, rates and DDP step, host syncs, the captured
   accumulation, the capture checks in both modes and in DDP;
@@ -147,8 +148,9 @@ def stages(args: argparse.Namespace, route: str = "layer") -> List[Stage]:
         Stage("gpu_tests", [python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *PYTEST_TAIL,
                             "tests"], 150),
         Stage("capture", [python, models, "--device", args.device, "--capture", "cudagraphs", *upstream,
-                          "--batch-sizes", "1", "2", "--repeats", "10" if cuda else "2", "--configs", *pillars,
-                          "--data", str(args.work / "toy_opv2v"), "--json", str(args.out / "capture.json")],
+                          *(["--profile"] if cuda else []), "--batch-sizes", "1", "2", "--repeats",
+                          "10" if cuda else "2", "--configs", *pillars, "--data", str(args.work / "toy_opv2v"),
+                          "--json", str(args.out / "capture.json")],
               300),
         Stage("gpu_check", [*gpu_check("gc"), *NOT_ISSUE_52, *(["--precisions", "fp32"] if cuda else [])], 300),
         Stage("profile", profile, 300),
