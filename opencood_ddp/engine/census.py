@@ -171,9 +171,14 @@ def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
     AccumulateGrad's detaches, DDP's bucket work, the optimizer). torch's profiler (host activity only) sees them
     where a dispatch mode cannot: the graphs' own calls run inside its "Torch-Compiled Region", "CompiledFunction"
     and "CompiledFunctionBackward" ranges, and are left out, as is every aten call made inside another (a
-    composite's parts). Take it after the compile and the warm-ups (engine/capture.py's TIMING_WARMUPS)."""
+    composite's parts). Like `count_ops` it runs the step first: once to compile, then engine/capture.py's
+    TIMING_WARMUPS more (CUDA graph trees record a graph on a later call than the first); then profiles one."""
     from torch.profiler import ProfilerActivity, profile
 
+    from opencood_ddp.engine.capture import TIMING_WARMUPS
+
+    for _ in range(1 + TIMING_WARMUPS):
+        step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     events = prof.events()

@@ -250,6 +250,12 @@ def in_turns_with_eager(seconds: Dict[str, float], skips: int) -> Dict[str, Any]
             "speedup": seconds["ours"] / seconds["captured"], "cudagraph_skips": skips}
 
 
+def error_cell(exc: BaseException) -> Dict[str, str]:
+    """{"error": ...} for a cell whose part failed (upstream's class, the profiler over the graphs): the exception's
+    type and first line; the row's other figures stand."""
+    return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+
+
 def captured_activity(step, device: torch.device, step_s: float) -> Dict[str, Any]:
     """`gpu_activity` of one more captured step (--capture --profile): its GPU busy share says whether the replayed
     graphs keep the GPU busy, or the host's residue (the calls outside the graphs, CUDA graph trees' replay work)
@@ -257,14 +263,14 @@ def captured_activity(step, device: torch.device, step_s: float) -> Dict[str, An
     try:
         return gpu_activity(step, device, step_s)
     except Exception as exc:  # noqa: BLE001  the cell says what broke; the row's other figures stand
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        return error_cell(exc)
 
 
 def captured_census(hypes: dict, task, model, batch, precision, mode: str, device: torch.device) -> Dict[str, Any]:
     """The captured step's aten calls outside its compiled graphs on the CUDA path: the trainer's step under
     --capture `mode` over `model`, with the optimizer built for CUDA (fused Adam, as the eager count's) and, on the
-    CPU, CUDA's kernels and autocast lists; counted in the step after its compile and warm-ups."""
-    from opencood_ddp.engine.capture import TIMING_WARMUPS, CapturedStep, CaptureModule
+    CPU, CUDA's kernels and autocast lists."""
+    from opencood_ddp.engine.capture import CapturedStep, CaptureModule
     from opencood_ddp.engine.census import cuda_path_on_cpu, ops_outside_graphs, trainer_step
     from opencood_ddp.engine.optim import build_optimizer
 
@@ -273,8 +279,6 @@ def captured_census(hypes: dict, task, model, batch, precision, mode: str, devic
                         precision.new_scaler())
     _seeded()
     with cuda_path_on_cpu():
-        for _ in range(1 + TIMING_WARMUPS):
-            step()
         calls = ops_outside_graphs(step)
     return {"ops_outside_graphs": sum(calls.values()), "ops_outside_graphs_by_name": calls}
 
@@ -375,7 +379,7 @@ def upstream_side(args: argparse.Namespace, hypes: dict, ours, batch, batch_size
         step()  # its warm-up: allocator, kernels, the optimizer's state
         return {**result, "step": step}
     except (Exception, SystemExit) as exc:  # noqa: BLE001  the cell says what broke; our figures stand
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]}
+        return error_cell(exc)
 
 
 def upstream_in_turns(seconds: Dict[str, float]) -> Dict[str, Any]:

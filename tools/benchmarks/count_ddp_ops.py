@@ -63,7 +63,7 @@ def builds() -> dict:
 def _counted(task_step, module, batch, optimizer, capture: Optional[str]) -> Tuple[Dict[str, int], str]:
     """(the ops by name, the line's count) of one build's step: every aten call of the second step, or under
     --capture the calls outside the graphs of the step after the compile and the warm-ups."""
-    from opencood_ddp.engine.capture import TIMING_WARMUPS, CapturedStep, step_kernels
+    from opencood_ddp.engine.capture import CapturedStep, step_kernels
     from opencood_ddp.engine.census import count_ops, ops_outside_graphs, trainer_step
     from opencood_ddp.engine.step import Precision
 
@@ -75,8 +75,6 @@ def _counted(task_step, module, batch, optimizer, capture: Optional[str]) -> Tup
                              f"optimizer {phases['optimizer']:,})")
     step = trainer_step(CapturedStep(), module, batch, optimizer, precision)
     with step_kernels(torch.device("cpu")):
-        for _ in range(1 + TIMING_WARMUPS):  # the compile, then the calls on which CUDA graph trees record
-            step()
         calls = ops_outside_graphs(step)
     return calls, f"{sum(calls.values()):,} ops outside the compiled graphs ({capture})"
 
