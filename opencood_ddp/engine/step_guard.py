@@ -26,15 +26,43 @@ def gradient_norm(model: nn.Module) -> Optional[torch.Tensor]:
 
 
 class BufferSnapshot:
-    """A copy of a module's buffers (BatchNorm running statistics), to undo one forward pass."""
+    """Room for a copy of a module's buffers (BatchNorm running statistics), made once and filled before each step
+    (`take`), to undo that step's forward passes (`restore`).
+
+    Why not a fresh clone per step: that is a kernel launch per buffer in every step (69 in the full-size AttFuse,
+    23 batch norms), which a launch-bound GPU step pays on the host (issue 52). Here a step costs one foreach copy
+    per (device, dtype) group: the float statistics and the integer batch counters, two for a model of batch norms.
+    Torch's foreach kernels take their fast path only for lists of one device and dtype, hence the groups."""
 
     def __init__(self, model: nn.Module):
-        self._saved = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+        self._model = model
+        self._buffers: list[torch.Tensor] = []
+        self._groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []  # (buffers, their copies)
+
+    def take(self) -> None:
+        """Copy the buffers as they are now. Storage is made again only when the module's buffers are other
+        tensors than last time (a buffer re-registered, a module moved to another device or dtype)."""
+        buffers = list(self._model.buffers())
+        if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
+            self._buffers, self._groups = buffers, _copies_by_device_and_dtype(buffers)
+        with torch.no_grad():
+            for live, saved in self._groups:
+                torch._foreach_copy_(saved, live)
 
     def restore(self) -> None:
+        """Put back the buffers `take` copied."""
         with torch.no_grad():
-            for buffer, saved in self._saved:
-                buffer.copy_(saved)
+            for live, saved in self._groups:
+                torch._foreach_copy_(live, saved)
+
+
+def _copies_by_device_and_dtype(buffers: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    groups: dict = {}
+    for buffer in buffers:
+        live, saved = groups.setdefault((buffer.device, buffer.dtype), ([], []))
+        live.append(buffer)
+        saved.append(torch.empty_like(buffer))
+    return list(groups.values())
 
 
 def rank_report(rank: int, samples: Sequence[Sequence[int]], losses: Sequence[float], grads_ok: bool) -> dict:

@@ -107,6 +107,7 @@ class Trainer:
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=self.loop.sync_bn)
         check_capture(self.loop.capture, self.model_without_ddp)
+        self._buffer_snapshot = BufferSnapshot(self.model_without_ddp)  # filled before each step, to undo it
         # --capture: DDP (on N ranks) wraps the model with the step (engine/capture.py), whose dense part runs
         # compiled.
         self.capture = None if self.loop.capture is None else CaptureModule(self.model_without_ddp, task.step,
@@ -397,7 +398,7 @@ class Trainer:
     def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> StepOutcome:
         """Forward/backward of every micro-batch, then the step's one all-reduce of the losses and of the
         non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
-        snapshot = BufferSnapshot(self.model_without_ddp)
+        self._buffer_snapshot.take()
         self._take_parameter_use()  # what forwards outside a step (validation) recorded is not this step's
         step_sums = LossSums()
         for micro, batch in enumerate(micro_batches):
@@ -419,7 +420,7 @@ class Trainer:
             return StepOutcome(means, step_sums, False, None if self.scaler is None else not taken)
         reports = comm.all_gather_objects(rank_report(self.env.rank, indices, losses, grads_ok))
         message = describe_nonfinite(where, self.progress.global_step + 1, reports)
-        snapshot.restore()
+        self._buffer_snapshot.restore()
         self.optimizer.zero_grad(set_to_none=True)
         if self.loop.on_nonfinite == "stop":
             path = self._save_mid_epoch()

@@ -1,0 +1,104 @@
+"""The fit loop's undo of a non-finite step (engine/step_guard.py's BufferSnapshot): the batch norms' statistics
+come back bit for bit, NaNs of a poisoned batch included, and taking the copy costs one foreach call per device
+and dtype, not a launch per buffer. That the trainer restores them on N ranks is tests/test_resilience.py's."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from opencood_ddp.engine.step_guard import BufferSnapshot
+
+
+class _Calls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _batch_norms(layers: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.BatchNorm1d(3) for _ in range(layers)]).train()
+
+
+def _buffers(model: nn.Module) -> list[torch.Tensor]:
+    return [b.clone() for b in model.buffers()]
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bytes (NaN equals itself), an integer tensor as it is."""
+    return tensor.reshape(-1).view(torch.uint8) if tensor.is_floating_point() else tensor
+
+
+def _same_bits(left: list[torch.Tensor], right: list[torch.Tensor]) -> bool:
+    return len(left) == len(right) and all(a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+                                           for a, b in zip(left, right))
+
+
+def test_restore_puts_back_the_statistics_a_poisoned_step_moved():
+    model = _batch_norms(4)
+    model(torch.randn(8, 3))  # statistics away from their initial values, and counters at 1
+    before = _buffers(model)
+    snapshot = BufferSnapshot(model)
+    snapshot.take()
+    model(torch.full((8, 3), float("nan")))
+    model(torch.randn(8, 3))
+    assert not _same_bits(_buffers(model), before)
+    snapshot.restore()
+    assert _same_bits(_buffers(model), before)
+    assert all(int(b) == 1 for name, b in model.named_buffers() if name.endswith("num_batches_tracked"))
+
+
+def test_each_take_copies_the_buffers_as_they_are_then():
+    """The copy's storage is made once and filled again at every step: a restore goes back to the latest take."""
+    model = _batch_norms(2)
+    snapshot = BufferSnapshot(model)
+    snapshot.take()
+    model(torch.randn(8, 3))
+    second = _buffers(model)
+    snapshot.take()
+    model(torch.randn(8, 3))
+    snapshot.restore()
+    assert _same_bits(_buffers(model), second)
+
+
+def test_a_take_is_one_foreach_copy_per_dtype_whatever_the_buffer_count():
+    """23 batch norms (the full-size PointPillar backbones' count) hold 69 buffers: the float statistics and the
+    int64 counters, two foreach copies; a fresh clone each step was 69 clones and 69 detaches."""
+    model = _batch_norms(23)
+    snapshot = BufferSnapshot(model)
+    snapshot.take()  # the first take also makes the storage
+    with _Calls() as counted:
+        snapshot.take()
+    assert dict(counted.calls) == {"aten::_foreach_copy_": 2}
+    with _Calls() as counted:
+        snapshot.restore()
+    assert dict(counted.calls) == {"aten::_foreach_copy_": 2}
+
+
+def test_buffers_replaced_since_the_last_take_are_copied_afresh():
+    """A module moved to another dtype holds new buffer tensors; the next take copies those, not the old ones."""
+    model = _batch_norms(2)
+    snapshot = BufferSnapshot(model)
+    snapshot.take()
+    model.double()
+    model(torch.randn(8, 3, dtype=torch.float64))
+    moved = _buffers(model)
+    snapshot.take()
+    model(torch.randn(8, 3, dtype=torch.float64))
+    snapshot.restore()
+    assert _same_bits(_buffers(model), moved) and moved[0].dtype == torch.float64
+
+
+def test_a_module_without_buffers_takes_and_restores_nothing():
+    snapshot = BufferSnapshot(nn.Linear(3, 2))
+    with _Calls() as counted:
+        snapshot.take()
+        snapshot.restore()
+    assert not counted.calls
