@@ -13,7 +13,8 @@ takes. Call the counters inside that context with such an optimizer to count the
 - `count_ops`: every aten operator call that reaches the dispatcher below autograd, as a ``TorchDispatchMode``
   sees it: views and in-place ops included, an op with a kernel of its own (a convolution) once, a composite op
   as the ops it decomposes into. Counted in one step after a first one that creates the optimizer's state, split
-  into forward and loss (with the gradient seed, which ``backward`` makes before autograd's engine starts),
+  into forward and loss (with the gradient seed, which ``backward`` makes before autograd's engine starts, and the
+  fit loop's guard: the buffers' undo copy before the step, the gradient norm and the losses' read after it),
   backward (the calls the engine makes), and the optimizer's update. A kernel outside aten (spconv's sparse
   convolutions, a numba loop) is not an aten call and is not counted; the tensors it allocates through torch are.
   Where torch decomposes by device the CPU count is the CPU's: F.dropout in training dispatches empty_like,
@@ -45,7 +46,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
+from opencood_ddp.engine.loss_sums import LossSums
 from opencood_ddp.engine.step import Precision, forward_backward
+from opencood_ddp.engine.step_guard import StepGuard
 from opencood_ddp.engine.trainer import optimizer_step
 from opencood_ddp.numerics.cuda_autocast import cuda_autocast_on_cpu
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -70,10 +73,22 @@ class Step:
 
 def trainer_step(task_step: Callable, model: torch.nn.Module, batch, optimizer: torch.optim.Optimizer,
                  precision: Precision, scaler: Optional[torch.amp.GradScaler] = None) -> Step:
-    """The fit loop's step on one batch already on the device: engine/step.py's forward_backward and
-    engine/trainer.py's optimizer_step, so that what is counted and timed is the step a run takes."""
-    return Step(lambda: forward_backward(task_step, model, batch, precision, scaler).total,
-                lambda: optimizer_step(optimizer, scaler))
+    """The fit loop's step on one batch already on the device, so that what is counted and timed is the step a run
+    takes: engine/step_guard.py's StepGuard around engine/step.py's forward_backward (the buffers' undo copy
+    before it; after it the gradient norm, read to the host with the losses in the step's one device wait), then
+    engine/trainer.py's optimizer_step. Left out: the loss all-reduce on N ranks, a host collective of the
+    control plane (tools/benchmarks/benchmark_ddp.py times the whole loop)."""
+    guard = StepGuard(model, check_gradients=scaler is None)
+
+    def guarded() -> torch.Tensor:
+        guard.before_step()
+        out = forward_backward(task_step, model, batch, precision, scaler)
+        sums = LossSums()
+        sums.add(out.total, dict(out.parts), 1)
+        guard.settle(sums)
+        return out.total
+
+    return Step(guarded, lambda: optimizer_step(optimizer, scaler))
 
 
 @contextlib.contextmanager

@@ -9,10 +9,13 @@ buffers are put back as they were before the step in both cases.
 from __future__ import annotations
 
 import math
-from typing import Literal, Optional, Sequence, get_args
+from typing import TYPE_CHECKING, Literal, Optional, Sequence, get_args
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # annotations only: options.py imports this module for its policies
+    from opencood_ddp.engine.loss_sums import LossSums
 
 NonfinitePolicy = Literal["stop", "skip"]
 NONFINITE_POLICIES: tuple = get_args(NonfinitePolicy)
@@ -63,6 +66,29 @@ def _copies_by_device_and_dtype(buffers: Sequence[torch.Tensor]) -> list[tuple[l
         live.append(buffer)
         saved.append(torch.empty_like(buffer))
     return list(groups.values())
+
+
+class StepGuard:
+    """The fit loop's device work around a training step, beside the model's own: before the step, the copy of the
+    buffers that undoes it; after the backward, the gradients' 2-norm, read with the step's losses in one transfer
+    (the step's one device wait). Without a GradScaler only: with one, overflowing float16 gradients are the
+    scaler's to skip. The trainer's, and engine/census.py's trainer_step, so that benchmarks count and time it."""
+
+    def __init__(self, model: nn.Module, check_gradients: bool):
+        self._model, self.check_gradients = model, check_gradients
+        self._buffers = BufferSnapshot(model)
+
+    def before_step(self) -> None:
+        self._buffers.take()
+
+    def settle(self, sums: LossSums) -> tuple[list[list[float]], list[float]]:
+        """`sums.settle` with the gradient norm: the step's loss rows, and [norm] or [] (no check or no gradient)."""
+        norm = gradient_norm(self._model) if self.check_gradients else None
+        return sums.settle(extra=[norm] if norm is not None else [])
+
+    def undo_buffers(self) -> None:
+        """The buffers as before_step found them: the forward passes of a step not taken are undone."""
+        self._buffers.restore()
 
 
 def rank_report(rank: int, samples: Sequence[Sequence[int]], losses: Sequence[float], grads_ok: bool) -> dict:

@@ -50,7 +50,7 @@ from opencood_ddp.engine.options import TrainOptions
 from opencood_ddp.engine.preemption import StopSignal
 from opencood_ddp.engine.run_dir import CONFIG_NAME, RunSetup
 from opencood_ddp.engine.step import Precision, forward_backward
-from opencood_ddp.engine.step_guard import BufferSnapshot, describe_nonfinite, gradient_norm, rank_report
+from opencood_ddp.engine.step_guard import StepGuard, describe_nonfinite, rank_report
 from opencood_ddp.engine.task import Task
 from opencood_ddp.errors import NonFiniteError, OpencoodDdpError, StopRequested, unwrap_worker_error
 from opencood_ddp.hypes import get_key, section_digests
@@ -107,7 +107,6 @@ class Trainer:
         self.model_without_ddp, self.sync_bn_kind = convert_sync_batchnorm(
             task.model.to(self.device), env.world_size, env.device, enabled=self.loop.sync_bn)
         check_capture(self.loop.capture, self.model_without_ddp)
-        self._buffer_snapshot = BufferSnapshot(self.model_without_ddp)  # filled before each step, to undo it
         # --capture: DDP (on N ranks) wraps the model with the step (engine/capture.py), whose dense part runs
         # compiled.
         self.capture = None if self.loop.capture is None else CaptureModule(self.model_without_ddp, task.step,
@@ -121,6 +120,7 @@ class Trainer:
                                          kernels_for=self.device)
         self.precision = Precision(self.loop.half, self.device)
         self.scaler = self.precision.new_scaler()
+        self.guard = StepGuard(self.model_without_ddp, check_gradients=self.scaler is None)
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
                                                       self.settings.seed, plan.accumulation,
                                                       order=self.loop.batch_order)
@@ -398,14 +398,12 @@ class Trainer:
     def _train_step(self, micro_batches: list, indices: list[list[int]], where: str) -> StepOutcome:
         """Forward/backward of every micro-batch, then the step's one all-reduce of the losses and of the
         non-finite flag; the optimizer steps only when every rank's loss and gradients are finite."""
-        self._buffer_snapshot.take()
+        self.guard.before_step()
         self._take_parameter_use()  # what forwards outside a step (validation) recorded is not this step's
         step_sums = LossSums()
         for micro, batch in enumerate(micro_batches):
             self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums)
-        # With a GradScaler, overflowing fp16 gradients are its business: it skips the step and lowers the scale.
-        norm = None if self.scaler is not None else gradient_norm(self.model_without_ddp)
-        rows, norms = step_sums.settle(extra=[norm] if norm is not None else [])  # the step's one device wait
+        rows, norms = self.guard.settle(step_sums)  # the step's one device wait
         losses = [row[0] for row in rows]
         groups = self._take_parameter_use()
         grads_ok = all(map(math.isfinite, norms))
@@ -420,7 +418,7 @@ class Trainer:
             return StepOutcome(means, step_sums, False, None if self.scaler is None else not taken)
         reports = comm.all_gather_objects(rank_report(self.env.rank, indices, losses, grads_ok))
         message = describe_nonfinite(where, self.progress.global_step + 1, reports)
-        self._buffer_snapshot.restore()
+        self.guard.undo_buffers()
         self.optimizer.zero_grad(set_to_none=True)
         if self.loop.on_nonfinite == "stop":
             path = self._save_mid_epoch()
