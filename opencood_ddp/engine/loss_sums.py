@@ -28,9 +28,11 @@ class LossSums:
         if not self.names:
             self.names = list(items)
             self._values = [0.0] * len(items)
-        # float32 -> float64 is exact: the host sums are those of float(value) * n
-        self._pending.append((torch.stack([items[name].detach().reshape(()).to(torch.float64)
-                                           for name in self.names]), n))  # (parts,) on the values' device
+        # Stacked first (16-bit parts promote to the widest dtype, exactly), then one cast: float32 -> float64 is
+        # exact, so the host sums are those of float(value) * n. One cast, where a cast per part was a kernel
+        # launch each in every step on a GPU.
+        stacked = torch.stack([items[name].detach().reshape(()) for name in self.names])
+        self._pending.append((stacked.to(torch.float64), n))  # (parts,) on the values' device
         self.count += n
 
     def settle(self, extra: Sequence[torch.Tensor] = ()) -> tuple[list[list[float]], list[float]]:
