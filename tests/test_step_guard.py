@@ -1,15 +1,17 @@
-"""The fit loop's undo of a non-finite step (engine/step_guard.py's BufferSnapshot): the batch norms' statistics
-come back bit for bit, NaNs of a poisoned batch included, and taking the copy costs one foreach call per device
-and dtype, not a launch per buffer. That the trainer restores them on N ranks is tests/test_resilience.py's."""
+"""The fit loop's guard of a step (engine/step_guard.py). BufferSnapshot: the batch norms' statistics come back bit
+for bit, NaNs of a poisoned batch included, and taking the copy costs one foreach call per device and dtype, not a
+launch per buffer. gradient_norm: torch's total norm bit for bit, in a few calls. That the trainer restores the
+statistics on N ranks is tests/test_resilience.py's."""
 from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from opencood_ddp.engine.step_guard import BufferSnapshot
+from opencood_ddp.engine.step_guard import BufferSnapshot, gradient_norm
 
 
 class _Calls(TorchDispatchMode):
@@ -102,3 +104,36 @@ def test_a_module_without_buffers_takes_and_restores_nothing():
         snapshot.take()
         snapshot.restore()
     assert not counted.calls
+
+
+def _with_gradients(dtypes: list[torch.dtype]) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(5, 5).to(dtype) for dtype in dtypes])
+    for parameter in model.parameters():
+        parameter.grad = torch.randn_like(parameter) * 1e3
+    return model
+
+
+@pytest.mark.parametrize("dtypes", [[torch.float32] * 12, [torch.float32, torch.float64, torch.float32]])
+def test_the_gradient_norm_is_torchs_total_norm_bit_for_bit(dtypes):
+    model = _with_gradients(dtypes)
+    grads = [p.grad for p in model.parameters()]
+    expected = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    got = gradient_norm(model)
+    assert got.dtype == expected.dtype and torch.equal(_bits(got), _bits(expected))
+
+
+def test_the_gradient_norm_is_a_few_calls_whatever_the_parameter_count():
+    """One foreach norm per device and dtype, a stack, a norm: no call per parameter (get_total_norm's .to)."""
+    model = _with_gradients([torch.float32] * 12)
+    with _Calls() as counted:
+        gradient_norm(model)
+    assert dict(counted.calls) == {"aten::_foreach_norm": 1, "aten::stack": 1, "aten::linalg_vector_norm": 1}
+
+
+def test_a_nonfinite_gradient_makes_the_norm_nonfinite_and_no_gradient_gives_none():
+    model = _with_gradients([torch.float32] * 3)
+    assert gradient_norm(model).isfinite()
+    model[1].bias.grad[2] = float("nan")
+    assert not gradient_norm(model).isfinite()
+    assert gradient_norm(nn.Linear(2, 2)) is None

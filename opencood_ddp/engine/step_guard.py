@@ -22,10 +22,23 @@ NONFINITE_POLICIES: tuple = get_args(NonfinitePolicy)
 
 
 def gradient_norm(model: nn.Module) -> Optional[torch.Tensor]:
-    """The 2-norm of all gradients, left on their device (None without any): finite exactly when every gradient
-    is, and read with the step's losses in one transfer (LossSums.settle)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else None
+    """The 2-norm of all gradients, left on their device (None without any): torch's get_total_norm, bit for bit
+    (a foreach norm per device and dtype, the norms stacked in that order, their norm), and finite exactly when
+    every gradient is (torch's norms overflow alike); read with the step's losses in one transfer
+    (LossSums.settle). Not get_total_norm itself: it calls ``.to`` on every gradient's norm, a call per parameter
+    in every step (73 in the full-size AttFuse) that launches nothing but costs the host, which bounds a GPU step
+    at small batches (issue 52)."""
+    groups: dict = {}
+    for parameter in model.parameters():
+        if parameter.grad is not None:
+            groups.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter.grad)
+    if not groups:
+        return None
+    norms = [norm for grads in groups.values() for norm in torch._foreach_norm(grads, 2.0)]
+    first_device = next(iter(groups))[0]
+    if len({device for device, _ in groups}) > 1:
+        norms = [norm.to(first_device) for norm in norms]
+    return torch.linalg.vector_norm(torch.stack(norms), 2.0)
 
 
 class BufferSnapshot:
