@@ -19,6 +19,7 @@ takes. Call the counters inside that context with such an optimizer to count the
   convolutions, a numba loop) is not an aten call and is not counted; the tensors it allocates through torch are.
   Where torch decomposes by device the CPU count is the CPU's: F.dropout in training dispatches empty_like,
   bernoulli_, div_ and mul on a CPU tensor, native_dropout on a CUDA one.
+- `count_calls`: the same count by op alone, of any callable (the fit loop's own step).
 - `ops_outside_graphs`: of a captured step (--capture), the aten calls made outside its compiled graphs, which
   the host still launches one at a time when the graphs replay (torch's profiler, not a dispatch mode).
 - `count_flops`: torch's ``FlopCounterMode`` over forward, loss and backward: the matrix products, convolutions
@@ -178,6 +179,20 @@ def count_ops(step: Step, flops: bool = False) -> OpCount:
     calls = {phase: dict(sorted(((op, n) for (p, op), n in counter.calls.items() if p == phase),
                                 key=lambda item: (-item[1], item[0]))) for phase in PHASES}
     return OpCount(calls, python_functions(loss), int(flop_mode.get_total_flops()) if flops else None)
+
+
+def count_calls(run: Callable[[], object]) -> Counter:
+    """The aten calls of ``run``'s second call by op, every phase together, the first made as `count_ops` makes it
+    (the optimizer's state, lazy initialisations): for a step that is not a `Step`, such as the fit loop's own
+    (tools/benchmarks/count_loop_ops.py)."""
+    run()
+    counter = _OpCounter()
+    with counter:
+        run()
+    summed: Counter = Counter()
+    for (_, op), calls in counter.calls.items():
+        summed[op] += calls
+    return summed
 
 
 def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
@@ -407,6 +422,6 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
 
 
 __all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step",
-           "activity_kind", "activity_of", "busy_seconds", "count_flops", "count_ops", "cuda_path_on_cpu",
-           "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds", "ops_outside_graphs",
-           "peak_tflops", "python_functions", "seconds_in_turns", "step_seconds", "trainer_step"]
+           "activity_kind", "activity_of", "busy_seconds", "count_calls", "count_flops", "count_ops",
+           "cuda_path_on_cpu", "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds",
+           "ops_outside_graphs", "peak_tflops", "python_functions", "seconds_in_turns", "step_seconds", "trainer_step"]
