@@ -305,3 +305,20 @@ def test_the_calls_outside_a_compiled_graph_are_the_ones_written_around_it():
         weight.grad = None
 
     assert ops_outside_graphs(step) == {"aten::abs": 1, "aten::add": 1, "aten::detach": 1, "aten::ones_like": 1}
+
+
+@pytest.mark.parametrize("backend, epilogue", [("cudagraphs", 6), ("aot_eager", 0)])
+def test_the_buffer_updates_a_graph_leaves_to_its_epilogue_are_counted_outside_it(backend, epilogue):
+    """Two training batch norms: under the cudagraphs backend AOTAutograd returns their 6 updated buffers (running
+    mean, variance, batch count) from the graph and copies each into its buffer after it, eagerly: 6 `copy_`s a
+    step that a CUDA graph replay does not take away. aot_eager keeps input mutations in its graph."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 1), torch.nn.BatchNorm2d(2), torch.nn.BatchNorm2d(2)).train()
+    dense = torch.compile(lambda x: model(x).sum(), backend=backend)
+    x = torch.randn(2, 2, 3, 3)
+
+    def step() -> None:
+        dense(x).backward()
+        model.zero_grad(set_to_none=True)
+
+    assert ops_outside_graphs(step).get("aten::copy_", 0) == epilogue

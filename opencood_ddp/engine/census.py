@@ -55,6 +55,8 @@ from opencood_ddp.numerics.cuda_autocast import cuda_autocast_on_cpu
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
 
 PHASES = ("forward", "backward", "optimizer")
+# The profiler's ranges of a compiled graph's run: AOTAutograd's autograd function, forward and backward
+GRAPH_RANGES = ("CompiledFunction", "CompiledFunctionBackward")
 
 
 @dataclass(frozen=True)
@@ -198,10 +200,13 @@ def count_calls(run: Callable[[], object]) -> Counter:
 def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
     """The aten calls one run of a captured step (--capture) makes outside its compiled graphs, the most called
     first: what the host still launches one at a time when the graphs replay (the front before the BEV scatter,
-    AccumulateGrad's detaches, DDP's bucket work, the optimizer). torch's profiler (host activity only) sees them
-    where a dispatch mode cannot: the graphs' own calls run inside its "Torch-Compiled Region", "CompiledFunction"
-    and "CompiledFunctionBackward" ranges, and are left out, as is every aten call made inside another (a
-    composite's parts). Like `count_ops` it runs the step first: once to compile, then engine/capture.py's
+    AccumulateGrad's detaches, DDP's bucket work, the optimizer, and AOTAutograd's epilogue: a ``copy_`` into each
+    buffer the graph updates, three a training batch norm, under the cudagraphs backend, which keeps no input
+    mutation in its graphs). torch's profiler (host activity only) sees them where a dispatch mode cannot: the
+    graphs' own calls run inside the ranges of AOTAutograd's function, "CompiledFunction" and
+    "CompiledFunctionBackward", and are left out, as is every aten call made inside another (a composite's parts).
+    The epilogue runs inside dynamo's "Torch-Compiled Region" but outside those, and is counted. On CUDA the
+    copies of non-static inputs into a CUDA graph's own buffers run inside "CompiledFunction" and are not. Like `count_ops` it runs the step first: once to compile, then engine/capture.py's
     TIMING_WARMUPS more (CUDA graph trees record a graph on a later call than the first); then profiles one."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -212,7 +217,7 @@ def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
     events = prof.events()
-    graphs = [(e.time_range.start, e.time_range.end) for e in events if "Compiled" in e.name]
+    graphs = [(e.time_range.start, e.time_range.end) for e in events if e.name in GRAPH_RANGES]
     calls: Counter = Counter()
     for event in events:
         parent = event.cpu_parent
