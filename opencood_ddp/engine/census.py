@@ -206,8 +206,9 @@ def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
     graphs' own calls run inside the ranges of AOTAutograd's function, "CompiledFunction" and
     "CompiledFunctionBackward", and are left out, as is every aten call made inside another (a composite's parts).
     The epilogue runs inside dynamo's "Torch-Compiled Region" but outside those, and is counted. On CUDA the
-    copies of non-static inputs into a CUDA graph's own buffers run inside "CompiledFunction" and are not. Like `count_ops` it runs the step first: once to compile, then engine/capture.py's
-    TIMING_WARMUPS more (CUDA graph trees record a graph on a later call than the first); then profiles one."""
+    copies of non-static inputs into a CUDA graph's own buffers run inside "CompiledFunction" and are not. Like
+    `count_ops` it runs the step first: once to compile, then engine/capture.py's TIMING_WARMUPS more (CUDA graph
+    trees record a graph on a later call than the first); then profiles one."""
     from torch.profiler import ProfilerActivity, profile
 
     from opencood_ddp.engine.capture import TIMING_WARMUPS
