@@ -15,7 +15,8 @@ from opencood_ddp.engine.options import (TrainOptions, parse_train_options, trai
 
 # The tools whose parsers take training flags, and the function that builds each parser.
 TOOLS = {"parity_check.py": "build_parser", "plan_batch.py": "build_parser",
-         "benchmarks/benchmark_ddp.py": "build_parser", "benchmarks/benchmark_unused_params.py": "build_parser"}
+         "benchmarks/benchmark_ddp.py": "build_parser", "benchmarks/benchmark_unused_params.py": "build_parser",
+         "benchmarks/count_loop_ops.py": "build_parser"}
 MEANING = ("option_strings", "nargs", "const", "choices", "type", "default")
 
 

@@ -8,8 +8,9 @@ backward); the front stays eager, so no pillar is padded. Three modes, the same 
 - ``compile``: inductor. On CUDA its mode is "reduce-overhead" (the graphs are replayed as CUDA graphs, cudagraph
   trees); on the CPU inductor's default; on both without its layout optimization (`inductor_options`). It fuses
   kernels, so it rounds anew, and compiles for minutes.
-- ``cudagraphs``: the graphs run by torch's eager kernels and, on CUDA, replayed as CUDA graphs (dynamo's
-  "cudagraphs" backend, cudagraph trees as inductor's): the launches go, the eager step's kernels and rounding stay,
+- ``cudagraphs``: the graphs run by torch's eager kernels and, on CUDA, replayed as CUDA graphs (cudagraph trees as
+  inductor's, the weights and buffers static: engine/cuda_graphs.py, where the batch norms' updates stay in the
+  graphs): the launches go, the eager step's kernels and rounding stay,
   and a compile takes seconds. On the CPU no CUDA graph exists: the backend says it skips them ("cpu device") and
   the graphs run as ``aot_eager``'s do.
 - ``aot_eager``: the graphs run by torch's eager kernels. No fusion, so it repeats the eager step bit for bit; it
@@ -67,6 +68,7 @@ import torch
 from torch import nn
 from torch._functorch import config as functorch_config
 
+from opencood_ddp.engine.cuda_graphs import StaticWeightsCudagraphs
 from opencood_ddp.engine.logs import get_logger
 from opencood_ddp.engine.task import LossOutput, StepFn
 from opencood_ddp.errors import ConfigError
@@ -75,7 +77,7 @@ from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
 CaptureMode = Literal["compile", "cudagraphs", "aot_eager"]  # the module's docstring: inductor, CUDA graphs, traced
 CAPTURE_MODES: tuple = get_args(CaptureMode)
 # the torch.compile backend of each mode
-BACKENDS = {"compile": "inductor", "cudagraphs": "cudagraphs", "aot_eager": "aot_eager"}
+BACKENDS = {"compile": "inductor", "cudagraphs": StaticWeightsCudagraphs(), "aot_eager": "aot_eager"}
 # (layout, map shape) pairs compiled per run, per mode; a batch past them runs eagerly (the module's docstring).
 # Dynamo's own recompile limit is raised past them (`allow_recompiles`), so the fallback is this module's, with its
 # log line, never dynamo's silent one.
