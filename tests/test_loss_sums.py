@@ -4,19 +4,9 @@ tests/test_train_engine.py's, on real processes)."""
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_calls import OpCalls
 from opencood_ddp.engine.loss_sums import LossSums
-
-
-class _Names(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func._schema.name)
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_host_sums_are_float64_sums_of_each_value_times_its_count():
@@ -43,6 +33,6 @@ def test_a_micro_batchs_values_are_stacked_then_cast_once():
     """On a GPU each cast is a kernel launch: one stack and one cast a micro-batch, whatever the parts."""
     sums = LossSums()
     parts = {name: torch.tensor(float(i)) for i, name in enumerate(["cls", "reg", "dir"])}
-    with _Names() as seen:
+    with OpCalls() as seen:
         sums.add(torch.tensor(1.0), parts, 1)
-    assert seen.names.count("aten::stack") == 1 and seen.names.count("aten::_to_copy") == 1, seen.names
+    assert seen.calls["stack"] == 1 and seen.calls["_to_copy"] == 1, seen.calls

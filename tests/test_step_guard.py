@@ -4,24 +4,12 @@ launch per buffer. gradient_norm: torch's total norm bit for bit, in a few calls
 statistics on N ranks is tests/test_resilience.py's."""
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from op_calls import OpCalls
 from opencood_ddp.engine.step_guard import BufferSnapshot, gradient_norm
-
-
-class _Calls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[func._schema.name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _batch_norms(layers: int) -> nn.Module:
@@ -76,12 +64,12 @@ def test_a_take_is_one_foreach_copy_per_dtype_whatever_the_buffer_count():
     model = _batch_norms(23)
     snapshot = BufferSnapshot(model)
     snapshot.take()  # the first take also makes the storage
-    with _Calls() as counted:
+    with OpCalls() as counted:
         snapshot.take()
-    assert dict(counted.calls) == {"aten::_foreach_copy_": 2}
-    with _Calls() as counted:
+    assert dict(counted.calls) == {"_foreach_copy_": 2}
+    with OpCalls() as counted:
         snapshot.restore()
-    assert dict(counted.calls) == {"aten::_foreach_copy_": 2}
+    assert dict(counted.calls) == {"_foreach_copy_": 2}
 
 
 def test_buffers_replaced_since_the_last_take_are_copied_afresh():
@@ -100,7 +88,7 @@ def test_buffers_replaced_since_the_last_take_are_copied_afresh():
 
 def test_a_module_without_buffers_takes_and_restores_nothing():
     snapshot = BufferSnapshot(nn.Linear(3, 2))
-    with _Calls() as counted:
+    with OpCalls() as counted:
         snapshot.take()
         snapshot.restore()
     assert not counted.calls
@@ -126,9 +114,9 @@ def test_the_gradient_norm_is_torchs_total_norm_bit_for_bit(dtypes):
 def test_the_gradient_norm_is_a_few_calls_whatever_the_parameter_count():
     """One foreach norm per device and dtype, a stack, a norm: no call per parameter (get_total_norm's .to)."""
     model = _with_gradients([torch.float32] * 12)
-    with _Calls() as counted:
+    with OpCalls() as counted:
         gradient_norm(model)
-    assert dict(counted.calls) == {"aten::_foreach_norm": 1, "aten::stack": 1, "aten::linalg_vector_norm": 1}
+    assert dict(counted.calls) == {"_foreach_norm": 1, "stack": 1, "linalg_vector_norm": 1}
 
 
 def test_a_nonfinite_gradient_makes_the_norm_nonfinite_and_no_gradient_gives_none():
