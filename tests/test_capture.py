@@ -496,26 +496,40 @@ def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
     there. The batch keeps record_len and the pairwise matrices on the host (data/device_points.HOST_KEYS), so the
     model's layout must send the graph what it derives from them, and no constant may be made on the host. The meta
     device stands for the GPU: the batch goes there through the task's own move_to, a backend records AOTAutograd's
-    forward and backward graphs (what both modes replay), and every node of both must be on meta. (V2X-ViT is not
+    forward and backward graphs (what both modes replay), and every node of both must be on meta, and neither may give
+engine/cuda_graphs.py a reason not to replay it. (V2X-ViT is not
     here: dynamo makes its constants real meta tensors, which its fake tensors refuse; on a GPU they are constants
     of the graph, and its agents' rows go to the maps' device in its layout. SECOND's front is spconv's, which has
     no meta kernels: it runs on the host, and its map goes to meta for the dense part.)"""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.cudagraphs import get_device_node_mapping
     from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.utils import count_tangents
 
     from opencood_ddp.engine import capture
+    from opencood_ddp.engine.cuda_graphs import skip_reason, static_inputs
     from opencood_ddp.tasks import build_task
 
     meta = torch.device("meta")
     devices = []  # (graph, {device: its first node}) per AOTAutograd graph compiled
+    reasons = []  # (graph, why engine/cuda_graphs.py would not replay it: None when it would)
 
-    def recording(kind):
-        def compiler(graph_module, example_inputs):
-            devices.append((kind, {str(device): node.name
-                                   for device, node in get_device_node_mapping(graph_module).items()}))
-            return boxed_nop(graph_module, example_inputs)
-        return compiler
+    def record(kind, graph_module, static):
+        devices.append((kind, {str(device): node.name
+                               for device, node in get_device_node_mapping(graph_module).items()}))
+        reasons.append((kind, skip_reason(graph_module, static, devices=False)))  # meta: the check above
+
+    def backend(graph_module, dynamo_inputs):
+        """--capture cudagraphs' graphs (engine/cuda_graphs.py: the buffers' updates kept in them), recorded."""
+        def forward(aot_graph, aot_inputs):
+            record("forward", aot_graph, static_inputs(len(dynamo_inputs), len(aot_inputs)))
+            return boxed_nop(aot_graph, aot_inputs)
+
+        def backward(aot_graph, aot_inputs):
+            record("backward", aot_graph, range(count_tangents(aot_graph)))
+            return boxed_nop(aot_graph, aot_inputs)
+        return aot_autograd(fw_compiler=forward, bw_compiler=backward,
+                            keep_inference_input_mutations=True)(graph_module, dynamo_inputs)
 
     torch.manual_seed(0)
     task = build_task(hypes_of(config, *overrides, toy_root=toy_small), for_training=True)
@@ -527,13 +541,16 @@ def test_the_captured_graphs_hold_no_host_tensor(toy_small, config, overrides):
     if "second" not in config:
         features = model.front(batch["ego"])
     layout = capture.captured_layout(model.layout(batch["ego"]))
-    backend = aot_autograd(fw_compiler=recording("forward"), bw_compiler=recording("backward"))
     out = torch.compile(capture.dense_step, backend=backend, dynamic=False)(task.step, model, features, layout, batch)
     out.total.backward()
     assert out.total.device == meta
     # one graph each way (no graph break), every node on meta
     assert sorted(kind for kind, _ in devices) == ["backward", "forward"], devices
     assert all(set(found) == {"meta"} for _, found in devices), devices
+    # and with meta for the GPU, the capture's backend finds no reason not to replay either graph: no write to an
+    # input that is not a weight or buffer (the batch norms' updates stay in the forward graph), no op a CUDA
+    # graph cannot hold
+    assert reasons == [("forward", None), ("backward", None)], reasons
 
 
 class TinyDeblock(nn.Module):

@@ -45,15 +45,16 @@ def static_inputs(dynamo_inputs: int, aot_graph_inputs: int) -> list[int]:
     return sorted(fixed | set(marked))
 
 
-def skip_reason(graph: torch.fx.GraphModule, static: Sequence[int]) -> Optional[str]:
+def skip_reason(graph: torch.fx.GraphModule, static: Sequence[int], devices: bool = True) -> Optional[str]:
     """Why a graph cannot be replayed as a CUDA graph (None: it can): it writes an input that is not static, it
-    holds a node on the host or on two devices, or an op a CUDA graph cannot hold."""
+    holds a node on the host or on two devices (`devices`: False leaves that out, for a graph traced on the meta
+    device, which stands for the GPU in tests), or an op a CUDA graph cannot hold."""
     written = sorted(set(find_input_mutations(graph.graph)) - set(static))
     if written:
         return get_mutation_stack_trace(get_placeholder_info(graph.graph), written)
-    devices = check_multiple_devices_or_any_cpu_nodes(get_device_node_mapping(graph))
-    if devices:
-        return devices
+    where = check_multiple_devices_or_any_cpu_nodes(get_device_node_mapping(graph)) if devices else None
+    if where:
+        return where
     node = get_first_incompatible_cudagraph_node(graph)
     return format_default_skip_message(f"incompatible op ({node.name})") if node is not None else None
 
