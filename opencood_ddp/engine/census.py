@@ -201,8 +201,8 @@ def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
     """The aten calls one run of a captured step (--capture) makes outside its compiled graphs, the most called
     first: what the host still launches one at a time when the graphs replay (the front before the BEV scatter,
     AccumulateGrad's detaches, DDP's bucket work, the optimizer, and AOTAutograd's epilogue: a ``copy_`` into each
-    buffer the graph updates, three a training batch norm, under the cudagraphs backend, which keeps no input
-    mutation in its graphs). torch's profiler (host activity only) sees them where a dispatch mode cannot: the
+    buffer the graph updates, three a training batch norm, under dynamo's own cudagraphs backend, which keeps no
+    input mutation in its graphs; --capture cudagraphs' backend, engine/cuda_graphs.py, keeps them). torch's profiler (host activity only) sees them where a dispatch mode cannot: the
     graphs' own calls run inside the ranges of AOTAutograd's function, "CompiledFunction" and
     "CompiledFunctionBackward", and are left out, as is every aten call made inside another (a composite's parts).
     The epilogue runs inside dynamo's "Torch-Compiled Region" but outside those, and is counted. On CUDA the
@@ -411,9 +411,9 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
     not replay as CUDA graphs ("skipping cudagraphs due to ...": a host tensor among the inputs, an input it cannot
     treat as static, ...), which it counts in ``counters["inductor"]["cudagraph_skips"]`` and gives a reason for
     only in a log line under torch._inductor. A skipped graph runs its kernels one launch at a time, so a captured
-    step that is not faster says why here. On the CPU inductor never tries, and dynamo's cudagraphs backend
-    (--capture cudagraphs) skips each forward graph for the host ("cpu device"), after its check of the graph's
-    input mutations."""
+    step that is not faster says why here. On the CPU inductor never tries, and --capture cudagraphs' backend
+    (engine/cuda_graphs.py, as dynamo's own) skips each forward graph for the host ("cpu device"), after its check
+    of the graph's input mutations."""
     from torch._dynamo.utils import counters  # dynamo only where something compiles
 
     skips = CudagraphSkips()
