@@ -202,9 +202,10 @@ def ops_outside_graphs(step: Callable[[], object]) -> Dict[str, int]:
     first: what the host still launches one at a time when the graphs replay (the front before the BEV scatter,
     AccumulateGrad's detaches, DDP's bucket work, the optimizer, and AOTAutograd's epilogue: a ``copy_`` into each
     buffer the graph updates, three a training batch norm, under dynamo's own cudagraphs backend, which keeps no
-    input mutation in its graphs; --capture cudagraphs' backend, engine/cuda_graphs.py, keeps them). torch's profiler (host activity only) sees them where a dispatch mode cannot: the
-    graphs' own calls run inside the ranges of AOTAutograd's function, "CompiledFunction" and
-    "CompiledFunctionBackward", and are left out, as is every aten call made inside another (a composite's parts).
+    input mutation in its graphs; --capture cudagraphs' backend, engine/cuda_graphs.py, keeps them). torch's
+    profiler (host activity only) sees them where a dispatch mode cannot: the graphs' own calls run inside the
+    ranges of AOTAutograd's function, "CompiledFunction" and "CompiledFunctionBackward", and are left out, as is
+    every aten call made inside another (a composite's parts).
     The epilogue runs inside dynamo's "Torch-Compiled Region" but outside those, and is counted. On CUDA the
     copies of non-static inputs into a CUDA graph's own buffers run inside "CompiledFunction" and are not. Like
     `count_ops` it runs the step first: once to compile, then engine/capture.py's TIMING_WARMUPS more (CUDA graph
