@@ -8,12 +8,13 @@ The benchmarks (benchmark_models.py, gpu_check.py, count_ddp_ops.py) count and t
 fit loop's guard (engine/step_guard.StepGuard), forward_backward and optimizer_step, on a batch already on the
 device. A run takes Trainer._train_step, which also moves each micro-batch to the device and all-reduces the
 losses and the step's flags on the control plane (the host). This tool builds the Trainer as train_ddp.py does
-(under torchrun on N ranks in DDP, each rank counting its own; rank 0 prints), takes the micro-batches of its first step, and
-counts the aten calls of `Trainer._train_step` on them and of census.trainer_step on the same model, optimizer
-and batch (`engine/census.count_calls`: the second call of each, after one that makes the optimizer's state).
-It prints both and their difference by op: what the benchmarks' figures leave out. A call there per parameter or
-buffer of the model is per-step work that no benchmark sees, as the undo copy's clone of every buffer was until
-2026-12-01 (docs/benchmarks.md, "The fit loop's own calls per step").
+(under torchrun on N ranks in DDP, each rank counting its own; rank 0 prints), takes the micro-batches of its
+first step, and counts the aten calls of `Trainer._train_step` on them and of census.trainer_step on the same
+model, optimizer and batch (`engine/census.count_calls`: the second call of each, after one that makes the
+optimizer's state). It prints both and their difference by op: what the benchmarks' figures leave out. A call
+there per parameter or buffer of the model is per-step work that no benchmark sees, as the undo copy's clone of
+every buffer was until 2026-12-01 (docs/benchmarks.md, "The fit loop's own calls, and the buffer copies after a
+captured step's graphs").
 
 Counted on this process's device with its own kernels: on the CPU the forward's ops are the CPU path's, and the
 optimizer is the one the trainer builds for the device; both sides share them, so their difference is the loop's.
