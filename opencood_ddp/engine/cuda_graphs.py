@@ -117,8 +117,9 @@ class StaticWeightsCudagraphs:
 def _eager_backward_in_tree(graph: torch.fx.GraphModule, device_index: Optional[int]) -> Callable:
     """A backward that cannot replay after a forward that does: run eagerly, with the trees told that the
     forward's generation is over (their outputs may be read), as torch's backend does."""
-    manager = torch._inductor.cudagraph_trees.get_manager(0 if device_index is None else device_index,
-                                                          create_if_none_exists=False)
+    from torch._inductor.cudagraph_trees import get_manager
+
+    manager = get_manager(0 if device_index is None else device_index, create_if_none_exists=False)
     if manager is None:
         raise RuntimeError("a CUDA-graph forward without its trees' manager: torch's cudagraph trees changed")
 
