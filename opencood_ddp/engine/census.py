@@ -81,14 +81,14 @@ def trainer_step(task_step: Callable, model: torch.nn.Module, batch, optimizer: 
     before it; after it the gradient norm, read to the host with the losses in the step's one device wait), then
     engine/trainer.py's optimizer_step. Left out: the loss all-reduce on N ranks, a host collective of the
     control plane (tools/benchmarks/benchmark_ddp.py times the whole loop)."""
-    guard = StepGuard(model, check_gradients=scaler is None)
+    guard = StepGuard(model)
 
     def guarded() -> torch.Tensor:
         guard.before_step()
         out = forward_backward(task_step, model, batch, precision, scaler)
         sums = LossSums()
         sums.add(out.total, dict(out.parts), 1)
-        guard.settle(sums)
+        guard.settle(sums, scaler)
         return out.total
 
     return Step(guarded, lambda: optimizer_step(optimizer, scaler))

@@ -84,19 +84,20 @@ def _copies_by_device_and_dtype(buffers: Sequence[torch.Tensor]) -> list[tuple[l
 class StepGuard:
     """The fit loop's device work around a training step, beside the model's own: before the step, the copy of the
     buffers that undoes it; after the backward, the gradients' 2-norm, read with the step's losses in one transfer
-    (the step's one device wait). Without a GradScaler only: with one, overflowing float16 gradients are the
-    scaler's to skip. The trainer's, and engine/census.py's trainer_step, so that benchmarks count and time it."""
+    (the step's one device wait). The trainer's, and engine/census.py's trainer_step, so that benchmarks count and
+    time it."""
 
-    def __init__(self, model: nn.Module, check_gradients: bool):
-        self._model, self.check_gradients = model, check_gradients
+    def __init__(self, model: nn.Module):
+        self._model = model
         self._buffers = BufferSnapshot(model)
 
     def before_step(self) -> None:
         self._buffers.take()
 
-    def settle(self, sums: LossSums) -> tuple[list[list[float]], list[float]]:
-        """`sums.settle` with the gradient norm: the step's loss rows, and [norm] or [] (no check or no gradient)."""
-        norm = gradient_norm(self._model) if self.check_gradients else None
+    def settle(self, sums: LossSums, scaler: Optional[torch.amp.GradScaler]) -> tuple[list[list[float]], list[float]]:
+        """`sums.settle` with the gradient norm: the step's loss rows, and [norm] or [] (no gradient, or a
+        GradScaler: overflowing float16 gradients are the scaler's to skip, and it lowers its scale)."""
+        norm = gradient_norm(self._model) if scaler is None else None
         return sums.settle(extra=[norm] if norm is not None else [])
 
     def undo_buffers(self) -> None:

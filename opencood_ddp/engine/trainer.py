@@ -120,7 +120,7 @@ class Trainer:
                                          kernels_for=self.device)
         self.precision = Precision(self.loop.half, self.device)
         self.scaler = self.precision.new_scaler()
-        self.guard = StepGuard(self.model_without_ddp, check_gradients=self.scaler is None)
+        self.guard = StepGuard(self.model_without_ddp)
         self.batch_sampler = make_train_batch_sampler(task.train_set, plan.per_rank, env.world_size, env.rank,
                                                       self.settings.seed, plan.accumulation,
                                                       order=self.loop.batch_order)
@@ -403,7 +403,7 @@ class Trainer:
         step_sums = LossSums()
         for micro, batch in enumerate(micro_batches):
             self._micro_step(batch, sync=micro == self.plan.accumulation - 1, sums=step_sums)
-        rows, norms = self.guard.settle(step_sums)  # the step's one device wait
+        rows, norms = self.guard.settle(step_sums, self.scaler)  # the step's one device wait
         losses = [row[0] for row in rows]
         groups = self._take_parameter_use()
         grads_ok = all(map(math.isfinite, norms))
