@@ -4,6 +4,8 @@ own cudagraphs backend leaves 3 a batch norm), a graph that writes an input it d
 the step is the eager step bit for bit. The replay itself needs a GPU: tests/test_capture.py's CUDA cases."""
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -19,7 +21,7 @@ def _two_batch_norms() -> nn.Module:
     return nn.Sequential(*layers).train()
 
 
-def _step(model: nn.Module, backend) -> callable:
+def _step(model: nn.Module, backend) -> Callable[[], torch.Tensor]:
     dense = torch.compile(lambda x: model(x).square().sum(), backend=backend)
     x = torch.randn(2, 2, 4, 4, generator=torch.Generator().manual_seed(1))
 

@@ -28,17 +28,22 @@ def gradient_norm(model: nn.Module) -> Optional[torch.Tensor]:
     (LossSums.settle). Not get_total_norm itself: it calls ``.to`` on every gradient's norm, a call per parameter
     in every step (73 in the full-size AttFuse) that launches nothing but costs the host, which bounds a GPU step
     at small batches (issue 52)."""
-    groups: dict = {}
-    for parameter in model.parameters():
-        if parameter.grad is not None:
-            groups.setdefault((parameter.grad.device, parameter.grad.dtype), []).append(parameter.grad)
+    groups = _by_device_and_dtype([p.grad for p in model.parameters() if p.grad is not None])
     if not groups:
         return None
-    norms = [norm for grads in groups.values() for norm in torch._foreach_norm(grads, 2.0)]
-    first_device = next(iter(groups))[0]
-    if len({device for device, _ in groups}) > 1:
-        norms = [norm.to(first_device) for norm in norms]
+    norms = [norm for grads in groups for norm in torch._foreach_norm(grads, 2.0)]
+    if len({grads[0].device for grads in groups}) > 1:
+        norms = [norm.to(groups[0][0].device) for norm in norms]
     return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+
+def _by_device_and_dtype(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by (device, dtype), each group in their order, the groups in order of first appearance
+    (get_total_norm's): torch's foreach kernels take their fast path only for lists of one device and dtype."""
+    groups: dict = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
 
 
 class BufferSnapshot:
@@ -47,8 +52,7 @@ class BufferSnapshot:
 
     Why not a fresh clone per step: that is a kernel launch per buffer in every step (69 in the full-size AttFuse,
     23 batch norms), which a launch-bound GPU step pays on the host (issue 52). Here a step costs one foreach copy
-    per (device, dtype) group: the float statistics and the integer batch counters, two for a model of batch norms.
-    Torch's foreach kernels take their fast path only for lists of one device and dtype, hence the groups."""
+    per (device, dtype) group: the float statistics and the integer batch counters, two for a model of batch norms."""
 
     def __init__(self, model: nn.Module):
         self._model = model
@@ -60,7 +64,8 @@ class BufferSnapshot:
         tensors than last time (a buffer re-registered, a module moved to another device or dtype)."""
         buffers = list(self._model.buffers())
         if len(buffers) != len(self._buffers) or any(a is not b for a, b in zip(buffers, self._buffers)):
-            self._buffers, self._groups = buffers, _copies_by_device_and_dtype(buffers)
+            self._buffers = buffers
+            self._groups = [(live, [torch.empty_like(b) for b in live]) for live in _by_device_and_dtype(buffers)]
         with torch.no_grad():
             for live, saved in self._groups:
                 torch._foreach_copy_(saved, live)
@@ -70,15 +75,6 @@ class BufferSnapshot:
         with torch.no_grad():
             for live, saved in self._groups:
                 torch._foreach_copy_(live, saved)
-
-
-def _copies_by_device_and_dtype(buffers: Sequence[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    groups: dict = {}
-    for buffer in buffers:
-        live, saved = groups.setdefault((buffer.device, buffer.dtype), ([], []))
-        live.append(buffer)
-        saved.append(torch.empty_like(buffer))
-    return list(groups.values())
 
 
 class StepGuard:
