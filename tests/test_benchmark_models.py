@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from launch import REPO, explain, python
+from launch import REPO, explain, load_tool, python
 from opencood_ddp.tasks import build_task
 from zoo import hypes_of
 
@@ -36,3 +36,29 @@ def test_the_captured_steps_calls_outside_its_graphs_are_counted_on_the_cuda_pat
     assert capture["ops_outside_graphs"] < row["ops"] / 2  # the dense part's calls ran inside the graphs
     assert f"| {capture['ops_outside_graphs']:,} |" in result.stdout
     assert "the captured step's calls outside its graphs" in result.stdout
+
+
+def test_a_profiled_rows_cells_fit_the_header_and_name_the_hosts_longest_ops(capsys):
+    """--profile runs on a GPU only, whose minutes are few: its table (the GPU's busy share, the host's waits, eager
+    and captured) and its two lists (the GPU's longest kernels, the host's longest ops) are formatted here from a
+    row of the shape gpu_activity returns, so that a lent GPU's run does not end in a formatting error."""
+    import argparse
+
+    tool = load_tool("benchmarks/benchmark_models.py")
+    gpu = {"kernels": 686, "busy_s": 9.05e-3, "busy_share": 0.56, "by_name": [["void cudnn_kernel", 19, 4e-3]],
+           "host_waits": 2, "host_wait_s": 0.5e-3,
+           "host_by_name": [["cudaLaunchKernel", 686, 3e-3], ["aten::cudnn_convolution", 19, 1e-3]]}
+    row = {"config": "opv2v/point_pillar_intermediate_fusion", "grid": "704 x 200", "parameters": 6.58e6,
+           "batch_size": 1, "step_s": 16.1e-3, "per_sample_s": 16.1e-3, "peak_mib": 2100.0, "precision": "fp16",
+           "gpu": gpu, "capture": {"step_s": 10.9e-3, "speedup": 1.48, "compile_s": 4.2, "first_loss_gap": 4.5e-6,
+                                   "cudagraph_skips": 0, "gpu": dict(gpu, busy_share=0.83)}}
+    args = argparse.Namespace(device="cuda", count=False, upstream=None, profile=True, capture="cudagraphs")
+    header = tool.header(args).splitlines()[0]
+    line = tool.format_row(row, args)
+    assert line.count("|") == header.count("|")
+    assert "| 2 (0.50) |" in line and line.endswith("| 0.83 | 2 (0.50) |")  # eager's waits, then the captured's
+    failed = dict(row, capture=dict(row["capture"], gpu={"error": "the profiler could not follow the graphs"}))
+    assert tool.format_row(failed, args).count("|") == header.count("|")
+    tool.print_top_host_ops([row])
+    printed = capsys.readouterr().out
+    assert "| 1 | fp16 | cudaLaunchKernel (686, 3.00); aten::cudnn_convolution (19, 1.00) |" in printed

@@ -12,8 +12,8 @@ import torch
 
 from launch import REPO
 from opencood_ddp.engine.census import (Step, activity_kind, activity_of, busy_seconds, count_flops, count_ops,
-                                        cuda_path_on_cpu, cudagraph_skips, ops_outside_graphs, peak_tflops,
-                                        seconds_in_turns, trainer_step)
+                                        cuda_path_on_cpu, cudagraph_skips, host_time_by_name, is_host_wait,
+                                        ops_outside_graphs, peak_tflops, seconds_in_turns, trainer_step)
 from opencood_ddp.engine.optim import build_optimizer
 from opencood_ddp.engine.step import Precision
 from opencood_ddp.numerics.kernel_path import cuda_kernels_on_cpu
@@ -265,6 +265,45 @@ def test_an_events_kind_where_torch_does_not_tell_it():
     assert activity.kernels == 1 and set(activity.by_name) == {e.name() for e in device[:3]}
     assert activity.busy_s == 25e-9
 
+
+
+def test_the_hosts_waits_are_its_blocking_runtime_calls_and_not_the_profiles_end():
+    """A read of a device value is a copy, then cudaStreamSynchronize; torch.cuda.synchronize is
+    cudaDeviceSynchronize; the driver's and versioned names count too. An asynchronous copy, a launch, a GPU event
+    and cudaEventSynchronize (how device_activity ends its profile) are not waits."""
+    from torch.autograd import DeviceType
+
+    host, cuda = DeviceType.CPU, DeviceType.CUDA
+    events = [_Event("cudaMemcpyAsync", host, start=0, duration=3),
+              _Event("cudaStreamSynchronize", host, start=3, duration=40),
+              _Event("cudaLaunchKernel", host, start=50, duration=5),
+              _Event("cuStreamSynchronize_v2", host, start=60, duration=7),
+              _Event("cudaDeviceSynchronize", host, start=70, duration=100),
+              _Event("cudaEventSynchronize", host, start=200, duration=500),
+              _Event("cudaStreamSynchronize", cuda, start=0, duration=1000),  # not the host's: no wait of its
+              _Event("void at::native::vectorized_elementwise_kernel<4>", cuda, start=0, duration=10)]
+    activity = activity_of(events)
+    assert (activity.host_waits, activity.host_wait_s) == (3, 147e-9)
+    assert [is_host_wait(name) for name in ("cudaMemcpy", "cudaMemcpy2D", "cudaMemcpyAsync", "cuCtxSynchronize",
+                                            "cudaEventSynchronize", "aten::item")] \
+        == [True, True, False, True, False, False]
+
+
+def test_the_hosts_own_time_by_op_is_each_calls_self_time_the_longest_first():
+    """key_averages' self time: a Linear step's addmm and its backward's mm are there once each; each op's own time
+    leaves out the ops it called, so all of them together are within the profiled step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step = _module_step(torch.nn.Linear(4, 3), torch.randn(5, 4))
+    step()
+    started = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    elapsed = time.perf_counter() - started
+    own = host_time_by_name(prof.key_averages())
+    assert own["aten::addmm"][0] == 1 and own["aten::mm"][0] == 1
+    assert all(seconds > 0 for _, seconds in own.values()) and sum(s for _, s in own.values()) <= elapsed
+    assert list(own) == sorted(own, key=lambda name: -own[name][1])
 
 def test_cudagraph_skips_hears_inductors_reasons_and_counts_them():
     """A graph inductor does not replay as a CUDA graph keeps its launches, and the captured step's reports say why:

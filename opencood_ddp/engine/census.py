@@ -28,7 +28,7 @@ takes. Call the counters inside that context with such an optimizer to count the
   outside aten (spconv's), so it is a lower bound of the arithmetic.
 - `device_activity`: on a GPU, what one profiled step ran there (kernels, copies, fills by name; launches) and how
   long the GPU was busy: beside the unprofiled step time, whether the step is bound by the GPU's work or by the
-  host's launches.
+  host's launches; and the host's side of the same step: its waits for the device, and its own time by op.
 - `peak_tflops`: the published dense peak of a known device for a precision.
 - `cudagraph_skips`: around compiles, the graphs not replayed as CUDA graphs (inductor's, or the cudagraphs
   backend's of --capture cudagraphs), and torch's reasons.
@@ -36,7 +36,9 @@ takes. Call the counters inside that context with such an optimizer to count the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import re
 import statistics
 import time
 from collections import Counter
@@ -279,6 +281,12 @@ def _synchronize(device: torch.device) -> None:
 # ------------------------------------------------------------------------------------------- the GPU's side
 # Kineto's names of the activities that occupy the GPU itself (not the host's launch calls, "cuda_runtime").
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+# The CUDA runtime's and driver's calls in which the host waits until the device has done its queued work: a read
+# of a device value (`.item()`, `.tolist()`, `.cpu()`: a copy, then cudaStreamSynchronize) or an explicit wait.
+# Kineto names them as the API does, with a version suffix at most ("_v2"). cudaEventSynchronize is not among
+# them: it is how device_activity ends its profile, so that what is counted is the step's own.
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpy2D", "cuStreamSynchronize",
+              "cuCtxSynchronize", "cuMemcpyDtoH")
 
 
 @dataclass(frozen=True)
@@ -292,6 +300,11 @@ class DeviceActivity:
     by_name: Dict[str, Tuple[int, float]]
     kernels: int
     busy_s: float
+    # The host's side (`HOST_WAITS`): how often the step waited for the device, and for how long in all
+    host_waits: int = 0
+    host_wait_s: float = 0.0
+    # The host's own (self) time per op or runtime call, the longest first; under the profiler, which adds to it
+    host_by_name: Dict[str, Tuple[int, float]] = field(default_factory=dict)
 
 
 def busy_seconds(intervals: Iterable[Tuple[int, int]]) -> float:
@@ -336,21 +349,48 @@ def activity_of(events, kinds: Sequence[str] = GPU_ACTIVITIES) -> DeviceActivity
         calls_and_ns[0] += 1
         calls_and_ns[1] += e.duration_ns()
     ranked = sorted(by_name.items(), key=lambda item: (-item[1][1], item[0]))
+    waits = [e for e in events if e.device_type() == torch.autograd.DeviceType.CPU and is_host_wait(e.name())]
     return DeviceActivity({name: (int(calls), ns / 1e9) for name, (calls, ns) in ranked},
                           launches,
-                          busy_seconds((e.start_ns(), e.start_ns() + e.duration_ns()) for e in chosen))
+                          busy_seconds((e.start_ns(), e.start_ns() + e.duration_ns()) for e in chosen),
+                          len(waits), sum(e.duration_ns() for e in waits) / 1e9)
+
+
+def is_host_wait(name: str) -> bool:
+    """Whether a host event of this name is one of `HOST_WAITS`."""
+    return re.sub(r"_v[0-9]+$", "", name) in HOST_WAITS
+
+
+def host_time_by_name(averages) -> Dict[str, Tuple[int, float]]:
+    """(calls, seconds) of the host's own time per op or runtime call, the longest first, from a profile's
+    ``key_averages()``: an op's time without that of the ops and runtime calls it made (self time), so a launch
+    is the runtime's (cudaLaunchKernel) and a wait the waiting call's."""
+    timed = [(a.key, int(a.count), a.self_cpu_time_total / 1e6) for a in averages if a.self_cpu_time_total > 0]
+    return {key: (calls, seconds) for key, calls, seconds in sorted(timed, key=lambda row: (-row[2], row[0]))}
 
 
 def device_activity(step: Step, device: torch.device) -> DeviceActivity:
-    """One run of ``step`` under torch's profiler with CUDA's activities (CUPTI): what it ran on the GPU. Take it
-    after a warm-up step; the profiler slows the host's side, so time the step without it."""
+    """One run of ``step`` under torch's profiler with CUDA's activities (CUPTI): what it ran on the GPU, and the
+    host's waits and own time. Take it after a warm-up step; the profiler slows the host's side, so time the step
+    without it."""
     from torch.profiler import ProfilerActivity, profile
 
     _synchronize(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()
-        _synchronize(device)
-    return activity_of(prof.profiler.kineto_results.events())
+        _wait_by_event(device)
+    activity = activity_of(prof.profiler.kineto_results.events())
+    return dataclasses.replace(activity, host_by_name=host_time_by_name(prof.key_averages()))
+
+
+def _wait_by_event(device: torch.device) -> None:
+    """Wait for the device's current stream through an event (cudaEventSynchronize), not torch.cuda.synchronize's
+    cudaDeviceSynchronize, one of the step's own `HOST_WAITS`."""
+    if torch.device(device).type == "cuda":
+        with torch.cuda.device(device):
+            end = torch.cuda.Event()
+            end.record()
+            end.synchronize()
 
 
 # ------------------------------------------------------------------------------------------- peaks
@@ -428,7 +468,8 @@ def cudagraph_skips() -> Iterator[CudagraphSkips]:
         skips.count = counters["inductor"]["cudagraph_skips"] - before
 
 
-__all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "OpCount", "PEAK_TFLOPS", "PHASES", "Step",
-           "activity_kind", "activity_of", "busy_seconds", "count_calls", "count_flops", "count_ops",
-           "cuda_path_on_cpu", "cudagraph_skips", "device_activity", "device_peak", "median_step_seconds",
-           "ops_outside_graphs", "peak_tflops", "python_functions", "seconds_in_turns", "step_seconds", "trainer_step"]
+__all__ = ["CudagraphSkips", "DeviceActivity", "GPU_ACTIVITIES", "HOST_WAITS", "OpCount", "PEAK_TFLOPS", "PHASES",
+           "Step", "activity_kind", "activity_of", "busy_seconds", "count_calls", "count_flops", "count_ops",
+           "cuda_path_on_cpu", "cudagraph_skips", "device_activity", "device_peak", "host_time_by_name",
+           "is_host_wait", "median_step_seconds", "ops_outside_graphs", "peak_tflops", "python_functions",
+           "seconds_in_turns", "step_seconds", "trainer_step"]

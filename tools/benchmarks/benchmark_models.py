@@ -63,7 +63,9 @@ graphs keep the GPU busy.
 ``--profile`` (CUDA) adds, per row, one more step under torch's profiler (engine/census.py's device_activity): the
 kernels it launched, the time the GPU was busy (the union of its kernels, copies and fills) and that time over the
 row's unprofiled median step: near 1 the step is bound by the GPU's work, far below by the host's launches (issue
-52). A table of each row's longest kernels follows: where a half-precision step spends what fp32 does not.
+52), and the host's waits for the device (count, and their ms). A table of each row's longest kernels follows
+(where a half-precision step spends what fp32 does not), then one of the host's longest ops and runtime calls by
+their own time (where a step bound by the host spends it).
 """
 from __future__ import annotations
 
@@ -286,13 +288,24 @@ def captured_census(hypes: dict, task, model, batch, precision, mode: str, devic
 # ------------------------------------------------------------------------------------------- --profile
 def gpu_activity(step, device: torch.device, step_s: float) -> Dict[str, Any]:
     """engine/census.py's device_activity of one more step: kernel launches, the GPU's busy time and its share of
-    the unprofiled median step (near 1: bound by the GPU's work; far below: by the host's launches), and the
-    kernels, copies and fills that took the most time."""
+    the unprofiled median step (near 1: bound by the GPU's work; far below: by the host's launches), the kernels,
+    copies and fills that took the most time; the host's waits for the device (how many, how long), and the ops
+    and runtime calls that took the host the most time of its own (the first HOST_OPS)."""
     from opencood_ddp.engine.census import device_activity
 
     activity = device_activity(step, device)
     return {"kernels": activity.kernels, "busy_s": activity.busy_s, "busy_share": activity.busy_s / step_s,
-            "by_name": [[name, calls, seconds] for name, (calls, seconds) in activity.by_name.items()]}
+            "by_name": [[name, calls, seconds] for name, (calls, seconds) in activity.by_name.items()],
+            "host_waits": activity.host_waits, "host_wait_s": activity.host_wait_s,
+            "host_by_name": [[name, calls, seconds]
+                             for name, (calls, seconds) in list(activity.host_by_name.items())[:HOST_OPS]]}
+
+
+HOST_OPS = 25  # the host's longest ops kept per profiled row: the JSON stays small, the table shows 10
+
+
+def _waits_cell(gpu: Dict[str, Any]) -> str:
+    return f"{gpu['host_waits']} ({gpu['host_wait_s'] * 1e3:.2f})"
 
 
 def print_top_kernels(results: Sequence[Dict[str, Any]], rows: int = 10) -> None:
@@ -302,6 +315,17 @@ def print_top_kernels(results: Sequence[Dict[str, Any]], rows: int = 10) -> None
     for r in results:
         top = r["gpu"]["by_name"][:rows]
         cells = "; ".join(f"{name[:70]} ({calls}, {seconds * 1e3:.2f})" for name, calls, seconds in top)
+        print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {cells.replace('|', '/')} |")
+
+
+def print_top_host_ops(results: Sequence[Dict[str, Any]], rows: int = 10) -> None:
+    """The ops and runtime calls that took the host the most time of its own in each profiled row: on a step
+    bound by the host (a low GPU busy share), where its time goes."""
+    print("\nthe host's longest ops and runtime calls per step (calls, ms of their own time), one profiled step")
+    print("| config | batch | precision | ops |\n|---|---:|---|---|")
+    for r in results:
+        top = r["gpu"]["host_by_name"][:rows]
+        cells = "; ".join(f"{name[:60]} ({calls}, {seconds * 1e3:.2f})" for name, calls, seconds in top)
         print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {cells.replace('|', '/')} |")
 
 
@@ -456,12 +480,13 @@ def header(args: argparse.Namespace) -> str:
     if args.upstream and args.count:
         cells += ["upstream ops per step (fwd / bwd / opt)"]
     if args.profile:
-        cells += ["GPU kernels per step", "GPU busy (ms)", "GPU busy / step"]
+        cells += ["GPU kernels per step", "GPU busy (ms)", "GPU busy / step", "host waits (ms)"]
     if args.capture:
         cells += [f"captured step ({args.capture}, s)", "capture speed-up", "first step, compile (s)",
                   "first loss gap to eager", "CUDA-graph skips"]
         cells += ["captured: ops outside the graphs"] if args.count else []
-        cells += ["captured: GPU busy (ms)", "captured: GPU busy / step"] if args.profile else []
+        cells += ["captured: GPU busy (ms)", "captured: GPU busy / step", "captured: host waits (ms)"] \
+            if args.profile else []
     if args.upstream:
         cells += ["upstream step, in turns (s)", "upstream ÷ ours"]
         cells += ["upstream ÷ captured"] if args.capture else []
@@ -493,7 +518,7 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
         cells += [_ops_cell(r["upstream"])]
     if args.profile:
         gpu = r["gpu"]
-        cells += [f"{gpu['kernels']:,}", f"{gpu['busy_s'] * 1e3:.2f}", f"{gpu['busy_share']:.2f}"]
+        cells += [f"{gpu['kernels']:,}", f"{gpu['busy_s'] * 1e3:.2f}", f"{gpu['busy_share']:.2f}", _waits_cell(gpu)]
     if args.capture:
         c = r["capture"]
         cells += [_seconds(c["step_s"]), f"{c['speedup']:.2f}", f"{c['compile_s']:.1f}", f"{c['first_loss_gap']:.2g}",
@@ -507,8 +532,8 @@ def format_row(r: Dict[str, Any], args: argparse.Namespace) -> str:
 
 def _captured_gpu_cells(gpu: Dict[str, Any]) -> List[str]:
     if "error" in gpu:
-        return [gpu["error"].replace("|", "/"), "-"]
-    return [f"{gpu['busy_s'] * 1e3:.2f}", f"{gpu['busy_share']:.2f}"]
+        return [gpu["error"].replace("|", "/"), "-", "-"]
+    return [f"{gpu['busy_s'] * 1e3:.2f}", f"{gpu['busy_share']:.2f}", _waits_cell(gpu)]
 
 
 def _upstream_time_cells(upstream: Dict[str, Any], args: argparse.Namespace) -> List[str]:
@@ -599,6 +624,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print_outside_graphs(results)
     if args.profile:
         print_top_kernels(results)
+        print_top_host_ops(results)
     for line in batch_ratios(results):
         print(line)
     if args.json:
