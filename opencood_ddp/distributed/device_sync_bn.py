@@ -37,7 +37,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+
+from opencood_ddp.numerics.batch_counts import left_to_the_block
 
 STAT_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # the kernels' accumulation dtype
 
@@ -184,16 +187,28 @@ class DeviceSyncBatchNorm(nn.SyncBatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         synced = self._sync_group()
         if synced is None:
-            return super().forward(x)
+            return self._unsynced_forward(x)
         self._check_input_dim(x)
         self._check_non_zero_input_channels(x)
         momentum = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats:  # training, here: the statistics are tracked
-            self.num_batches_tracked.add_(1)
+            if not left_to_the_block(self):  # numerics/batch_counts.py: one foreach add a forward
+                self.num_batches_tracked.add_(1)
             if self.momentum is None:  # a cumulative moving average
                 momentum = 1.0 / float(self.num_batches_tracked)
         return DeviceSyncBatchNormFunction.apply(x, self.weight, self.bias, self.running_mean, self.running_var,
                                                  self.eps, momentum, *synced)
+
+    def _unsynced_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """torch's forward (evaluation, a group of one rank); in training its batch count left to the open block
+        of numerics/batch_counts.py, and then the call torch's makes without a rank to synchronize with."""
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None \
+                and left_to_the_block(self):
+            self._check_input_dim(x)
+            self._check_non_zero_input_channels(x)
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, self.momentum,
+                                self.eps)
+        return super().forward(x)
 
 
 def convert_device_sync_batchnorm(module: nn.Module) -> nn.Module:

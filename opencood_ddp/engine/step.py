@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from opencood_ddp.engine.task import LossOutput, StepFn
+from opencood_ddp.numerics.batch_counts import counts_added_together
 
 
 HalfMode = Literal["auto", "fp16", "bf16"]  # --half [fp16|bf16]; a bare --half is "auto"
@@ -56,7 +57,8 @@ def forward_backward(step: StepFn, model: nn.Module, batch: Any, precision: Prec
                      scaler: Optional[torch.amp.GradScaler], micro_batches: int = 1) -> LossOutput:
     """The task's step output for `batch`, its total loss / `micro_batches` back-propagated (scaled if a scaler
     is given), so that the gradients summed over a step's micro-batches are the mean over its batch."""
-    with precision.autocast():
+    # the batch norms' counts in one foreach add at the forward's end, not a launch per layer (numerics/batch_counts)
+    with precision.autocast(), counts_added_together():
         out = step(model, batch)
     # x / 1 is x, bit for bit, and so is its gradient: no division, forward or backward, in a step of one micro-batch
     loss = out.total if micro_batches == 1 else out.total / micro_batches

@@ -32,9 +32,11 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opencood_ddp.numerics.autocast import HALF_DTYPES
+from opencood_ddp.numerics.batch_counts import left_to_the_block
 from opencood_ddp.numerics.jit import jit
 from opencood_ddp.numerics.kernel_path import takes_cpu_kernels
 from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
@@ -329,14 +331,25 @@ class AccurateStatistics:
         batch_statistics = self.training or self.running_mean is None
         reduction = self.reduction(x) if batch_statistics else None
         if reduction is None:
-            return super().forward(x)
+            return self._native_forward(x)
         momentum = 0.0
         if self.training and self.track_running_stats:
-            self.num_batches_tracked.add_(1)
+            if not left_to_the_block(self):
+                self.num_batches_tracked.add_(1)
             momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         updates = self.training and self.running_mean is not None
         return BatchNormFunction.apply(x, self.weight, self.bias, self.running_mean if updates else None,
                                        self.running_var if updates else None, self.eps, momentum, reduction)
+
+    def _native_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The module's native forward; in training, its batch count left to numerics/batch_counts.py's block where
+        one is open (then the call is the one torch's forward makes: running statistics, batch statistics, the
+        momentum)."""
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None \
+                and left_to_the_block(self):
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, self.momentum,
+                                self.eps)
+        return super().forward(x)
 
 
 class AccurateBatchNorm1d(AccurateStatistics, nn.BatchNorm1d):
