@@ -214,6 +214,12 @@ def test_a_profiled_steps_activity_is_read_from_the_profilers_own_events():
     assert activity.by_name["aten::addmm"][0] == 1 and activity.kernels == 0  # no "kernel" on a CPU
     assert 0 < activity.busy_s <= elapsed
     assert list(activity.by_name) == sorted(activity.by_name, key=lambda name: -activity.by_name[name][1])
+    # the host's own time by op (key_averages' self time): the backward's mm is there too; each op's own time
+    # leaves out the ops it called, so all of them together are within the step's wall time
+    own = host_time_by_name(prof.key_averages())
+    assert own["aten::addmm"][0] == 1 and own["aten::mm"][0] == 1
+    assert all(seconds > 0 for _, seconds in own.values()) and sum(s for _, s in own.values()) <= elapsed
+    assert list(own) == sorted(own, key=lambda name: -own[name][1])
 
 
 class _Event:
@@ -288,22 +294,6 @@ def test_the_hosts_waits_are_its_blocking_runtime_calls_and_not_the_profiles_end
                                             "cudaEventSynchronize", "aten::item")] \
         == [True, True, False, True, False, False]
 
-
-def test_the_hosts_own_time_by_op_is_each_calls_self_time_the_longest_first():
-    """key_averages' self time: a Linear step's addmm and its backward's mm are there once each; each op's own time
-    leaves out the ops it called, so all of them together are within the profiled step's wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step = _module_step(torch.nn.Linear(4, 3), torch.randn(5, 4))
-    step()
-    started = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    elapsed = time.perf_counter() - started
-    own = host_time_by_name(prof.key_averages())
-    assert own["aten::addmm"][0] == 1 and own["aten::mm"][0] == 1
-    assert all(seconds > 0 for _, seconds in own.values()) and sum(s for _, s in own.values()) <= elapsed
-    assert list(own) == sorted(own, key=lambda name: -own[name][1])
 
 def test_cudagraph_skips_hears_inductors_reasons_and_counts_them():
     """A graph inductor does not replay as a CUDA graph keeps its launches, and the captured step's reports say why:

@@ -310,22 +310,24 @@ def _waits_cell(gpu: Dict[str, Any]) -> str:
 
 def print_top_kernels(results: Sequence[Dict[str, Any]], rows: int = 10) -> None:
     """The kernels (copies, fills) that took the most GPU time in each profiled row."""
-    print("\nthe GPU's longest kernels per step (calls, ms), one profiled step")
-    print("| config | batch | precision | kernels |\n|---|---:|---|---|")
-    for r in results:
-        top = r["gpu"]["by_name"][:rows]
-        cells = "; ".join(f"{name[:70]} ({calls}, {seconds * 1e3:.2f})" for name, calls, seconds in top)
-        print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {cells.replace('|', '/')} |")
+    _print_longest(results, "by_name", "the GPU's longest kernels per step (calls, ms), one profiled step",
+                   "kernels", rows)
 
 
 def print_top_host_ops(results: Sequence[Dict[str, Any]], rows: int = 10) -> None:
     """The ops and runtime calls that took the host the most time of its own in each profiled row: on a step
     bound by the host (a low GPU busy share), where its time goes."""
-    print("\nthe host's longest ops and runtime calls per step (calls, ms of their own time), one profiled step")
-    print("| config | batch | precision | ops |\n|---|---:|---|---|")
+    _print_longest(results, "host_by_name", "the host's longest ops and runtime calls per step (calls, ms of their "
+                   "own time), one profiled step", "ops", rows)
+
+
+def _print_longest(results: Sequence[Dict[str, Any]], key: str, title: str, column: str, rows: int) -> None:
+    """A table of each profiled row's first `rows` [name, calls, seconds] of r["gpu"][key]."""
+    print(f"\n{title}")
+    print(f"| config | batch | precision | {column} |\n|---|---:|---|---|")
     for r in results:
-        top = r["gpu"]["host_by_name"][:rows]
-        cells = "; ".join(f"{name[:60]} ({calls}, {seconds * 1e3:.2f})" for name, calls, seconds in top)
+        top = r["gpu"][key][:rows]
+        cells = "; ".join(f"{name[:70]} ({calls}, {seconds * 1e3:.2f})" for name, calls, seconds in top)
         print(f"| {r['config']} | {r['batch_size']} | {r['precision']} | {cells.replace('|', '/')} |")
 
 
