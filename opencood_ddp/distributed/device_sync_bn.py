@@ -37,10 +37,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from opencood_ddp.numerics.batch_counts import left_to_the_block
+from opencood_ddp.numerics.batch_counts import batch_norm_counted_later, left_to_the_block
 
 STAT_DTYPES = {torch.float16: torch.float32, torch.bfloat16: torch.float32}  # the kernels' accumulation dtype
 
@@ -202,13 +201,11 @@ class DeviceSyncBatchNorm(nn.SyncBatchNorm):
     def _unsynced_forward(self, x: torch.Tensor) -> torch.Tensor:
         """torch's forward (evaluation, a group of one rank); in training its batch count left to the open block
         of numerics/batch_counts.py, and then the call torch's makes without a rank to synchronize with."""
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None \
-                and left_to_the_block(self):
+        if self.training:  # torch's forward checks these first too
             self._check_input_dim(x)
             self._check_non_zero_input_channels(x)
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, self.momentum,
-                                self.eps)
-        return super().forward(x)
+        out = batch_norm_counted_later(self, x)
+        return out if out is not None else super().forward(x)
 
 
 def convert_device_sync_batchnorm(module: nn.Module) -> nn.Module:

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -40,6 +41,16 @@ def left_to_the_block(layer: nn.Module) -> bool:
         return False
     counters.append(layer.num_batches_tracked)
     return True
+
+
+def batch_norm_counted_later(layer: nn.Module, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """torch's training forward of `layer` (running statistics, batch statistics, the momentum) where its count is
+    left to the open block; None where the layer adds its own count (then it runs its own forward)."""
+    if not (layer.training and layer.track_running_stats and layer.num_batches_tracked is not None
+            and left_to_the_block(layer)):
+        return None
+    return F.batch_norm(x, layer.running_mean, layer.running_var, layer.weight, layer.bias, True, layer.momentum,
+                        layer.eps)
 
 
 @contextlib.contextmanager
@@ -73,4 +84,4 @@ def add_counts(counters: list[torch.Tensor]) -> None:
             torch._foreach_add_(group, calls)
 
 
-__all__ = ["add_counts", "counts_added_together", "left_to_the_block"]
+__all__ = ["add_counts", "batch_norm_counted_later", "counts_added_together", "left_to_the_block"]

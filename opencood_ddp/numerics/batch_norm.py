@@ -32,11 +32,10 @@ from typing import Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from opencood_ddp.numerics.autocast import HALF_DTYPES
-from opencood_ddp.numerics.batch_counts import left_to_the_block
+from opencood_ddp.numerics.batch_counts import batch_norm_counted_later, left_to_the_block
 from opencood_ddp.numerics.jit import jit
 from opencood_ddp.numerics.kernel_path import takes_cpu_kernels
 from opencood_ddp.numerics.parallel import even_ranges, part_count, run_parts
@@ -345,11 +344,8 @@ class AccurateStatistics:
         """The module's native forward; in training, its batch count left to numerics/batch_counts.py's block where
         one is open (then the call is the one torch's forward makes: running statistics, batch statistics, the
         momentum)."""
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None \
-                and left_to_the_block(self):
-            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, True, self.momentum,
-                                self.eps)
-        return super().forward(x)
+        out = batch_norm_counted_later(self, x)
+        return out if out is not None else super().forward(x)
 
 
 class AccurateBatchNorm1d(AccurateStatistics, nn.BatchNorm1d):
